@@ -1,0 +1,97 @@
+// dpcore's collectives: broadcast, reduce-add, scatter and gather between the
+// devices of a list, with coalesced (bucketed) forms. Device-generic: a list
+// holds CUDA devices or CPU devices, repeats allowed (["cpu"] * 4, [0, 0]).
+//
+// Common guarantees:
+//  * Data movers, not differentiable: outputs carry no autograd history (the
+//    autograd Functions in dpcore/_functions.py wrap these for autograd).
+//  * An output for the source's own device is the source (broadcast) or a
+//    view of it (scatter); every other output owns its storage, also when
+//    its device repeats the source's.
+//  * Coalesced outputs each have their own version counter.
+//  * Copies between CUDA devices are ordered on the current streams of both
+//    devices (or the given streams), without a device-wide synchronize.
+//  * Misuse raises c10::Error naming the argument, the index, and what was
+//    expected versus found.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dpcore/flatten.h"
+
+namespace dpcore {
+
+using StreamList = std::vector<std::optional<c10::Stream>>;
+
+constexpr int64_t kDefaultBucketBytes = 10 * 1024 * 1024;
+
+// result[i] holds `tensor` on devices[i]. The first entry equal to tensor's
+// device is `tensor` itself.
+std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices);
+
+// Copies `tensor` into every one of `outs` (same shape, one device type).
+void broadcast_out(const at::Tensor& tensor, at::TensorList outs);
+
+// result[d][i] holds tensors[i] on devices[d]. All tensors must sit on
+// devices[0]; result[0] is `tensors` itself. Dense tensors travel in buckets
+// of one dtype of about `bucket_bytes`; sparse ones one by one.
+TensorList2D broadcast_coalesced(
+    at::TensorList tensors,
+    c10::ArrayRef<c10::Device> devices,
+    int64_t bucket_bytes = kDefaultBucketBytes);
+
+// The elementwise sum of `tensors` (same shape, dtype and layout; dense or
+// sparse COO), on `destination` (default: the current device of their type).
+// Always a new tensor.
+at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destination);
+
+// result[i] = reduce_add({inputs[0][i], inputs[1][i], ...}) for every i, in
+// buckets as broadcast_coalesced. inputs[k] lists device k's tensors, all on
+// one device. Dense results are views of one buffer per bucket, each with its
+// own version counter.
+std::vector<at::Tensor> reduce_add_coalesced(
+    const TensorList2D& inputs,
+    std::optional<c10::Device> destination,
+    int64_t bucket_bytes = kDefaultBucketBytes);
+
+// Sizes that split `total` into `parts` chunks differing by at most one, the
+// larger first (10 into 4: 3, 3, 2, 2).
+std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts);
+
+// Splits `tensor` along `dim` into one chunk per device (sizes `chunk_sizes`,
+// default balanced_chunk_sizes) and moves chunk i to devices[i], on
+// streams[i] where given. A chunk bound for tensor's own device is a view.
+// Memory format (channels_last) is preserved.
+std::vector<at::Tensor> scatter(
+    const at::Tensor& tensor,
+    c10::ArrayRef<c10::Device> devices,
+    const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt,
+    int64_t dim = 0,
+    const std::optional<StreamList>& streams = std::nullopt);
+
+// Copies consecutive chunks of `tensor` along `dim` into `outs`; the chunk
+// sizes are the outs' sizes along dim.
+void scatter_out(
+    const at::Tensor& tensor,
+    at::TensorList outs,
+    int64_t dim = 0,
+    const std::optional<StreamList>& streams = std::nullopt);
+
+// Concatenates `tensors` along `dim` into a new tensor on `destination`
+// (default: the current device of their type). channels_last is kept when
+// every input has it.
+at::Tensor gather(
+    at::TensorList tensors,
+    int64_t dim = 0,
+    std::optional<c10::Device> destination = std::nullopt);
+
+// Concatenates `tensors` along `dim` into `out`.
+void gather_out(at::TensorList tensors, const at::Tensor& out, int64_t dim = 0);
+
+} // namespace dpcore

@@ -1,0 +1,135 @@
+// broadcast, broadcast_out, broadcast_coalesced.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "dpcore/comm.h"
+#include "dpcore/device.h"
+#include "dpcore/flatten.h"
+#include "dpcore/kernels.h"
+
+namespace dpcore {
+namespace {
+
+// A fresh copy of `tensor` on `device`, with tensor's strides where it is
+// dense (so channels_last stays channels_last).
+at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
+  c10::DeviceGuard guard(device);
+  return tensor.to(
+      device, tensor.scalar_type(), /*non_blocking=*/true, /*copy=*/true,
+      c10::MemoryFormat::Preserve);
+}
+
+// `tensor`'s elements as one flat 1-D view when it is dense and stored in the
+// order `layout` gives it; undefined otherwise.
+at::Tensor as_flat(const at::Tensor& tensor, const FlatLayout& layout) {
+  if (layout.size() != 1 || !layout.matches(0, tensor)) {
+    return at::Tensor();
+  }
+  return tensor.as_strided({tensor.numel()}, {1}, tensor.storage_offset());
+}
+
+} // namespace
+
+std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices_in) {
+  TORCH_CHECK(tensor.defined(), "broadcast: expected a defined 'tensor'");
+  const auto devices = check_devices(devices_in, "broadcast");
+  c10::NoGradGuard no_grad;
+  const c10::Device source = normalize_device(tensor.device());
+  std::vector<at::Tensor> result;
+  result.reserve(devices.size());
+  bool aliased = false;
+  for (const c10::Device& device : devices) {
+    if (!aliased && device == source) {
+      result.push_back(tensor);
+      aliased = true;
+    } else {
+      result.push_back(copy_to(tensor, device));
+    }
+  }
+  return result;
+}
+
+void broadcast_out(const at::Tensor& tensor, at::TensorList outs) {
+  TORCH_CHECK(tensor.defined(), "broadcast: expected a defined 'tensor'");
+  TORCH_CHECK(!outs.empty(), "broadcast: expected at least one tensor in 'out', but it is empty");
+  for (size_t i = 0; i < outs.size(); ++i) {
+    TORCH_CHECK(outs[i].defined(), "broadcast: expected out[", i, "] to be a defined tensor");
+    TORCH_CHECK(
+        outs[i].device().type() == outs[0].device().type(),
+        "broadcast: expected all output tensors on devices of type ", outs[0].device().type(),
+        " (the type of out[0]), but output tensor at index ", i, " is on ", outs[i].device());
+    TORCH_CHECK(
+        outs[i].sizes().equals(tensor.sizes()),
+        "broadcast: expected all output tensors to have the shape of the source tensor ",
+        tensor.sizes(), ", but output tensor at index ", i, " has shape ", outs[i].sizes());
+    TORCH_CHECK(
+        outs[i].scalar_type() == tensor.scalar_type(),
+        "broadcast: expected all output tensors to have the dtype of the source tensor (",
+        tensor.scalar_type(), "), but output tensor at index ", i, " has dtype ",
+        outs[i].scalar_type());
+  }
+  c10::NoGradGuard no_grad;
+  for (const at::Tensor& out : outs) {
+    if (out.is_same(tensor)) {
+      continue;
+    }
+    c10::DeviceGuard guard(out.device());
+    out.copy_(tensor, /*non_blocking=*/true);
+  }
+}
+
+TensorList2D broadcast_coalesced(
+    at::TensorList tensors,
+    c10::ArrayRef<c10::Device> devices_in,
+    int64_t bucket_bytes) {
+  const auto devices = check_devices(devices_in, "broadcast_coalesced");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].defined(), "broadcast_coalesced: tensors[", i, "] is undefined");
+    TORCH_CHECK(
+        normalize_device(tensors[i].device()) == devices[0],
+        "broadcast_coalesced: expected all tensors on devices[0] (", devices[0],
+        "), but tensors[", i, "] is on ", tensors[i].device());
+  }
+  c10::NoGradGuard no_grad;
+  TensorList2D outputs(devices.size());
+  outputs[0] = tensors.vec();
+  for (size_t d = 1; d < devices.size(); ++d) {
+    outputs[d].resize(tensors.size());
+  }
+  for (const Bucket& bucket : make_buckets(tensors, bucket_bytes)) {
+    if (bucket.sparse) {
+      const at::Tensor& t = tensors[bucket.indices[0]];
+      for (size_t d = 1; d < devices.size(); ++d) {
+        outputs[d][bucket.indices[0]] = copy_to(t, devices[d]);
+      }
+      continue;
+    }
+    const std::vector<at::Tensor> members = select(tensors, bucket);
+    const FlatLayout layout = FlatLayout::of(members);
+    // For another device, the bucket is flattened once on the source and the
+    // flat buffer copied over; for a repeat of the source device, the members
+    // are packed straight into that replica's buffer (one pass, no staging).
+    at::Tensor source_flat = as_flat(members[0], layout);
+    for (size_t d = 1; d < devices.size(); ++d) {
+      c10::DeviceGuard guard(devices[d]);
+      at::Tensor flat = at::empty({layout.numel}, members[0].options().device(devices[d]));
+      if (devices[d] == devices[0]) {
+        pack(members, layout, flat);
+      } else {
+        if (!source_flat.defined()) {
+          source_flat = flatten(members, layout);
+        }
+        flat.copy_(source_flat, /*non_blocking=*/true);
+      }
+      std::vector<at::Tensor> views = layout.unflatten(flat);
+      for (size_t j = 0; j < views.size(); ++j) {
+        outputs[d][bucket.indices[j]] = std::move(views[j]);
+      }
+    }
+  }
+  return outputs;
+}
+
+} // namespace dpcore

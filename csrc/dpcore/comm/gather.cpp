@@ -1,0 +1,93 @@
+// gather, gather_out.
+#include <ATen/ATen.h>
+#include <ATen/WrapDimUtils.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "dpcore/comm.h"
+#include "dpcore/device.h"
+
+namespace dpcore {
+namespace {
+
+// Checks the inputs of a gather along `dim`; returns the wrapped dim and
+// fills `shape` with the shape of the result.
+int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& shape) {
+  TORCH_CHECK(!tensors.empty(), "gather: expected at least one tensor to gather from");
+  const at::Tensor& first = tensors[0];
+  TORCH_CHECK(first.defined(), "gather: tensors[0] is undefined");
+  TORCH_CHECK(
+      first.dim() > 0, "gather: expected tensors with at least one dimension, but tensors[0] ",
+      "is 0-dim");
+  const int64_t wrapped = at::maybe_wrap_dim(dim, first.dim());
+  shape.assign(first.sizes().begin(), first.sizes().end());
+  shape[wrapped] = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), "gather: tensors[", i, "] is undefined");
+    TORCH_CHECK(
+        t.dim() == first.dim(), "gather: expected all tensors to have ", first.dim(),
+        " dimensions, as tensors[0] does, but tensors[", i, "] has ", t.dim());
+    TORCH_CHECK(
+        t.scalar_type() == first.scalar_type(), "gather: expected all tensors of dtype ",
+        first.scalar_type(), ", as tensors[0] is, but tensors[", i, "] is ", t.scalar_type());
+    TORCH_CHECK(
+        t.device().type() == first.device().type(),
+        "gather: expected all tensors on devices of one type, but tensors[0] is on ",
+        first.device(), " and tensors[", i, "] is on ", t.device());
+    for (int64_t d = 0; d < first.dim(); ++d) {
+      TORCH_CHECK(
+          d == wrapped || t.size(d) == first.size(d), "gather: input tensor at index ", i,
+          " has invalid shape ", t.sizes(), ": expected ", first.sizes(),
+          " in every dimension but ", wrapped);
+    }
+    shape[wrapped] += t.size(wrapped);
+  }
+  return wrapped;
+}
+
+void copy_slices(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
+  c10::NoGradGuard no_grad;
+  c10::DeviceGuard guard(out.device());
+  int64_t start = 0;
+  for (const at::Tensor& t : tensors) {
+    out.narrow(dim, start, t.size(dim)).copy_(t, /*non_blocking=*/true);
+    start += t.size(dim);
+  }
+}
+
+} // namespace
+
+at::Tensor gather(at::TensorList tensors, int64_t dim, std::optional<c10::Device> destination) {
+  std::vector<int64_t> shape;
+  const int64_t wrapped = check_gather(tensors, dim, shape);
+  const c10::Device dest = destination ? normalize_device(*destination)
+                                       : current_device(tensors[0].device().type());
+  check_devices({dest}, "gather", "destination");
+  c10::MemoryFormat format = tensors[0].suggest_memory_format();
+  for (const at::Tensor& t : tensors) {
+    if (t.suggest_memory_format() != format) {
+      format = c10::MemoryFormat::Contiguous;
+    }
+  }
+  c10::DeviceGuard guard(dest);
+  at::Tensor out = at::empty(shape, tensors[0].options().device(dest), format);
+  copy_slices(tensors, out, wrapped);
+  return out;
+}
+
+void gather_out(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
+  std::vector<int64_t> shape;
+  const int64_t wrapped = check_gather(tensors, dim, shape);
+  TORCH_CHECK(out.defined(), "gather: expected a defined 'out' tensor");
+  TORCH_CHECK(
+      out.sizes().equals(shape), "gather: expected 'out' of shape ", c10::IntArrayRef(shape),
+      " (the inputs joined along dim ", wrapped, "), but it has shape ", out.sizes());
+  TORCH_CHECK(
+      out.scalar_type() == tensors[0].scalar_type(), "gather: expected 'out' of dtype ",
+      tensors[0].scalar_type(), ", but it is ", out.scalar_type());
+  copy_slices(tensors, out, wrapped);
+}
+
+} // namespace dpcore

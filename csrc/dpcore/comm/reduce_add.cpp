@@ -1,0 +1,161 @@
+// reduce_add, reduce_add_coalesced.
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include "dpcore/comm.h"
+#include "dpcore/device.h"
+#include "dpcore/flatten.h"
+#include "dpcore/kernels.h"
+
+namespace dpcore {
+namespace {
+
+// Checks that `tensors` can be summed elementwise; returns their device type.
+c10::DeviceType check_summable(at::TensorList tensors, const char* op, const char* what) {
+  TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor to reduce, but got none");
+  const at::Tensor& first = tensors[0];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), op, ": ", what, "[", i, "] is undefined");
+    TORCH_CHECK(
+        t.sizes().equals(first.sizes()), op, ": expected all tensors to have the shape ",
+        first.sizes(), " of ", what, "[0], but ", what, "[", i, "] has shape ", t.sizes());
+    TORCH_CHECK(
+        t.scalar_type() == first.scalar_type(), op, ": expected all tensors to have the dtype ",
+        first.scalar_type(), " of ", what, "[0], but ", what, "[", i, "] has dtype ",
+        t.scalar_type());
+    TORCH_CHECK(
+        t.layout() == first.layout(), op, ": expected all tensors to have the layout ",
+        first.layout(), " of ", what, "[0], but ", what, "[", i, "] has layout ", t.layout());
+    TORCH_CHECK(
+        t.device().type() == first.device().type(), op,
+        ": expected all tensors on devices of one type, but ", what, "[0] is on ",
+        first.device(), " and ", what, "[", i, "] is on ", t.device());
+  }
+  return first.device().type();
+}
+
+c10::Device resolve_destination(std::optional<c10::Device> destination, c10::DeviceType type) {
+  return destination ? normalize_device(*destination) : current_device(type);
+}
+
+// `tensor` on `device`: itself when already there, else a copy.
+at::Tensor on_device(const at::Tensor& tensor, c10::Device device) {
+  if (normalize_device(tensor.device()) == device) {
+    return tensor;
+  }
+  return tensor.to(device, /*non_blocking=*/true);
+}
+
+at::Tensor sum_sparse(at::TensorList tensors, c10::Device destination) {
+  at::Tensor result = tensors[0].to(destination, /*non_blocking=*/true, /*copy=*/true);
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    result.add_(on_device(tensors[i], destination));
+  }
+  return result;
+}
+
+} // namespace
+
+at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destination) {
+  const c10::DeviceType type = check_summable(tensors, "reduce_add", "inputs");
+  const c10::Device dest = resolve_destination(destination, type);
+  check_devices({dest}, "reduce_add", "destination");
+  c10::NoGradGuard no_grad;
+  c10::DeviceGuard guard(dest);
+  if (tensors[0].is_sparse()) {
+    return sum_sparse(tensors, dest);
+  }
+  std::vector<at::Tensor> sources;
+  sources.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    sources.push_back(on_device(t, dest));
+  }
+  at::Tensor out = at::empty_like(sources[0], c10::MemoryFormat::Preserve);
+  reduce_add_n(sources, out, /*accumulate=*/false);
+  return out;
+}
+
+std::vector<at::Tensor> reduce_add_coalesced(
+    const TensorList2D& inputs,
+    std::optional<c10::Device> destination,
+    int64_t bucket_bytes) {
+  TORCH_CHECK(
+      !inputs.empty(), "reduce_add_coalesced: expected at least one list of tensors in 'inputs'");
+  const size_t count = inputs[0].size();
+  std::vector<c10::Device> list_devices;
+  list_devices.reserve(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    TORCH_CHECK(
+        inputs[k].size() == count, "reduce_add_coalesced: expected inputs[", k, "] to hold ",
+        count, " tensors, as inputs[0] does, but it holds ", inputs[k].size());
+    for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(inputs[k][i].defined(), "reduce_add_coalesced: inputs[", k, "][", i, "] is undefined");
+      TORCH_CHECK(
+          inputs[k][i].device() == inputs[k][0].device(), "reduce_add_coalesced: expected all of inputs[",
+          k, "] on one device, but inputs[", k, "][0] is on ", inputs[k][0].device(), " and inputs[",
+          k, "][", i, "] is on ", inputs[k][i].device());
+    }
+    if (count > 0) {
+      list_devices.push_back(normalize_device(inputs[k][0].device()));
+    }
+  }
+  if (count == 0) {
+    return {};
+  }
+  std::vector<at::Tensor> column(inputs.size());
+  for (size_t i = 0; i < count; ++i) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      column[k] = inputs[k][i];
+    }
+    check_summable(column, "reduce_add_coalesced", ("inputs[*][" + std::to_string(i) + "]").c_str());
+  }
+  check_devices(list_devices, "reduce_add_coalesced", "the devices of inputs");
+  const c10::Device dest = resolve_destination(destination, list_devices[0].type());
+  check_devices({dest}, "reduce_add_coalesced", "destination");
+
+  c10::NoGradGuard no_grad;
+  c10::DeviceGuard guard(dest);
+  std::vector<at::Tensor> outputs(count);
+  for (const Bucket& bucket : make_buckets(inputs[0], bucket_bytes)) {
+    if (bucket.sparse) {
+      const size_t i = bucket.indices[0];
+      for (size_t k = 0; k < inputs.size(); ++k) {
+        column[k] = inputs[k][i];
+      }
+      outputs[i] = sum_sparse(column, dest);
+      continue;
+    }
+    const FlatLayout layout = FlatLayout::of(select(inputs[0], bucket));
+    // Sources on the destination are read in place; the others are
+    // flattened on their device and the flat buffer copied over.
+    TensorList2D sources;
+    sources.reserve(inputs.size());
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      std::vector<at::Tensor> members = select(inputs[k], bucket);
+      if (list_devices[k] == dest) {
+        sources.push_back(std::move(members));
+      } else {
+        c10::DeviceGuard source_guard(list_devices[k]);
+        at::Tensor staged = flatten(members, layout).to(dest, /*non_blocking=*/true);
+        std::vector<at::Tensor> views;
+        views.reserve(layout.size());
+        for (size_t j = 0; j < layout.size(); ++j) {
+          views.push_back(layout.view(staged, j));
+        }
+        sources.push_back(std::move(views));
+      }
+    }
+    at::Tensor flat = at::empty({layout.numel}, inputs[0][bucket.indices[0]].options().device(dest));
+    std::vector<at::Tensor> results = layout.unflatten(flat);
+    reduce_add_lists(sources, results, /*accumulate=*/false);
+    for (size_t j = 0; j < results.size(); ++j) {
+      outputs[bucket.indices[j]] = std::move(results[j]);
+    }
+  }
+  return outputs;
+}
+
+} // namespace dpcore

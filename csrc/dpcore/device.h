@@ -1,0 +1,36 @@
+// Device-list helpers shared by every collective: validation, normalisation and
+// the "current device" of a device type. Device-generic: CPU and CUDA take the
+// same path through c10's virtual guard interface.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <c10/util/ArrayRef.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dpcore {
+
+// A CPU device has no index: "cpu" and "cpu:0" name the same memory.
+c10::Device normalize_device(c10::Device device);
+
+// Checks a device list for use by the collective `op`, argument `arg`:
+// non-empty, one device type, CUDA indices visible. Returns it normalised.
+// Repeats are allowed (["cpu"] * 4, [0, 0]).
+std::vector<c10::Device> check_devices(
+    c10::ArrayRef<c10::Device> devices,
+    const char* op,
+    const char* arg = "devices");
+
+// The current device of `type` (for CUDA: torch.cuda.current_device()).
+c10::Device current_device(c10::DeviceType type);
+
+// Whether `type` supports c10::Event (CPU does not; its copies are synchronous).
+bool supports_events(c10::DeviceType type);
+
+// "[2, 3]" for error messages.
+std::string sizes_str(c10::IntArrayRef sizes);
+
+} // namespace dpcore

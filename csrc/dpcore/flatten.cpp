@@ -1,0 +1,123 @@
+#include "dpcore/flatten.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <utility>
+
+#include "dpcore/kernels.h"
+
+namespace dpcore {
+
+FlatLayout FlatLayout::of(at::TensorList tensors) {
+  FlatLayout layout;
+  layout.offsets.reserve(tensors.size());
+  layout.sizes.reserve(tensors.size());
+  layout.strides.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(
+        t.layout() == c10::kStrided, "flatten: expected dense tensors, but tensor ",
+        i, " has layout ", t.layout());
+    if (i == 0) {
+      layout.dtype = t.scalar_type();
+    }
+    TORCH_CHECK(
+        t.scalar_type() == layout.dtype, "flatten: expected all tensors to have dtype ",
+        layout.dtype, " (the dtype of tensor 0), but tensor ", i, " has dtype ",
+        t.scalar_type());
+    layout.offsets.push_back(layout.numel);
+    layout.sizes.emplace_back(t.sizes().begin(), t.sizes().end());
+    if (t.is_non_overlapping_and_dense()) {
+      layout.strides.emplace_back(t.strides().begin(), t.strides().end());
+    } else {
+      const auto contiguous = c10::contiguous_strides(t.sizes());
+      layout.strides.emplace_back(contiguous.begin(), contiguous.end());
+    }
+    layout.numel += t.numel();
+  }
+  return layout;
+}
+
+int64_t FlatLayout::nbytes() const {
+  return dtype == c10::ScalarType::Undefined
+      ? 0
+      : numel * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+bool FlatLayout::matches(size_t i, const at::Tensor& t) const {
+  return t.sizes().equals(sizes[i]) && t.strides().equals(strides[i]) &&
+      t.is_non_overlapping_and_dense();
+}
+
+at::Tensor FlatLayout::view(const at::Tensor& flat, size_t i) const {
+  return flat.as_strided(sizes[i], strides[i], flat.storage_offset() + offsets[i]);
+}
+
+std::vector<at::Tensor> FlatLayout::unflatten(const at::Tensor& flat) const {
+  std::vector<at::Tensor> result;
+  result.reserve(size());
+  for (size_t i = 0; i < size(); ++i) {
+    // variable_data(): same storage, a version counter of its own (see the
+    // version-counter note in torch/csrc/cuda/comm.cpp for why).
+    result.emplace_back(view(flat, i).variable_data());
+  }
+  return result;
+}
+
+std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes) {
+  TORCH_CHECK(
+      bucket_bytes > 0, "expected bucket_bytes (buffer_size) to be positive, but got ",
+      bucket_bytes);
+  std::vector<Bucket> closed;
+  // One open bucket per dtype; the position in `closed` it will take, so that
+  // buckets come out in the order of their first tensor.
+  std::map<c10::ScalarType, size_t> open;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.defined(), "expected a defined tensor at index ", i);
+    const int64_t nbytes = static_cast<int64_t>(t.numel() * t.element_size());
+    if (t.is_sparse()) {
+      Bucket bucket;
+      bucket.indices.push_back(i);
+      bucket.nbytes = nbytes;
+      bucket.sparse = true;
+      closed.push_back(std::move(bucket));
+      continue;
+    }
+    TORCH_CHECK(
+        t.layout() == c10::kStrided, "expected dense or sparse COO tensors, but tensor ",
+        i, " has layout ", t.layout());
+    auto it = open.find(t.scalar_type());
+    if (it == open.end()) {
+      it = open.emplace(t.scalar_type(), closed.size()).first;
+      closed.emplace_back();
+    }
+    Bucket& bucket = closed[it->second];
+    bucket.indices.push_back(i);
+    bucket.nbytes += nbytes;
+    if (bucket.nbytes >= bucket_bytes) {
+      open.erase(it);
+    }
+  }
+  return closed;
+}
+
+std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket) {
+  std::vector<at::Tensor> result;
+  result.reserve(bucket.indices.size());
+  for (size_t index : bucket.indices) {
+    result.push_back(list[index]);
+  }
+  return result;
+}
+
+at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
+  TORCH_CHECK(!tensors.empty(), "flatten: expected at least one tensor");
+  at::Tensor flat = at::empty({layout.numel}, tensors[0].options().dtype(layout.dtype));
+  pack(tensors, layout, flat);
+  return flat;
+}
+
+} // namespace dpcore

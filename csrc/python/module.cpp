@@ -1,0 +1,155 @@
+// Python bindings of the C++ core. The only place (with the rest of
+// csrc/python/) that includes pybind11 and the Python headers. Every
+// collective releases the GIL while it runs.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "dpcore/comm.h"
+#include "dpcore/flatten.h"
+#include "dpcore/kernels.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using Devices = std::vector<c10::Device>;
+using Tensors = std::vector<at::Tensor>;
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
+std::vector<std::string> cuda_arch_list() {
+  std::vector<std::string> arches;
+#ifdef DPCORE_CUDA_ARCH_LIST
+  std::string list = DPCORE_CUDA_ARCH_LIST;
+  size_t start = 0;
+  while (start < list.size()) {
+    size_t end = list.find(';', start);
+    if (end == std::string::npos) {
+      end = list.size();
+    }
+    if (end > start) {
+      arches.push_back(list.substr(start, end - start));
+    }
+    start = end + 1;
+  }
+#endif
+  return arches;
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "dpcore's C++ core: collectives, flattening and kernels";
+
+  // c10::Error carries a C++ backtrace in what(); Python users get the
+  // message alone, as the type torch would raise.
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) {
+        std::rethrow_exception(error);
+      }
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+
+#ifdef DPCORE_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("torch_version") = TORCH_VERSION;
+  m.attr("cuda_arch_list") = cuda_arch_list();
+  m.attr("default_bucket_bytes") = dpcore::kDefaultBucketBytes;
+
+  m.def(
+      "broadcast",
+      [](const at::Tensor& tensor, const Devices& devices) { return dpcore::broadcast(tensor, devices); },
+      py::arg("tensor"), py::arg("devices"), NoGil());
+  m.def(
+      "broadcast_out",
+      [](const at::Tensor& tensor, const Tensors& outs) { dpcore::broadcast_out(tensor, outs); },
+      py::arg("tensor"), py::arg("out"), NoGil());
+  m.def(
+      "broadcast_coalesced",
+      [](const Tensors& tensors, const Devices& devices, int64_t bucket_bytes) {
+        return dpcore::broadcast_coalesced(tensors, devices, bucket_bytes);
+      },
+      py::arg("tensors"), py::arg("devices"), py::arg("bucket_bytes"), NoGil());
+  m.def(
+      "reduce_add",
+      [](const Tensors& inputs, std::optional<c10::Device> destination) {
+        return dpcore::reduce_add(inputs, destination);
+      },
+      py::arg("inputs"), py::arg("destination"), NoGil());
+  m.def(
+      "reduce_add_coalesced", &dpcore::reduce_add_coalesced, py::arg("inputs"),
+      py::arg("destination"), py::arg("bucket_bytes"), NoGil());
+  m.def(
+      "scatter",
+      [](const at::Tensor& tensor, const Devices& devices,
+         const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim,
+         const std::optional<dpcore::StreamList>& streams) {
+        return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams);
+      },
+      py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"),
+      py::arg("streams"), NoGil());
+  m.def(
+      "scatter_out",
+      [](const at::Tensor& tensor, const Tensors& outs, int64_t dim,
+         const std::optional<dpcore::StreamList>& streams) {
+        dpcore::scatter_out(tensor, outs, dim, streams);
+      },
+      py::arg("tensor"), py::arg("out"), py::arg("dim"), py::arg("streams"), NoGil());
+  m.def(
+      "gather",
+      [](const Tensors& tensors, int64_t dim, std::optional<c10::Device> destination) {
+        return dpcore::gather(tensors, dim, destination);
+      },
+      py::arg("tensors"), py::arg("dim"), py::arg("destination"), NoGil());
+  m.def(
+      "gather_out",
+      [](const Tensors& tensors, const at::Tensor& out, int64_t dim) {
+        dpcore::gather_out(tensors, out, dim);
+      },
+      py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
+  m.def("balanced_chunk_sizes", &dpcore::balanced_chunk_sizes, py::arg("total"), py::arg("parts"));
+
+  m.def(
+      "flatten",
+      [](const Tensors& tensors) {
+        return dpcore::flatten(tensors, dpcore::FlatLayout::of(tensors));
+      },
+      py::arg("tensors"), NoGil());
+  m.def(
+      "unflatten",
+      [](const at::Tensor& flat, const Tensors& like) {
+        return dpcore::FlatLayout::of(like).unflatten(flat);
+      },
+      py::arg("flat"), py::arg("like"), NoGil());
+  m.def(
+      "pack",
+      [](const Tensors& tensors, const at::Tensor& flat) {
+        dpcore::pack(tensors, dpcore::FlatLayout::of(tensors), flat);
+      },
+      py::arg("tensors"), py::arg("flat"), NoGil());
+  m.def(
+      "unpack",
+      [](const at::Tensor& flat, const Tensors& tensors) {
+        dpcore::unpack(flat, dpcore::FlatLayout::of(tensors), tensors);
+      },
+      py::arg("flat"), py::arg("tensors"), NoGil());
+  m.def(
+      "reduce_add_n",
+      [](const Tensors& sources, const at::Tensor& out, bool accumulate) {
+        dpcore::reduce_add_n(sources, out, accumulate);
+      },
+      py::arg("sources"), py::arg("out"), py::arg("accumulate"), NoGil());
+}

@@ -1,0 +1,105 @@
+"""Timing, device-list parsing and reporting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def parse_devices(spec: str) -> list[torch.device]:
+    """'cpu:4' -> four CPU devices; '0,0,1' -> CUDA devices 0, 0, 1; 'cpu' -> one CPU.
+
+    Raises ValueError naming the spec when it is malformed.
+    """
+    spec = spec.strip()
+    if spec.startswith("cpu"):
+        count = spec[3:].lstrip(":") or "1"
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--devices: expected 'cpu:N' with N >= 1, but got {spec!r}")
+        return [torch.device("cpu")] * int(count)
+    try:
+        indices = [int(part) for part in spec.split(",") if part.strip() != ""]
+    except ValueError:
+        raise ValueError(f"--devices: expected 'cpu:N' or CUDA indices like '0,1', but got {spec!r}") from None
+    if not indices:
+        raise ValueError(f"--devices: expected at least one device, but got {spec!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--devices {spec!r} names CUDA devices, but no GPU is available")
+    count = torch.cuda.device_count()
+    for index in indices:
+        if not 0 <= index < count:
+            raise ValueError(f"--devices: CUDA device {index} is not visible ({count} visible)")
+    return [torch.device("cuda", i) for i in indices]
+
+
+def synchronize(devices: Sequence[torch.device]) -> None:
+    """Waits for all work queued on the CUDA devices of `devices`."""
+    for index in sorted({d.index for d in devices if d.type == "cuda"}):
+        torch.cuda.synchronize(index)
+
+
+def measure(
+    fn: Callable[[], Any],
+    devices: Sequence[torch.device],
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+    min_seconds: float = 0.0,
+) -> float:
+    """Median wall time of one call of `fn` in seconds, after `warmup` calls,
+    with the devices synchronized around each call (CUDA) so that queued
+    work is counted. Runs at least `repeats` times and at least `min_seconds`."""
+    for _ in range(warmup):
+        fn()
+    synchronize(devices)
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - started < min_seconds:
+        begin = time.perf_counter()
+        fn()
+        synchronize(devices)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded next to every result."""
+    import dpcore
+
+    return {
+        "dpcore": dpcore.__version__,
+        "torch": torch.__version__,
+        "build": dpcore.info()["build"],
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Prints rows as a fixed-width table; columns are (key, header, format)."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append(
+            [("-" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns]
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    for n, line in enumerate(cells):
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+        if n == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Writes payload as indented JSON, creating parent folders; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,188 @@
+"""Bandwidth of dpcore's collectives against a copy_ of the same bytes.
+
+For each collective and payload it reports GB/s of memory traffic (bytes
+read plus bytes written that the operation must move: a broadcast to K
+devices moves the payload K-1 times, a K-way reduce reads K payloads and
+writes one, scatter and gather move it once) and the ratio to a ``copy_``
+moving the same traffic into a preallocated buffer on the first device,
+measured in the same run; and the ratio to torch's own path for the same
+work (``torch.cuda.comm`` on CUDA; on CPU, torch's flatten/clone/unflatten,
+add, split+copy_ and cat).
+
+    python bench/bench_comm.py --devices cpu:4 --json bench-results/comm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dpcore import comm
+from dpcore.bench._common import environment, measure, parse_devices, print_table, write_json
+
+MiB = 1024 * 1024
+
+
+def payloads(quick: bool) -> list[tuple[str, list[int]]]:
+    """(name, list of tensor shapes) for case (a), one 64 MiB tensor, and
+    case (b), 3000 tensors of 3500 floats. --quick shrinks both by 4x."""
+    scale = 4 if quick else 1
+    return [
+        ("(a) 1 x 64 MiB", [16 * MiB // scale]),
+        ("(b) 3000 x 3500 floats", [3500] * (3000 // scale)),
+    ]
+
+
+def _torch_path(op: str, devices: Sequence[torch.device]) -> Callable[..., Any] | None:
+    """torch's implementation of `op` on these devices, or None where torch has none."""
+    cuda = devices[0].type == "cuda"
+    indices = [d.index for d in devices]
+    if op == "broadcast_coalesced":
+        if cuda:
+            return lambda ts: torch.cuda.comm.broadcast_coalesced(ts, indices)
+        def broadcast_cpu(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+            flat = _flatten_dense_tensors(ts)
+            return [ts] + [list(_unflatten_dense_tensors(flat.clone(), ts)) for _ in devices[1:]]
+        return broadcast_cpu
+    if op == "reduce_add_coalesced":
+        if cuda:
+            return lambda lists: torch.cuda.comm.reduce_add_coalesced(lists, indices[0])
+        def reduce_cpu(lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+            flats = [_flatten_dense_tensors(ts) for ts in lists]
+            total = flats[0].clone()
+            for flat in flats[1:]:
+                total.add_(flat)
+            return list(_unflatten_dense_tensors(total, lists[0]))
+        return reduce_cpu
+    if op == "scatter":
+        if cuda:
+            return lambda t, outs: torch.cuda.comm.scatter(t, out=outs)
+        def scatter_cpu(t: torch.Tensor, outs: list[torch.Tensor]) -> None:
+            for out, chunk in zip(outs, t.split([o.shape[0] for o in outs])):
+                out.copy_(chunk)
+        return scatter_cpu
+    if op == "gather":
+        if cuda:
+            return lambda chunks: torch.cuda.comm.gather(chunks, 0, indices[0])
+        return lambda chunks: torch.cat(chunks)
+    raise ValueError(op)
+
+
+def _copy_seconds(nbytes: int, device: torch.device, repeats: int, cache: dict[int, float]) -> float:
+    """Time of one copy_ of `nbytes` bytes into a preallocated buffer on `device`."""
+    if nbytes not in cache:
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        cache[nbytes] = measure(lambda: dst.copy_(src), [device], repeats=repeats)
+    return cache[nbytes]
+
+
+def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
+    """Measures every collective on `devices`; returns the JSON-ready result."""
+    repeats = repeats or (3 if quick else 10)
+    k = len(devices)
+    first = devices[0]
+    rows: list[dict[str, Any]] = []
+    copy_cache: dict[int, float] = {}
+
+    for name, shapes in payloads(quick):
+        tensors = [torch.randn(s, device=first) for s in shapes]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        rows_per_elem = len(shapes) if len(shapes) > 1 else 4096
+        batch = torch.randn(rows_per_elem, nbytes // 4 // rows_per_elem, device=first)
+        sizes = comm.scatter(batch, devices)
+        chunk_rows = [c.shape[0] for c in sizes]
+        outs = [torch.empty(r, batch.shape[1], device=d) for r, d in zip(chunk_rows, devices)]
+        chunks = [torch.randn(r, batch.shape[1], device=d) for r, d in zip(chunk_rows, devices)]
+        lists = [[t.to(d, copy=True) for t in tensors] for d in devices]
+
+        cases: list[tuple[str, int, Callable[[], Any], Callable[[], Any] | None]] = []
+        torch_bc = _torch_path("broadcast_coalesced", devices)
+        torch_ra = _torch_path("reduce_add_coalesced", devices)
+        torch_sc = _torch_path("scatter", devices)
+        torch_ga = _torch_path("gather", devices)
+        if k > 1:
+            cases.append((
+                "broadcast_coalesced", 2 * nbytes * (k - 1),
+                lambda: comm.broadcast_coalesced(tensors, devices),
+                (lambda: torch_bc(tensors)) if torch_bc else None,
+            ))
+        cases.append((
+            "reduce_add_coalesced", (k + 1) * nbytes,
+            lambda: comm.reduce_add_coalesced(lists, first),
+            (lambda: torch_ra(lists)) if torch_ra and k > 1 else None,
+        ))
+        cases.append((
+            "scatter (out=)", 2 * nbytes,
+            lambda: comm.scatter(batch, out=outs),
+            (lambda: torch_sc(batch, outs)) if torch_sc else None,
+        ))
+        cases.append((
+            "gather", 2 * nbytes,
+            lambda: comm.gather(chunks, destination=first),
+            (lambda: torch_ga(chunks)) if torch_ga else None,
+        ))
+        for op, traffic, ours, theirs in cases:
+            seconds = measure(ours, devices, repeats=repeats)
+            copy = _copy_seconds(traffic // 2, first, repeats, copy_cache)
+            torch_seconds = None
+            if theirs is not None:
+                try:
+                    torch_seconds = measure(theirs, devices, repeats=repeats)
+                except RuntimeError as error:  # torch's path may refuse repeated devices
+                    print(f"  torch path for {op} unavailable here: {error}".splitlines()[0])
+            rows.append({
+                "op": op,
+                "payload": name,
+                "payload_bytes": nbytes,
+                "traffic_bytes": traffic,
+                "ms": seconds * 1e3,
+                "gbps": traffic / seconds / 1e9,
+                "copy_gbps": traffic / copy / 1e9,
+                "ratio_to_copy": copy / seconds,
+                "torch_ms": None if torch_seconds is None else torch_seconds * 1e3,
+                "speedup_vs_torch": None if torch_seconds is None else torch_seconds / seconds,
+            })
+            print(f"  {op:22s} {name:24s} {rows[-1]['gbps']:7.2f} GB/s  {rows[-1]['ratio_to_copy']:.2f} of copy_")
+    return {"benchmark": "comm", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+
+
+COLUMNS = [
+    ("op", "op", "s"),
+    ("payload", "payload", "s"),
+    ("ms", "ms", ".2f"),
+    ("gbps", "GB/s", ".2f"),
+    ("copy_gbps", "copy_ GB/s", ".2f"),
+    ("ratio_to_copy", "x copy_", ".2f"),
+    ("torch_ms", "torch ms", ".2f"),
+    ("speedup_vs_torch", "x torch", ".2f"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
+    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
+    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
+    try:
+        devices = parse_devices(spec)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"bench_comm on {spec}")
+    result = run(devices, quick=args.quick, repeats=args.repeats)
+    print()
+    print_table(result["rows"], COLUMNS)
+    if args.json:
+        print(f"\nwrote {write_json(args.json, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Sets up everything the tests need from nothing and runs them: a virtual
+# environment with torch 2.13.0 (CPU), dpcore built and installed, the C++
+# gtest suite (CMake + ctest) and the Python pytest suite.
+# Usage: bash scripts/test.sh            (the README's test command; CI runs it)
+# Env:   DPCORE_VENV (default .venv), PYTEST_ARGS (extra pytest arguments)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv=${DPCORE_VENV:-$root/.venv}
+torch_version=${DPCORE_TORCH:-2.13.0}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "system packages (GoogleTest, CMake)"
+if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q && apt-get install -y -q libgtest-dev cmake
+  else
+    sudo apt-get update -q && sudo apt-get install -y -q libgtest-dev cmake
+  fi
+fi
+
+step "virtual environment $venv with torch $torch_version"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
+python -m pip install -q --upgrade pip >/dev/null
+python -m pip install -q "torch==$torch_version" pytest numpy ninja setuptools wheel
+
+step "build and install dpcore"
+python -m pip install -q --no-build-isolation "$root"
+( cd / && python -m dpcore.info )
+
+step "C++ core: gtest via CMake and ctest"
+cmake -S "$root" -B "$root/build-cmake" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" >/dev/null
+cmake --build "$root/build-cmake" -j "$(nproc)"
+ctest --test-dir "$root/build-cmake" --output-on-failure
+
+step "Python: pytest"
+# Run from tests/ so that the installed dpcore (with its built _C), not the
+# source folder, is imported.
+cd "$root/tests"
+python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} .

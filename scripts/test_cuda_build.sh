@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds dpcore as a CUDA extension against torch 2.14.1 (CUDA 13.0) with
+# nvcc, checks that it imports as a CUDA build, and runs the test suite
+# against it. Works without a GPU (the CUDA tests then skip).
+# Env: DPCORE_CUDA_VENV (default ~/.cache/dpcore/venv-torch-2.14.1, reused
+#      between runs: torch with CUDA is 5.5 GB), CUDA_HOME (default
+#      /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv=${DPCORE_CUDA_VENV:-$HOME/.cache/dpcore/venv-torch-2.14.1}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
+  echo "error: no nvcc at $CUDA_HOME/bin/nvcc; set CUDA_HOME to a CUDA 13 toolkit" >&2
+  exit 1
+fi
+
+step "virtual environment $venv with torch 2.14.1 (CUDA 13.0)"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
+python -m pip install -q "torch==2.14.1" pytest numpy ninja setuptools wheel
+
+step "build dpcore with nvcc (DPCORE_CUDA=1, arch $TORCH_CUDA_ARCH_LIST)"
+# A fresh build tree: the CPU build's objects must not be reused.
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+cp -r "$root/." "$build/src"
+rm -rf "$build/src/build" "$build/src/build-cmake" "$build/src/.venv"
+DPCORE_CUDA=1 python -m pip install -q --no-build-isolation "$build/src"
+
+step "import check"
+( cd / && python - <<'PY'
+import dpcore
+info = dpcore.info()
+print(info)
+assert info["build"] == "cuda", f"expected a CUDA build, got {info['build']}"
+assert info["torch_matches"], info
+PY
+)
+
+step "pytest against the CUDA build"
+cd "$root/tests"
+python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} .

@@ -9,9 +9,12 @@ Guarantees common to every function here:
 
 * They move data and are not differentiable: results carry no autograd
   history (dpcore.DataParallel differentiates through its own Functions).
-* A result for the source's own device is the source itself (broadcast,
-  broadcast_coalesced) or a view of it (scatter); every other result owns
-  its memory, also when its device repeats the source's.
+* broadcast and broadcast_coalesced: the result for the first entry equal
+  to the source's device is the source itself; every other result owns its
+  memory, also when its device repeats the source's.
+* scatter: every chunk bound for the source's own device is a view of the
+  source (chunks are disjoint, so no two results share elements); chunks
+  for other devices are copies.
 * Results of the coalesced forms each have their own version counter: an
   in-place change of one does not bump another's ``_version``.
 * Misuse raises RuntimeError (or TypeError/ValueError for a wrong kind of

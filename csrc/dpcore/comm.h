@@ -51,6 +51,15 @@ TensorList2D broadcast_coalesced(
 // Always a new tensor.
 at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destination);
 
+// Copies the bucket `members` (dense, one dtype, all on one device) laid out
+// as `layout` into every buffer of `flats` (1-D, layout.numel elements, each
+// on its own device): packed straight in for a buffer on the members'
+// device, else flattened once on that device and the flat copy sent over.
+void broadcast_flat_into(
+    at::TensorList members,
+    const FlatLayout& layout,
+    at::TensorList flats);
+
 // result[i] = reduce_add({inputs[0][i], inputs[1][i], ...}) for every i, in
 // buckets as broadcast_coalesced. inputs[k] lists device k's tensors, all on
 // one device. Dense results are views of one buffer per bucket, each with its

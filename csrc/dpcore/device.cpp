@@ -34,7 +34,8 @@ std::vector<c10::Device> check_devices(
       TORCH_CHECK(
           c10::impl::hasDeviceGuardImpl(type), op, ": ", arg, "[", i, "] is ",
           device, ", but PyTorch has no support for that device type loaded");
-      const auto count = c10::impl::getDeviceGuardImpl(type)->deviceCount();
+      // DeviceIndex is int8_t: widen it, or the message prints it as a char.
+      const int count = static_cast<int>(c10::impl::getDeviceGuardImpl(type)->deviceCount());
       TORCH_CHECK(
           device.has_index() && device.index() >= 0 && device.index() < count,
           op, ": ", arg, "[", i, "] is ", device, ", but only ", count, " ",

@@ -33,6 +33,12 @@ namespace detail {
 constexpr int64_t kLargeTensorBytes = 256 * 1024;
 // Smallest group of small tensors handed to one intra-op thread.
 constexpr int64_t kTensorsPerTask = 16;
+// Whether every source covers one dense block of memory with out's strides,
+// so that element j of each sits at the same offset from its data pointer.
+bool same_dense_layout(at::TensorList sources, const at::Tensor& out);
+// reduce_add_n with ATen ops, for any layout and device; half types are
+// accumulated in float.
+void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate);
 } // namespace detail
 
 namespace cpu {

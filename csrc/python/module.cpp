@@ -9,6 +9,8 @@
 #include "dpcore/comm.h"
 #include "dpcore/flatten.h"
 #include "dpcore/kernels.h"
+#include "dpcore/replica_buffers.h"
+#include "python/bindings.h"
 
 namespace py = pybind11;
 
@@ -152,4 +154,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         dpcore::reduce_add_n(sources, out, accumulate);
       },
       py::arg("sources"), py::arg("out"), py::arg("accumulate"), NoGil());
+
+  py::class_<dpcore::BucketReplicas>(m, "BucketReplicas")
+      .def(
+          py::init([](const Tensors& like, const Devices& targets) {
+            return std::make_unique<dpcore::BucketReplicas>(like, targets);
+          }),
+          py::arg("like"), py::arg("targets"))
+      .def(
+          "refresh",
+          [](dpcore::BucketReplicas& self, const Tensors& tensors) { return self.refresh(tensors); },
+          py::arg("tensors"), NoGil())
+      .def_property_readonly("last_refresh_copied", &dpcore::BucketReplicas::last_refresh_copied)
+      .def_property_readonly("nbytes", &dpcore::BucketReplicas::nbytes)
+      .def_property_readonly("targets", &dpcore::BucketReplicas::targets);
+
+  dpcore::python::bind_parallel_apply(m);
 }

@@ -80,6 +80,27 @@ void broadcast_out(const at::Tensor& tensor, at::TensorList outs) {
   }
 }
 
+void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::TensorList flats) {
+  TORCH_CHECK(!members.empty(), "broadcast_flat_into: expected at least one tensor");
+  const c10::Device source = normalize_device(members[0].device());
+  c10::NoGradGuard no_grad;
+  // For another device, the bucket is flattened once on the source and the
+  // flat buffer copied over; for a repeat of the source device, the members
+  // are packed straight into that buffer (one pass, no staging).
+  at::Tensor source_flat = as_flat(members[0], layout);
+  for (const at::Tensor& flat : flats) {
+    c10::DeviceGuard guard(flat.device());
+    if (normalize_device(flat.device()) == source) {
+      pack(members, layout, flat);
+    } else {
+      if (!source_flat.defined()) {
+        source_flat = flatten(members, layout);
+      }
+      flat.copy_(source_flat, /*non_blocking=*/true);
+    }
+  }
+}
+
 TensorList2D broadcast_coalesced(
     at::TensorList tensors,
     c10::ArrayRef<c10::Device> devices_in,
@@ -108,22 +129,15 @@ TensorList2D broadcast_coalesced(
     }
     const std::vector<at::Tensor> members = select(tensors, bucket);
     const FlatLayout layout = FlatLayout::of(members);
-    // For another device, the bucket is flattened once on the source and the
-    // flat buffer copied over; for a repeat of the source device, the members
-    // are packed straight into that replica's buffer (one pass, no staging).
-    at::Tensor source_flat = as_flat(members[0], layout);
+    std::vector<at::Tensor> flats;
+    flats.reserve(devices.size() - 1);
     for (size_t d = 1; d < devices.size(); ++d) {
       c10::DeviceGuard guard(devices[d]);
-      at::Tensor flat = at::empty({layout.numel}, members[0].options().device(devices[d]));
-      if (devices[d] == devices[0]) {
-        pack(members, layout, flat);
-      } else {
-        if (!source_flat.defined()) {
-          source_flat = flatten(members, layout);
-        }
-        flat.copy_(source_flat, /*non_blocking=*/true);
-      }
-      std::vector<at::Tensor> views = layout.unflatten(flat);
+      flats.push_back(at::empty({layout.numel}, members[0].options().device(devices[d])));
+    }
+    broadcast_flat_into(members, layout, flats);
+    for (size_t d = 1; d < devices.size(); ++d) {
+      std::vector<at::Tensor> views = layout.unflatten(flats[d - 1]);
       for (size_t j = 0; j < views.size(); ++j) {
         outputs[d][bucket.indices[j]] = std::move(views[j]);
       }

@@ -20,6 +20,9 @@ c10::DeviceType check_summable(at::TensorList tensors, const char* op, const cha
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), op, ": ", what, "[", i, "] is undefined");
     TORCH_CHECK(
+        t.layout() == c10::kStrided || t.is_sparse(), op,
+        ": expected dense or sparse COO tensors, but ", what, "[", i, "] has layout ", t.layout());
+    TORCH_CHECK(
         t.sizes().equals(first.sizes()), op, ": expected all tensors to have the shape ",
         first.sizes(), " of ", what, "[0], but ", what, "[", i, "] has shape ", t.sizes());
     TORCH_CHECK(

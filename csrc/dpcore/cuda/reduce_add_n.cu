@@ -83,26 +83,13 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
-  if (!out.is_non_overlapping_and_dense()) return false;
-  return std::all_of(sources.begin(), sources.end(), [&](const at::Tensor& s) {
-    return s.strides().equals(out.strides()) && s.is_non_overlapping_and_dense();
-  });
-}
-
 } // namespace
 
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate) {
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
-  if (!same_dense_layout(sources, out)) {
-    c10::NoGradGuard no_grad;
-    size_t k = 0;
-    if (!accumulate) {
-      out.copy_(sources[0]);
-      k = 1;
-    }
-    for (; k < sources.size(); ++k) out.add_(sources[k]);
+  if (!detail::same_dense_layout(sources, out)) {
+    detail::reduce_add_n_aten(sources, out, accumulate);
     return;
   }
   const auto stream = at::cuda::getCurrentCUDAStream();

@@ -53,29 +53,6 @@ void reduce_dense(
   });
 }
 
-// True when every tensor covers one dense block of memory with out's strides,
-// so that element j of each is at the same offset from its data pointer.
-bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
-  if (!out.is_non_overlapping_and_dense()) {
-    return false;
-  }
-  return std::all_of(sources.begin(), sources.end(), [&](const at::Tensor& s) {
-    return s.strides().equals(out.strides()) && s.is_non_overlapping_and_dense();
-  });
-}
-
-void reduce_generic(at::TensorList sources, const at::Tensor& out, bool accumulate) {
-  c10::NoGradGuard no_grad;
-  size_t k = 0;
-  if (!accumulate) {
-    out.copy_(sources[0]);
-    k = 1;
-  }
-  for (; k < sources.size(); ++k) {
-    out.add_(sources[k]);
-  }
-}
-
 void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
   TORCH_CHECK(
       !sources.empty(), "reduce_add_n: expected at least one source tensor, but got none");
@@ -102,13 +79,48 @@ void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
 
 } // namespace
 
+namespace detail {
+
+bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
+  if (!out.is_non_overlapping_and_dense()) {
+    return false;
+  }
+  return std::all_of(sources.begin(), sources.end(), [&](const at::Tensor& s) {
+    return s.strides().equals(out.strides()) && s.is_non_overlapping_and_dense();
+  });
+}
+
+void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate) {
+  c10::NoGradGuard no_grad;
+  const bool low_precision =
+      out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16;
+  if (!low_precision) {
+    size_t k = 0;
+    if (!accumulate) {
+      out.copy_(sources[0]);
+      k = 1;
+    }
+    for (; k < sources.size(); ++k) {
+      out.add_(sources[k]);
+    }
+    return;
+  }
+  at::Tensor sum = (accumulate ? out : sources[0]).to(at::kFloat);
+  for (size_t k = accumulate ? 0 : 1; k < sources.size(); ++k) {
+    sum.add_(sources[k]);
+  }
+  out.copy_(sum);
+}
+
+} // namespace detail
+
 namespace cpu {
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate) {
   if (out.numel() == 0) {
     return;
   }
-  if (!same_dense_layout(sources, out)) {
-    reduce_generic(sources, out, accumulate);
+  if (!detail::same_dense_layout(sources, out)) {
+    detail::reduce_add_n_aten(sources, out, accumulate);
     return;
   }
   AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(
@@ -133,7 +145,7 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
       column[k] = sources[k][i];
     }
     const int64_t nbytes = static_cast<int64_t>(outs[i].numel() * outs[i].element_size());
-    if (nbytes < detail::kLargeTensorBytes && same_dense_layout(column, outs[i])) {
+    if (nbytes < detail::kLargeTensorBytes && detail::same_dense_layout(column, outs[i])) {
       small.push_back(i);
     } else {
       reduce_add_n(column, outs[i], accumulate);
@@ -195,7 +207,7 @@ void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate
     cuda::reduce_add_n(sources, out, accumulate);
 #endif
   } else {
-    reduce_generic(sources, out, accumulate);
+    detail::reduce_add_n_aten(sources, out, accumulate);
   }
 }
 

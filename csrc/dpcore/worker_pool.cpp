@@ -1,0 +1,190 @@
+#include "dpcore/worker_pool.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace dpcore {
+namespace {
+
+std::atomic<size_t> g_threads{0};
+
+// What every task of one run inherits from the caller.
+struct CallerState {
+  at::ThreadLocalState tls;
+  bool autocast_cache_enabled = at::autocast::is_autocast_cache_enabled();
+  std::vector<std::optional<c10::Stream>> streams;
+};
+
+class WorkerPool {
+ public:
+  WorkerPool() = default;
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    work_ready_.notify_all();
+    for (auto& thread : threads_) {
+      thread.join();
+    }
+  }
+
+  std::vector<std::exception_ptr> run(const std::vector<Task>& tasks) {
+    std::vector<std::exception_ptr> errors(tasks.size());
+    if (tasks.empty()) {
+      return errors;
+    }
+    CallerState state;
+    state.streams.reserve(tasks.size());
+    for (const Task& task : tasks) {
+      if (task.device.is_cpu()) {
+        state.streams.emplace_back(std::nullopt);
+      } else {
+        state.streams.emplace_back(c10::impl::getDeviceGuardImpl(task.device.type())->getStream(task.device));
+      }
+    }
+    while (threads_.size() < tasks.size()) {
+      const size_t index = threads_.size();
+      threads_.emplace_back([this, index] { loop(index); });
+      g_threads.fetch_add(1);
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    tasks_ = &tasks;
+    errors_ = &errors;
+    state_ = &state;
+    remaining_ = tasks.size();
+    ++generation_;
+    work_ready_.notify_all();
+    all_done_.wait(lock, [this] { return remaining_ == 0; });
+    tasks_ = nullptr;
+    errors_ = nullptr;
+    state_ = nullptr;
+    return errors;
+  }
+
+ private:
+  void loop(size_t index) {
+    uint64_t seen = 0;
+    for (;;) {
+      const Task* task = nullptr;
+      const CallerState* state = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_ready_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) {
+          return;
+        }
+        seen = generation_;
+        if (index >= tasks_->size()) {
+          continue;
+        }
+        task = &(*tasks_)[index];
+        state = state_;
+      }
+      std::exception_ptr error;
+      try {
+        at::ThreadLocalStateGuard tls_guard(state->tls);
+        const bool cache = at::autocast::is_autocast_cache_enabled();
+        at::autocast::set_autocast_cache_enabled(state->autocast_cache_enabled);
+        c10::DeviceGuard device_guard(task->device);
+        c10::OptionalStreamGuard stream_guard;
+        if (state->streams[index]) {
+          stream_guard.reset_stream(*state->streams[index]);
+        }
+        try {
+          task->fn();
+        } catch (...) {
+          at::autocast::set_autocast_cache_enabled(cache);
+          throw;
+        }
+        at::autocast::set_autocast_cache_enabled(cache);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mutex_);
+      (*errors_)[index] = std::move(error);
+      if (--remaining_ == 0) {
+        all_done_.notify_all();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable all_done_;
+  std::vector<std::thread> threads_;
+  const std::vector<Task>* tasks_ = nullptr;
+  std::vector<std::exception_ptr>* errors_ = nullptr;
+  const CallerState* state_ = nullptr;
+  size_t remaining_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// Every pool ever made, and those not in use by a call.
+class PoolRegistry {
+ public:
+  WorkerPool* acquire() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (idle_.empty()) {
+      pools_.push_back(std::make_unique<WorkerPool>());
+      return pools_.back().get();
+    }
+    WorkerPool* pool = idle_.back();
+    idle_.pop_back();
+    return pool;
+  }
+
+  void release(WorkerPool* pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle_.push_back(pool);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<WorkerPool>> pools_;
+  std::vector<WorkerPool*> idle_;
+};
+
+PoolRegistry& registry() {
+  static PoolRegistry instance;
+  return instance;
+}
+
+// Holds a pool for the duration of one call.
+class PoolLease {
+ public:
+  PoolLease() : pool_(registry().acquire()) {}
+  ~PoolLease() { registry().release(pool_); }
+  PoolLease(const PoolLease&) = delete;
+  PoolLease& operator=(const PoolLease&) = delete;
+  WorkerPool& operator*() const { return *pool_; }
+
+ private:
+  WorkerPool* pool_;
+};
+
+} // namespace
+
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks) {
+  PoolLease pool;
+  return (*pool).run(tasks);
+}
+
+size_t worker_thread_count() {
+  return g_threads.load();
+}
+
+} // namespace dpcore

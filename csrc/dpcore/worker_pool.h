@@ -1,0 +1,40 @@
+// Persistent worker threads for parallel_apply. No Python here: the Python
+// binding (csrc/python/parallel_apply.cpp) wraps Python callables as tasks.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace dpcore {
+
+// One unit of a parallel run: `fn` runs on a worker thread under a device
+// guard for `device`.
+struct Task {
+  c10::Device device;
+  std::function<void()> fn;
+};
+
+// Runs tasks[i] on worker thread i of a pool whose threads are created once
+// and reused by later calls. Each task runs with the caller's thread-local
+// state (grad mode, inference mode, autocast enabled/dtype/cache flag, saved
+// tensor hooks, dispatch and function modes), under a device guard for its
+// device and with the caller's current stream on that device as the
+// current stream. Blocks until every task has finished.
+//
+// Returns one std::exception_ptr per task (null where the task succeeded):
+// nothing is rethrown here, so that the caller can choose (the Python layer
+// raises the first by index). A pool is used by one call at a time; a call
+// made while every pool is busy (another thread, or a task itself calling
+// run_tasks) takes a new pool, which is kept for later calls: no deadlock,
+// and no thread is created once the process has seen its peak concurrency.
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks);
+
+// Worker threads created so far, over all pools (for tests and diagnostics).
+size_t worker_thread_count();
+
+} // namespace dpcore

@@ -1,0 +1,111 @@
+"""Tests of dpcore.info(), `python -m dpcore.info` and the extension loader's
+torch-version check."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import dpcore
+from dpcore import _build_info, _loader
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices"}
+
+
+def test_info_keys() -> None:
+    assert set(dpcore.info()) == EXPECTED_KEYS
+
+
+def test_info_values() -> None:
+    facts = dpcore.info()
+    assert facts["dpcore"] == dpcore.__version__
+    assert facts["torch"] == torch.__version__
+    assert facts["built_against_torch"] == _build_info.TORCH_VERSION
+    assert facts["torch_matches"] is True
+    assert facts["build"] in ("cpu", "cuda")
+    assert facts["build"] == ("cuda" if dpcore._C.with_cuda else "cpu")
+    assert facts["build"] == ("cuda" if _build_info.WITH_CUDA else "cpu")
+    assert isinstance(facts["cuda_arch_list"], list)
+    assert all(isinstance(arch, str) for arch in facts["cuda_arch_list"])
+    if facts["build"] == "cpu":
+        assert facts["cuda_arch_list"] == []
+
+
+def test_info_devices() -> None:
+    devices = dpcore.info()["devices"]
+    assert devices[0] == "cpu"
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert len(devices) == 1 + visible
+    for i, entry in enumerate(devices[1:]):
+        assert entry.startswith(f"cuda:{i} (")
+
+
+def test_extension_built_against_imported_torch() -> None:
+    assert _loader._base(dpcore._C.torch_version) == _loader._base(torch.__version__)
+
+
+def test_python_m_dpcore_info_prints_torch_version() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    completed = subprocess.run(
+        [sys.executable, "-m", "dpcore.info"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    lines = {
+        key.strip(): value.strip()
+        for key, _, value in (line.partition(":") for line in completed.stdout.splitlines())
+    }
+    assert lines["torch"] == torch.__version__
+    assert lines["build"] == dpcore.info()["build"]
+    assert lines["torch_matches"] == "True"
+    assert set(lines) == EXPECTED_KEYS
+
+
+@pytest.mark.parametrize("version, base", [("2.13.0+cpu", "2.13.0"), ("2.14.1+cu130", "2.14.1"), ("2.13.0", "2.13.0")])
+def test_base_version_drops_local_tag(version: str, base: str) -> None:
+    assert _loader._base(version) == base
+
+
+def test_loader_rejects_other_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.0.0")
+    with pytest.raises(ImportError) as info:
+        _loader.load_extension()
+    message = str(info.value)
+    assert "1.0.0" in message
+    assert torch.__version__ in message
+    assert "rebuild" in message
+
+
+def test_loader_accepts_other_local_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same release, another local tag (+cpu vs +cu130): same C++ ABI, accepted.
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", _loader._base(torch.__version__) + "+other")
+    module = _loader.load_extension()
+    assert isinstance(module, ModuleType)
+    assert module is dpcore._C
+
+
+def test_loader_without_build_info_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulate a source checkout that was never built: dpcore._build_info
+    # cannot be imported.
+    monkeypatch.delattr(dpcore, "_build_info")
+    monkeypatch.setitem(sys.modules, "dpcore._build_info", None)  # type: ignore[arg-type]
+    with pytest.raises(ImportError, match="not built.*pip install --no-build-isolation"):
+        _loader.load_extension()
+    # The real module is intact afterwards.
+    monkeypatch.undo()
+    assert importlib.import_module("dpcore._build_info").TORCH_VERSION == _build_info.TORCH_VERSION

@@ -3,6 +3,8 @@
 The collectives and the worker pool are C++ (dpcore._C); this package is the
 thin Python front end. Device lists hold CUDA devices or CPU devices, repeats
 allowed: ``["cpu"] * 4`` runs four replicas on the CPU.
+
+    model = dpcore.DataParallel(model, device_ids=["cpu"] * 4)
 """
 
 from dpcore._loader import load_extension
@@ -10,8 +12,21 @@ from dpcore._loader import load_extension
 _C = load_extension()
 
 from dpcore import comm  # noqa: E402
+from dpcore.data_parallel import DataParallel, data_parallel  # noqa: E402
 from dpcore.info import info  # noqa: E402
+from dpcore.parallel_apply import parallel_apply  # noqa: E402
+from dpcore.replicate import replicate  # noqa: E402
+from dpcore.scatter_gather import Broadcast  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["comm", "info", "__version__"]
+__all__ = [
+    "Broadcast",
+    "DataParallel",
+    "comm",
+    "data_parallel",
+    "info",
+    "parallel_apply",
+    "replicate",
+    "__version__",
+]

@@ -26,7 +26,7 @@ from torch.autograd import Function
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
 
-__all__ = ["Scatter", "Gather", "BroadcastTensor"]
+__all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket"]
 
 
 class Scatter(Function):
@@ -140,3 +140,92 @@ class BroadcastTensor(Function):
         else:
             total = comm.reduce_add(list(grad_outputs), ctx.input_device)
         return None, total
+
+
+def _split_lists(flat: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """[a0, b0, a1, b1] with size 2 -> [[a0, b0], [a1, b1]]."""
+    return [list(flat[i : i + size]) for i in range(0, len(flat), size)]
+
+
+class ReduceAddCoalesced(Function):
+    """Differentiable ``comm.reduce_add_coalesced``: the gradient path of the
+    parameter broadcasts.
+
+    ``ReduceAddCoalesced.apply(destination, num_inputs, *grads)`` takes K lists
+    of ``num_inputs`` tensors, flattened one after another (list k on one
+    device), and returns ``num_inputs`` sums on ``destination``. Its backward
+    broadcasts the output gradients back to the K source devices with
+    :class:`BroadcastCoalesced`, so double backward works.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, destination: torch.device, num_inputs: int, *grads: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        lists = _split_lists(grads, num_inputs)
+        ctx.source_devices = [group[0].device for group in lists]
+        return tuple(comm.reduce_add_coalesced(lists, destination))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        return (None, None) + BroadcastCoalesced.apply(ctx.source_devices, *grad_outputs)
+
+
+class BroadcastCoalesced(Function):
+    """Differentiable ``comm.broadcast_coalesced`` onto fresh memory.
+
+    ``BroadcastCoalesced.apply(devices, *inputs)`` returns, for every device
+    of ``devices`` in order, a copy of every input (flattened: device 0's
+    copies first). Each copy owns its memory, also when its device is the
+    inputs' own. Backward sums the copies' gradients onto the inputs' device
+    with :class:`ReduceAddCoalesced`.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, devices: Sequence[torch.device], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.num_inputs = len(inputs)
+        ctx.input_device = inputs[0].device
+        copies = comm.broadcast_coalesced(list(inputs), [inputs[0].device, *devices])[1:]
+        outputs = tuple(t for group in copies for t in group)
+        _mark_frozen(ctx, inputs, outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads)
+
+
+class BroadcastBucket(Function):
+    """One bucket of parameters onto the persistent buffers of cached replicas.
+
+    ``BroadcastBucket.apply(replicas, *params)``, with ``replicas`` a
+    ``dpcore._C.BucketReplicas`` built for these parameters, refreshes its
+    per-device buffers (skipping the copy when nothing changed) and returns
+    fresh tensors viewing them, device by device, as BroadcastCoalesced does.
+    Each bucket is its own autograd node, so its gradients are reduced onto
+    the master as soon as they all exist, while backward goes on elsewhere.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, replicas: Any, *params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.num_inputs = len(params)
+        ctx.input_device = params[0].device
+        outputs = tuple(t for group in replicas.refresh(list(params)) for t in group)
+        _mark_frozen(ctx, params, outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads)
+
+
+def _mark_frozen(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """Marks the copies of inputs that do not require grad as non-differentiable."""
+    frozen = [i for i, t in enumerate(inputs) if not t.requires_grad]
+    if frozen:
+        n = len(inputs)
+        ctx.mark_non_differentiable(*[outputs[k] for k in range(len(outputs)) if k % n in frozen])

@@ -1,0 +1,228 @@
+"""dpcore.DataParallel: torch.nn.DataParallel's signature and semantics, with
+cached replicas, a persistent C++ worker pool, balanced splits, per-replica
+loss and CPU device lists."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcore._devices import DeviceLike, as_destination, as_devices
+from dpcore.parallel_apply import parallel_apply
+from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
+from dpcore.scatter_gather import gather as gather_outputs
+from dpcore.scatter_gather import scatter_kwargs
+
+__all__ = ["DataParallel", "data_parallel"]
+
+
+def _check_device_list(devices: list[torch.device]) -> None:
+    """Raises for an empty list, mixed device types or invisible CUDA devices."""
+    if not devices:
+        raise ValueError("device_ids: expected at least one device, but the list is empty")
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"device_ids: expected devices of one type, but got {sorted(kinds)}: {devices}")
+    kind = devices[0].type
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for i, d in enumerate(devices):
+            if d.index is None or not 0 <= d.index < count:
+                raise ValueError(f"device_ids[{i}] is {d}, but only {count} CUDA device(s) are visible")
+    elif kind != "cpu":
+        raise ValueError(f"device_ids: unsupported device type {kind!r}; expected 'cuda' or 'cpu'")
+
+
+def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float:
+    """Weight of one replica's loss so that the weighted sum is the loss of the whole batch."""
+    reduction = getattr(criterion, "reduction", "mean")
+    return 1.0 if reduction == "sum" else chunk / total
+
+
+class DataParallel(nn.Module):
+    """Runs ``module`` on several devices in one process: the batch is split
+    along ``dim``, each device runs a replica on its chunk, and the outputs
+    are gathered onto ``output_device``. Drop-in for torch.nn.DataParallel.
+
+    Args:
+        module: the module to parallelise; must sit on ``device_ids[0]``.
+        device_ids: CUDA devices (ints, "cuda:i", torch.device) or CPU devices
+            (``["cpu"] * 4``), repeats allowed. Default: every visible GPU;
+            with no GPU and no list, the module runs as is.
+        output_device: where outputs (or the loss) are gathered; default
+            ``device_ids[0]``; -1 or "cpu" is the CPU.
+        dim: the batch dimension.
+        chunk_sizes: explicit split sizes, one per device (zeros allowed).
+        weights: per-device split weights (proportional split).
+        criterion: ``loss_fn(output, target)``; then ``dp(*inputs, target)``
+            returns one scalar loss computed inside each replica, weighted by
+            chunk size (equal to the single-device loss of the whole batch for
+            a mean-reduced loss, summed for ``reduction="sum"``).
+        gather: False returns the per-replica outputs where they were computed.
+        bucket_bytes: size of the parameter buckets broadcast to replicas.
+
+    Guarantees: outputs and parameter gradients equal the single-device ones
+    (up to floating-point summation order); a balanced split uses every
+    device while the batch is at least the device count; tensors whose batch
+    sizes disagree raise ValueError naming both; replicas are cached across
+    steps and refreshed only where the master changed; ``state_dict()`` has
+    the bare module's keys.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
+        criterion: Callable[..., Any] | None = None,
+        gather: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
+        self.module = module
+        self.dim = dim
+        self.chunk_sizes = None if chunk_sizes is None else [int(c) for c in chunk_sizes]
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.criterion = criterion
+        self.gather = gather
+        self.bucket_bytes = int(bucket_bytes)
+        if device_ids is None:
+            device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+            if not device_ids:
+                self.device_ids: list[torch.device] = []
+                self.output_device = None
+                self._cache = None
+                return
+        self.device_ids = as_devices(device_ids, "device_ids")
+        _check_device_list(self.device_ids)
+        if self.chunk_sizes is not None and len(self.chunk_sizes) != len(self.device_ids):
+            raise ValueError(
+                f"chunk_sizes: expected one size per device ({len(self.device_ids)}), but got {len(self.chunk_sizes)}"
+            )
+        if self.weights is not None and len(self.weights) != len(self.device_ids):
+            raise ValueError(f"weights: expected one weight per device ({len(self.device_ids)}), but got {len(self.weights)}")
+        self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
+        check_on_device(module, self.device_ids[0], "device_ids[0]")
+        self._cache: ReplicaCache | None = None
+
+    # -- attribute fall-through, state dicts, pickling -----------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "_cache"):
+                raise
+            return getattr(self.module, name)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The bare module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Loads a bare module's state dict (keys with a ``module.`` prefix, as
+        torch's DataParallel writes them, are accepted too)."""
+        if state_dict and all(k.startswith("module.") for k in state_dict):
+            state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        return state
+
+    # -- forward --------------------------------------------------------------
+
+    def _replicas(self, n: int) -> list[nn.Module]:
+        if self._cache is None or not self._cache.valid():
+            check_on_device(self.module, self.device_ids[0], "device_ids[0]")
+            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+        return self._cache.replicas(n)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        criterion = self.criterion
+        if criterion is not None:
+            if not inputs:
+                raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
+            *inputs, target = inputs
+            inputs = (*inputs, target)
+        if not self.device_ids:
+            if criterion is None:
+                return self.module(*inputs, **kwargs)
+            return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
+
+        args, kws, sizes = scatter_kwargs(
+            tuple(inputs), kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights
+        )
+        used = self._used_devices(sizes)
+        if used and used[0] != 0:
+            raise ValueError(
+                "chunk_sizes/weights: the first device (device_ids[0], which holds the module) must get a "
+                f"non-empty chunk, but the split is {self.chunk_sizes or self.weights}"
+            )
+        n = len(args)
+        replicas = self._replicas(max(used) + 1 if used else 1)
+        modules = [replicas[i] for i in (used or [0])]
+        devices = [self.device_ids[i] for i in (used or [0])]
+        if criterion is not None:
+            total = sum(sizes)
+            calls = [_with_loss(m, criterion) for m in modules]
+            losses = parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
+            if total == 0:
+                return losses[0]
+            out = self.output_device
+            parts = [loss.to(out) * _loss_weight(criterion, size, total) for loss, size in zip(losses, sizes)]
+            return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+        if n == 1:
+            outputs = [modules[0](*args[0], **kws[0])]
+        else:
+            outputs = parallel_apply(modules, args, kws, devices)
+        if not self.gather:
+            return outputs
+        return gather_outputs(outputs, self.output_device, dim=self.dim)
+
+    def _used_devices(self, sizes: list[int]) -> list[int]:
+        """Indices into device_ids of the devices that got a chunk, in order."""
+        if self.chunk_sizes is None and self.weights is None:
+            return list(range(len(sizes)))
+        from dpcore.scatter_gather import split_sizes  # the full per-device split
+
+        full = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
+        used = [i for i, s in enumerate(full) if s > 0]
+        return used if len(used) == len(sizes) else list(range(len(sizes)))
+
+
+def _with_loss(module: nn.Module, criterion: Callable[..., Any]) -> Callable[..., Any]:
+    """A callable that runs `module` on all but the last argument and returns
+    criterion(output, last argument)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return criterion(module(*args[:-1], **kwargs), args[-1])
+
+    return call
+
+
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    module_kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """Functional form (torch.nn.parallel.data_parallel's contract): evaluates
+    ``module(*inputs, **module_kwargs)`` in parallel over ``device_ids``. Uses
+    a one-off DataParallel, so nothing is cached between calls."""
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,) if inputs is not None else ()
+    return DataParallel(module, device_ids, output_device, dim, **options)(*inputs, **(module_kwargs or {}))

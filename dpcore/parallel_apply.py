@@ -1,0 +1,62 @@
+"""parallel_apply on dpcore's persistent C++ worker pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dpcore import _C
+from dpcore._devices import DeviceLike, as_device
+
+__all__ = ["parallel_apply"]
+
+
+def _module_device(module: Any) -> torch.device:
+    """The device of a module's first parameter or buffer; the CPU if it has none."""
+    if isinstance(module, torch.nn.Module):
+        for t in module.parameters():
+            return torch.device("cpu") if t.device.type == "cpu" else t.device
+        for t in module.buffers():
+            return torch.device("cpu") if t.device.type == "cpu" else t.device
+    return torch.device("cpu")
+
+
+def parallel_apply(
+    modules: Sequence[Callable[..., Any]],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[DeviceLike | None] | None = None,
+) -> list[Any]:
+    """Calls ``modules[i](*inputs[i], **kwargs_tup[i])`` for every i at once, on
+    persistent worker threads (created once, reused by later calls), and
+    returns the results in order; torch.nn.parallel.parallel_apply's contract.
+
+    Guarantees: an input that is not a list or tuple is passed as the single
+    argument; each call runs under the caller's grad mode, inference mode and
+    autocast state (enabled, dtype, cache flag), with ``devices[i]`` (default:
+    the module's parameter device) as current device and the caller's current
+    stream on it; the GIL is released while waiting. If calls raise, the
+    exception of the lowest index is raised as the same object, with a note
+    "raised in replica i on device d" and its original traceback (also
+    KeyboardInterrupt and other BaseExceptions); the pool stays usable.
+    Nested calls (a module calling parallel_apply) and concurrent calls from
+    several threads do not deadlock.
+    """
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(f"parallel_apply: expected one input per module ({n}), but got {len(inputs)}")
+    if kwargs_tup is None:
+        kwargs_tup = [{}] * n
+    if len(kwargs_tup) != n:
+        raise ValueError(f"parallel_apply: expected one kwargs dict per module ({n}), but got {len(kwargs_tup)}")
+    if devices is None:
+        devices = [None] * n
+    if len(devices) != n:
+        raise ValueError(f"parallel_apply: expected one device per module ({n}), but got {len(devices)}")
+    resolved = [
+        _module_device(m) if d is None else as_device(d, f"devices[{i}]") for i, (m, d) in enumerate(zip(modules, devices))
+    ]
+    args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
+    return _C.parallel_apply(list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved)

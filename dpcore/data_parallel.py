@@ -131,9 +131,21 @@ class DataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict (keys with a ``module.`` prefix, as
         torch's DataParallel writes them, are accepted too)."""
-        if state_dict and all(k.startswith("module.") for k in state_dict):
+        if _has_module_prefix(list(state_dict), self.module):
             state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Reached only when this wrapper is a submodule of a module whose
+        # load_state_dict runs: its state_dict() wrote our entries without the
+        # "module." segment, but the loader descends into self.module with
+        # prefix + "module.". Children's entries are picked from this same
+        # dict afterwards, so renaming here is enough.
+        keys = [k for k in state_dict if k.startswith(prefix)]
+        if keys and not _has_module_prefix([k[len(prefix) :] for k in keys], self.module):
+            for k in keys:
+                state_dict[prefix + "module." + k[len(prefix) :]] = state_dict.pop(k)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -199,6 +211,16 @@ class DataParallel(nn.Module):
         full = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
         used = [i for i, s in enumerate(full) if s > 0]
         return used if len(used) == len(sizes) else list(range(len(sizes)))
+
+
+def _has_module_prefix(keys: list[str], module: nn.Module) -> bool:
+    """Whether state-dict `keys` carry torch.nn.DataParallel's "module."
+    prefix, rather than being `module`'s own keys (a module may well have a
+    child named "module")."""
+    if not keys or not all(k.startswith("module.") for k in keys):
+        return False
+    own = module.state_dict(keep_vars=True).keys()
+    return any(k not in own for k in keys)
 
 
 def _with_loss(module: nn.Module, criterion: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,7 +12,8 @@ statistics) act on the master directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,19 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 # Attributes of a module's __dict__ a replica never shares with the master.
 _OWN = ("_parameters", "_buffers", "_modules")
+
+
+@contextlib.contextmanager
+def _normal_mode() -> Iterator[None]:
+    """Outside inference mode (without grad) where the caller is inside it:
+    the persistent buffers and the copies viewing them must be normal tensors
+    (inference tensors have no version counter and cannot be updated in place
+    once inference mode is left)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            yield
+    else:
+        yield
 
 
 def _hook_dict_names(module: nn.Module) -> list[str]:
@@ -66,8 +80,11 @@ class ReplicaCache:
     * Attribute changes and train/eval switches on the master reach every
       replica at the next call; hooks registered on a replica stay there.
     * A structural change of the master (a parameter or buffer added,
-      removed, replaced, frozen or unfrozen, a submodule swapped) is detected
-      and the cache rebuilt (``valid()`` returns False until then).
+      removed, replaced, frozen or unfrozen, converted to another dtype,
+      device or shape, a submodule swapped) is detected and the cache
+      rebuilt (``valid()`` returns False until then).
+    * Works under ``torch.inference_mode()``: the buffers and copies are
+      normal tensors, usable by later steps outside inference mode.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -96,7 +113,10 @@ class ReplicaCache:
             if kind == "_parameters" and ti >= 0:
                 self._is_param[ti] = True
         self._bucket_indices = _buckets(self.tensors, bucket_bytes) if self.targets else []
-        self._buckets = [_C.BucketReplicas([self.tensors[i] for i in b], self.targets) for b in self._bucket_indices]
+        with _normal_mode():
+            self._buckets = [
+                _C.BucketReplicas([self.tensors[i] for i in b], self.targets) for b in self._bucket_indices
+            ]
         self._hook_names = [_hook_dict_names(m) for m in self.masters]
         # replicas[j][mi]: the replica of master module mi on targets[j].
         self.replica_modules: list[list[nn.Module]] = []
@@ -109,8 +129,10 @@ class ReplicaCache:
         parts: list[Any] = []
         for m in self.masters:
             d = m.__dict__
-            parts.append(tuple((k, id(v), None if v is None else v.requires_grad) for k, v in d["_parameters"].items()))
-            parts.append(tuple((k, id(v)) for k, v in d["_buffers"].items()))
+            # dtype, device and shape too: `module.double()` / `.to(device)`
+            # keep the Parameter objects but swap their data.
+            parts.append(tuple((k, id(v)) + _layout(v, True) for k, v in d["_parameters"].items()))
+            parts.append(tuple((k, id(v)) + _layout(v, False) for k, v in d["_buffers"].items()))
             parts.append(tuple((k, id(v)) for k, v in d["_modules"].items()))
         return tuple(parts)
 
@@ -126,16 +148,17 @@ class ReplicaCache:
             return [self.module]
         grad_enabled = torch.is_grad_enabled()
         copies: list[list[torch.Tensor | None]] = [[None] * len(self.tensors) for _ in self.targets]
-        for replicas, indices in zip(self._buckets, self._bucket_indices):
-            masters = [self.tensors[i] for i in indices]
-            if grad_enabled and masters[0].requires_grad:
-                flat = BroadcastBucket.apply(replicas, *masters)
-            else:
-                flat = [t for group in replicas.refresh(masters) for t in group]
-            k = len(indices)
-            for j in range(len(self.targets)):
-                for pos, i in enumerate(indices):
-                    copies[j][i] = flat[j * k + pos]
+        with _normal_mode():
+            for replicas, indices in zip(self._buckets, self._bucket_indices):
+                masters = [self.tensors[i] for i in indices]
+                if grad_enabled and masters[0].requires_grad:
+                    flat = BroadcastBucket.apply(replicas, *masters)
+                else:
+                    flat = [t for group in replicas.refresh(masters) for t in group]
+                k = len(indices)
+                for j in range(len(self.targets)):
+                    for pos, i in enumerate(indices):
+                        copies[j][i] = flat[j * k + pos]
         result: list[nn.Module] = [self.module]
         for j in range(n - 1):
             mods = self.replica_modules[j]
@@ -161,6 +184,12 @@ class ReplicaCache:
         children = own["_modules"]
         for cname, child in master._modules.items():
             children[cname] = None if child is None else row[self._index[id(child)]]
+
+
+def _layout(t: torch.Tensor | None, param: bool) -> tuple[Any, ...]:
+    if t is None:
+        return (None,)
+    return (t.dtype, t.device, t.shape, t.requires_grad) if param else (t.dtype, t.device, t.shape)
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:

@@ -5,9 +5,10 @@
 // Common guarantees:
 //  * Data movers, not differentiable: outputs carry no autograd history (the
 //    autograd Functions in dpcore/_functions.py wrap these for autograd).
-//  * An output for the source's own device is the source (broadcast) or a
-//    view of it (scatter); every other output owns its storage, also when
-//    its device repeats the source's.
+//  * broadcast: the output for the first entry equal to the source's device
+//    is the source; every other output owns its storage, also when its
+//    device repeats the source's. scatter: every chunk bound for the source's
+//    own device is a view of it (chunks are disjoint); others are copies.
 //  * Coalesced outputs each have their own version counter.
 //  * Copies between CUDA devices are ordered on the current streams of both
 //    devices (or the given streams), without a device-wide synchronize.

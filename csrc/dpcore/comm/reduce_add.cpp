@@ -87,6 +87,9 @@ std::vector<at::Tensor> reduce_add_coalesced(
     int64_t bucket_bytes) {
   TORCH_CHECK(
       !inputs.empty(), "reduce_add_coalesced: expected at least one list of tensors in 'inputs'");
+  TORCH_CHECK(
+      bucket_bytes > 0, "reduce_add_coalesced: expected bucket_bytes (buffer_size) to be positive, but got ",
+      bucket_bytes);
   const size_t count = inputs[0].size();
   std::vector<c10::Device> list_devices;
   list_devices.reserve(inputs.size());

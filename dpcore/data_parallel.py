@@ -72,6 +72,10 @@ class DataParallel(nn.Module):
     the bare module's keys.
     """
 
+    # Attributes a replica of this wrapper (DataParallel nested in a model
+    # that is itself replicated) keeps for itself: its own replica cache.
+    _replica_private_attrs = ("_cache",)
+
     def __init__(
         self,
         module: nn.Module,

@@ -173,6 +173,10 @@ class ReplicaCache:
         """Replica's __dict__ := master's, but its own parameter/buffer/module
         dicts (children mapped to their replicas) and private hook dicts."""
         own = {k: replica.__dict__[k] for k in _OWN}
+        # State a module keeps per object (a nested DataParallel's replica
+        # cache) is the replica's own, never the master's.
+        for k in getattr(master, "_replica_private_attrs", ()):
+            own[k] = replica.__dict__.get(k)
         d = master.__dict__.copy()
         d.update(own)
         for name in hook_names:

@@ -55,13 +55,17 @@ class WorkerPool {
         state.streams.emplace_back(c10::impl::getDeviceGuardImpl(task.device.type())->getStream(task.device));
       }
     }
+    // Only run() changes generation_, and one call uses a pool at a time, so
+    // reading it here is race-free; a new worker starts as having seen it.
     while (threads_.size() < tasks.size()) {
       const size_t index = threads_.size();
-      threads_.emplace_back([this, index] { loop(index); });
+      const uint64_t start = generation_;
+      threads_.emplace_back([this, index, start] { loop(index, start); });
       g_threads.fetch_add(1);
     }
     std::unique_lock<std::mutex> lock(mutex_);
     tasks_ = &tasks;
+    task_count_ = tasks.size();
     errors_ = &errors;
     state_ = &state;
     remaining_ = tasks.size();
@@ -75,8 +79,10 @@ class WorkerPool {
   }
 
  private:
-  void loop(size_t index) {
-    uint64_t seen = 0;
+  // Worker `index`: runs task `index` of every generation that has one. A
+  // worker without a task in a generation touches only task_count_, which
+  // stays valid after run() returns (tasks_ does not).
+  void loop(size_t index, uint64_t seen) {
     for (;;) {
       const Task* task = nullptr;
       const CallerState* state = nullptr;
@@ -87,7 +93,7 @@ class WorkerPool {
           return;
         }
         seen = generation_;
-        if (index >= tasks_->size()) {
+        if (index >= task_count_) {
           continue;
         }
         task = &(*tasks_)[index];
@@ -128,6 +134,7 @@ class WorkerPool {
   const std::vector<Task>* tasks_ = nullptr;
   std::vector<std::exception_ptr>* errors_ = nullptr;
   const CallerState* state_ = nullptr;
+  size_t task_count_ = 0;
   size_t remaining_ = 0;
   uint64_t generation_ = 0;
   bool stop_ = false;

@@ -107,3 +107,18 @@ TEST(WorkerPool, EmptyTaskListIsANoOp) {
 }
 
 } // namespace
+
+namespace {
+
+// A call narrower than the pool leaves idle workers that wake after the call
+// returned: they must not touch that call's (gone) task list.
+TEST(WorkerPool, NarrowCallsAfterAWideOneAreSafe) {
+  std::atomic<int> count{0};
+  dpcore::run_tasks(tasks_of(6, [&](size_t) { ++count; }));
+  for (int step = 0; step < 500; ++step) {
+    dpcore::run_tasks(tasks_of(1 + step % 2, [&](size_t) { ++count; }));
+  }
+  EXPECT_EQ(count.load(), 6 + 250 * 1 + 250 * 2);
+}
+
+} // namespace

@@ -34,6 +34,16 @@ def load_extension() -> ModuleType:
             "imported; rebuild dpcore (`pip install --no-build-isolation .`) against the "
             "torch in use"
         )
-    from dpcore import _C
+    try:
+        from dpcore import _C
+    except ImportError as error:
+        import os
+
+        folder = os.path.dirname(os.path.abspath(__file__))
+        raise ImportError(
+            f"dpcore._C is not in {folder}: if that is a source checkout, build in place "
+            "(`python setup.py build_ext --inplace`) or import the installed dpcore from another "
+            f"folder; otherwise reinstall (`pip install --no-build-isolation .`). Cause: {error}"
+        ) from error
 
     return _C

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The main job, from nothing: a virtual environment with torch 2.13.0 (CPU),
-# dpcore built and installed, then the collective and step benchmarks on
-# four CPU devices (or every GPU when one is present), results in
-# bench-results/.
-# Env: DPCORE_VENV (default .venv)
+# dpcore built and installed with its demo extras (scikit-learn, tqdm,
+# matplotlib), then the demo: a small CNN trained on scikit-learn's bundled
+# handwritten digits with dpcore.DataParallel on every GPU present, else on
+# four CPU devices, after a float64 check that the first steps equal a
+# single-device run. Arguments are passed to the demo, e.g.
+#   bash scripts/run.sh --epochs 5 --devices cpu:2
+# The benchmarks: `python -m dpcore.bench` in the same environment.
+# Env: DPCORE_VENV (default .venv), DPCORE_TORCH (default 2.13.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -13,7 +17,8 @@ venv=${DPCORE_VENV:-$root/.venv}
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q "torch==${DPCORE_TORCH:-2.13.0}" ninja setuptools wheel
-python -m pip install -q --no-build-isolation "$root"
-cd "$root/bench"
-python bench_comm.py --json "$root/bench-results/comm.json"
-python bench_step.py --json "$root/bench-results/step.json"
+python -m pip install -q --no-build-isolation "$root[demo]"
+# Run outside the source folder so that the installed dpcore (with its
+# built extension) is imported, not the source tree.
+cd /
+python -m dpcore.demo "$@"

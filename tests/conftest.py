@@ -88,3 +88,21 @@ def as_torch_device(device: DeviceLike) -> torch.device:
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether two devices name the same memory ("cpu" and "cpu:0" do)."""
     return as_torch_device(a) == as_torch_device(b)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for a child Python that must import the same dpcore as this
+    process (the installed one in CI, the in-place build in development):
+    its folder goes first on PYTHONPATH. Run the child with cwd=TESTS_DIR so
+    that a source checkout without a built _C is never picked up instead."""
+    import os
+
+    import dpcore
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(dpcore.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH", "")]))
+    return env
+
+
+TESTS_DIR = __import__("os").path.dirname(__import__("os").path.abspath(__file__))

@@ -15,8 +15,8 @@ import torch
 
 import dpcore
 from dpcore import _build_info, _loader
+from conftest import TESTS_DIR, subprocess_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices"}
 
@@ -54,11 +54,10 @@ def test_extension_built_against_imported_torch() -> None:
 
 
 def test_python_m_dpcore_info_prints_torch_version() -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     completed = subprocess.run(
         [sys.executable, "-m", "dpcore.info"],
-        cwd=REPO_ROOT,
+        cwd=TESTS_DIR,
         env=env,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ from torch import nn
 
 import dpcore
 from dpcore import parallel_apply
-from conftest import as_torch_device
+from conftest import TESTS_DIR, as_torch_device, subprocess_env
 
 
 def _devs(devices: list[Any]) -> list[torch.device]:
@@ -410,10 +410,9 @@ print("survived")
 def test_calls_narrower_than_the_pool_do_not_crash() -> None:
     # A DataParallel whose last batch is smaller than its device count, or two
     # DataParallels over different device counts, share the pool this way.
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     result = subprocess.run(
-        [sys.executable, "-c", _NARROW_CALLS], cwd=root, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", _NARROW_CALLS], cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0 and "survived" in result.stdout, (
         f"exit status {result.returncode} (-11 is a segmentation fault); stderr tail: {result.stderr[-1500:]}"

@@ -6,6 +6,7 @@
 #include <map>
 #include <utility>
 
+#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -115,7 +116,7 @@ std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket) {
 
 at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
   TORCH_CHECK(!tensors.empty(), "flatten: expected at least one tensor");
-  at::Tensor flat = at::empty({layout.numel}, tensors[0].options().dtype(layout.dtype));
+  at::Tensor flat = empty_flat(tensors[0], tensors[0].device(), layout.numel);
   pack(tensors, layout, flat);
   return flat;
 }

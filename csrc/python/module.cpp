@@ -8,6 +8,7 @@
 
 #include "dpcore/comm.h"
 #include "dpcore/flatten.h"
+#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 #include "dpcore/replica_buffers.h"
 #include "python/bindings.h"
@@ -137,23 +138,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("flat"), py::arg("like"), NoGil());
   m.def(
-      "pack",
-      [](const Tensors& tensors, const at::Tensor& flat) {
-        dpcore::pack(tensors, dpcore::FlatLayout::of(tensors), flat);
+      "host_cache_stats",
+      [] {
+        const auto stats = dpcore::host_cache_stats();
+        py::dict d;
+        d["cached_bytes"] = stats.cached_bytes;
+        d["hits"] = stats.hits;
+        d["misses"] = stats.misses;
+        return d;
       },
-      py::arg("tensors"), py::arg("flat"), NoGil());
-  m.def(
-      "unpack",
-      [](const at::Tensor& flat, const Tensors& tensors) {
-        dpcore::unpack(flat, dpcore::FlatLayout::of(tensors), tensors);
-      },
-      py::arg("flat"), py::arg("tensors"), NoGil());
-  m.def(
-      "reduce_add_n",
-      [](const Tensors& sources, const at::Tensor& out, bool accumulate) {
-        dpcore::reduce_add_n(sources, out, accumulate);
-      },
-      py::arg("sources"), py::arg("out"), py::arg("accumulate"), NoGil());
+      "Counters of the caching allocator for large CPU buffers of the collectives.");
+  m.def("host_cache_clear", &dpcore::host_cache_clear, "Frees every cached CPU buffer.");
+
+  // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (csrc/dpcore/ops.cpp).
 
   py::class_<dpcore::BucketReplicas>(m, "BucketReplicas")
       .def(

@@ -70,10 +70,18 @@ def _split_step(
     opt.step()
 
 
-def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
-    """Measures every model on `devices`; returns the JSON-ready result."""
+def run(
+    devices: Sequence[torch.device],
+    quick: bool = False,
+    repeats: int | None = None,
+    min_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Measures every model on `devices`; returns the JSON-ready result. Each
+    measurement runs at least `repeats` steps and `min_seconds` (defaults:
+    10 and 0.5 s with `quick`, else 30 and 2 s)."""
     repeats = repeats or (10 if quick else 30)
-    min_seconds = 0.5 if quick else 2.0
+    if min_seconds is None:
+        min_seconds = 0.5 if quick else 2.0
     first = devices[0]
     k = len(devices)
     rows: list[dict[str, Any]] = []

@@ -7,6 +7,7 @@
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
+#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -16,9 +17,12 @@ namespace {
 // dense (so channels_last stays channels_last).
 at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
   c10::DeviceGuard guard(device);
-  return tensor.to(
-      device, tensor.scalar_type(), /*non_blocking=*/true, /*copy=*/true,
-      c10::MemoryFormat::Preserve);
+  if (tensor.layout() != c10::kStrided) {
+    return tensor.to(device, tensor.scalar_type(), /*non_blocking=*/true, /*copy=*/true);
+  }
+  at::Tensor copy = empty_preserving(tensor, device);
+  copy.copy_(tensor, /*non_blocking=*/true);
+  return copy;
 }
 
 // `tensor`'s elements as one flat 1-D view when it is dense and stored in the
@@ -132,8 +136,7 @@ TensorList2D broadcast_coalesced(
     std::vector<at::Tensor> flats;
     flats.reserve(devices.size() - 1);
     for (size_t d = 1; d < devices.size(); ++d) {
-      c10::DeviceGuard guard(devices[d]);
-      flats.push_back(at::empty({layout.numel}, members[0].options().device(devices[d])));
+      flats.push_back(empty_flat(members[0], devices[d], layout.numel));
     }
     broadcast_flat_into(members, layout, flats);
     for (size_t d = 1; d < devices.size(); ++d) {

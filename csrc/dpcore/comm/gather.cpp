@@ -7,6 +7,7 @@
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
+#include "dpcore/host_allocator.h"
 
 namespace dpcore {
 namespace {
@@ -71,8 +72,16 @@ at::Tensor gather(at::TensorList tensors, int64_t dim, std::optional<c10::Device
       format = c10::MemoryFormat::Contiguous;
     }
   }
-  c10::DeviceGuard guard(dest);
-  at::Tensor out = at::empty(shape, tensors[0].options().device(dest), format);
+  std::vector<int64_t> strides;
+  if (format == c10::MemoryFormat::ChannelsLast && shape.size() == 4) {
+    strides = c10::get_channels_last_strides_2d(shape);
+  } else if (format == c10::MemoryFormat::ChannelsLast3d && shape.size() == 5) {
+    strides = c10::get_channels_last_strides_3d(shape);
+  } else {
+    const auto contiguous = c10::contiguous_strides(shape);
+    strides.assign(contiguous.begin(), contiguous.end());
+  }
+  at::Tensor out = empty_like_layout(tensors[0], dest, shape, strides);
   copy_slices(tensors, out, wrapped);
   return out;
 }

@@ -7,6 +7,7 @@
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
+#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -76,7 +77,7 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
   for (const at::Tensor& t : tensors) {
     sources.push_back(on_device(t, dest));
   }
-  at::Tensor out = at::empty_like(sources[0], c10::MemoryFormat::Preserve);
+  at::Tensor out = empty_preserving(sources[0], dest);
   reduce_add_n(sources, out, /*accumulate=*/false);
   return out;
 }
@@ -154,7 +155,7 @@ std::vector<at::Tensor> reduce_add_coalesced(
         sources.push_back(std::move(views));
       }
     }
-    at::Tensor flat = at::empty({layout.numel}, inputs[0][bucket.indices[0]].options().device(dest));
+    at::Tensor flat = empty_flat(inputs[0][bucket.indices[0]], dest, layout.numel);
     std::vector<at::Tensor> results = layout.unflatten(flat);
     reduce_add_lists(sources, results, /*accumulate=*/false);
     for (size_t j = 0; j < results.size(); ++j) {

@@ -1,0 +1,92 @@
+// The kernels as PyTorch operators: torch.ops.dpcore.pack, .unpack and
+// .reduce_add_n, with CPU, CUDA (in a CUDA build) and Meta implementations;
+// the Meta ones check shapes and dtypes only, so the ops trace under
+// torch.compile (fake tensors). No Python here: torch/library.h is libtorch.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "dpcore/flatten.h"
+#include "dpcore/kernels.h"
+
+namespace dpcore {
+namespace {
+
+void pack_op(at::TensorList tensors, const at::Tensor& flat) {
+  pack(tensors, FlatLayout::of(tensors), flat);
+}
+
+void unpack_op(const at::Tensor& flat, at::TensorList tensors) {
+  unpack(flat, FlatLayout::of(tensors), tensors);
+}
+
+void reduce_add_n_op(at::TensorList sources, const at::Tensor& out, bool accumulate) {
+  reduce_add_n(sources, out, accumulate);
+}
+
+// Meta (fake) implementations: checks that hold for symbolic shapes too,
+// so the ops trace under torch.compile with dynamic shapes.
+void check_flat_meta(at::TensorList tensors, const at::Tensor& flat, const char* op) {
+  c10::SymInt total = 0;
+  for (const at::Tensor& t : tensors) {
+    total = total + t.sym_numel();
+  }
+  TORCH_CHECK(flat.dim() == 1, op, ": expected 'flat' to be 1-D, but it has ", flat.dim(), " dims");
+  TORCH_SYM_CHECK(flat.sym_numel().sym_eq(total), op, ": expected 'flat' to hold every element of the tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(
+        tensors[i].scalar_type() == flat.scalar_type(), op, ": expected tensor ", i, " of dtype ",
+        flat.scalar_type(), " (the dtype of 'flat'), but it is ", tensors[i].scalar_type());
+  }
+}
+
+void pack_meta(at::TensorList tensors, const at::Tensor& flat) {
+  check_flat_meta(tensors, flat, "pack");
+}
+
+void unpack_meta(const at::Tensor& flat, at::TensorList tensors) {
+  check_flat_meta(tensors, flat, "unpack");
+}
+
+void reduce_add_n_meta(at::TensorList sources, const at::Tensor& out, bool /*accumulate*/) {
+  TORCH_CHECK(!sources.empty(), "reduce_add_n: expected at least one source tensor, but got none");
+  for (size_t i = 0; i < sources.size(); ++i) {
+    TORCH_CHECK(
+        sources[i].scalar_type() == out.scalar_type() && sources[i].dim() == out.dim(),
+        "reduce_add_n: expected sources[", i, "] of dtype ", out.scalar_type(), " with ", out.dim(),
+        " dims, but it is ", sources[i].scalar_type(), " with ", sources[i].dim());
+    for (int64_t d = 0; d < out.dim(); ++d) {
+      TORCH_SYM_CHECK(
+          sources[i].sym_size(d).sym_eq(out.sym_size(d)), "reduce_add_n: expected sources[", i,
+          "] to have the shape of 'out'");
+    }
+  }
+}
+
+} // namespace
+} // namespace dpcore
+
+TORCH_LIBRARY(dpcore, m) {
+  m.def("pack(Tensor[] tensors, Tensor(a!) flat) -> ()");
+  m.def("unpack(Tensor flat, Tensor(a!)[] tensors) -> ()");
+  m.def("reduce_add_n(Tensor[] sources, Tensor(a!) out, bool accumulate=False) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dpcore, CPU, m) {
+  m.impl("pack", &dpcore::pack_op);
+  m.impl("unpack", &dpcore::unpack_op);
+  m.impl("reduce_add_n", &dpcore::reduce_add_n_op);
+}
+
+#ifdef DPCORE_WITH_CUDA
+TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
+  m.impl("pack", &dpcore::pack_op);
+  m.impl("unpack", &dpcore::unpack_op);
+  m.impl("reduce_add_n", &dpcore::reduce_add_n_op);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(dpcore, Meta, m) {
+  m.impl("pack", &dpcore::pack_meta);
+  m.impl("unpack", &dpcore::unpack_meta);
+  m.impl("reduce_add_n", &dpcore::reduce_add_n_meta);
+}

@@ -1,0 +1,136 @@
+"""The kernels and host transfers against the baselines issue 4 names, each
+measured in the same run:
+
+* reduce_add_n of 4 buffers: GB/s counting bytes read and written, its
+  ratio to a device-to-device ``copy_`` of the same traffic, and its speedup
+  over the same sum done with torch adds;
+* pack of 3000 tensors of 3500 floats: speedup over ``torch.cat`` of their
+  flattened views;
+* (CUDA only) scatter of a pageable CPU batch to the device list, as a
+  fraction of one pinned host-to-device ``copy_`` of the same bytes, and
+  gather back to the CPU against ``torch.cuda.comm.gather(..., destination=-1)``.
+
+    python bench/bench_kernels.py --devices 0,0,0,0 --json out/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import dpcore  # noqa: F401  (registers torch.ops.dpcore)
+from dpcore import comm
+from dpcore.bench._common import environment, measure, parse_devices, print_table, write_json
+
+MiB = 1024 * 1024
+
+
+def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
+    """Measures the kernels on devices[0] and the host transfers over `devices`."""
+    repeats = repeats or (3 if quick else 10)
+    first = devices[0]
+    cuda = first.type == "cuda"
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, seconds: float, traffic: int | None, baseline: str, base_seconds: float, note: str = "") -> None:
+        rows.append({
+            "kernel": name,
+            "ms": seconds * 1e3,
+            "gbps": None if traffic is None else traffic / seconds / 1e9,
+            "baseline": baseline,
+            "baseline_ms": base_seconds * 1e3,
+            "ratio": base_seconds / seconds,
+            "note": note,
+        })
+        print(f"  {name}: {seconds * 1e3:.3f} ms; {baseline} {base_seconds * 1e3:.3f} ms; ratio {base_seconds / seconds:.2f}")
+
+    # reduce_add_n: K reads and one write per element.
+    nbytes = (64 if quick else 256) * MiB if cuda else (16 if quick else 64) * MiB
+    k = 4
+    sources = [torch.rand(nbytes // 4, device=first) for _ in range(k)]
+    out = torch.empty_like(sources[0])
+    traffic = (k + 1) * nbytes
+    t_ours = measure(lambda: torch.ops.dpcore.reduce_add_n(sources, out, False), [first], repeats=repeats)
+    src = torch.empty(traffic // 2 // 4, device=first)
+    dst = torch.empty_like(src)
+    t_copy = measure(lambda: dst.copy_(src), [first], repeats=repeats)
+    del src, dst
+
+    def torch_adds() -> None:
+        torch.add(sources[0], sources[1], out=out)
+        for s in sources[2:]:
+            out.add_(s)
+
+    t_torch = measure(torch_adds, [first], repeats=repeats)
+    add(f"reduce_add_n 4 x {nbytes // MiB} MiB", t_ours, traffic, "copy_ of same traffic", t_copy,
+        f"{t_torch / t_ours:.2f}x torch adds ({t_torch * 1e3:.3f} ms)")
+    del sources, out
+
+    # pack of many tiny tensors.
+    count = 750 if quick else 3000
+    tensors = [torch.randn(3500, device=first) for _ in range(count)]
+    flat = torch.empty(count * 3500, device=first)
+    t_pack = measure(lambda: torch.ops.dpcore.pack(tensors, flat), [first], repeats=repeats)
+    views = [t.view(-1) for t in tensors]
+    t_cat = measure(lambda: torch.cat(views), [first], repeats=repeats)
+    add(f"pack {count} x 3500 floats", t_pack, 2 * flat.numel() * 4, "torch.cat", t_cat)
+    del tensors, flat, views
+
+    if cuda:
+        nbytes = (64 if quick else 256) * MiB
+        batch = torch.randn(nbytes // 4 // 1024, 1024)  # pageable
+        pinned = torch.empty_like(batch).pin_memory()
+        on_gpu = torch.empty_like(batch, device=first)
+        t_pinned = measure(lambda: on_gpu.copy_(pinned, non_blocking=True), devices, repeats=repeats)
+        t_scatter = measure(lambda: comm.scatter(batch, devices), devices, repeats=repeats)
+        add(f"scatter {nbytes // MiB} MiB pageable CPU -> {len(devices)} devices", t_scatter, nbytes,
+            "pinned H2D copy_", t_pinned)
+        chunks = comm.scatter(batch, devices)
+        indices = [d.index for d in devices]
+        t_gather = measure(lambda: comm.gather(chunks, destination="cpu"), devices, repeats=repeats)
+        try:
+            t_torch_gather = measure(lambda: torch.cuda.comm.gather(chunks, 0, -1), devices, repeats=repeats)
+            add(f"gather {nbytes // MiB} MiB -> CPU", t_gather, nbytes, "torch.cuda.comm.gather(-1)", t_torch_gather)
+        except RuntimeError as error:
+            print(f"  torch.cuda.comm.gather unavailable here: {error}".splitlines()[0])
+        del indices
+    return {"benchmark": "kernels", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+
+
+COLUMNS = [
+    ("kernel", "kernel", "s"),
+    ("ms", "ms", ".3f"),
+    ("gbps", "GB/s", ".1f"),
+    ("baseline", "baseline", "s"),
+    ("baseline_ms", "baseline ms", ".3f"),
+    ("ratio", "x baseline", ".2f"),
+    ("note", "note", "s"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
+    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
+    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
+    try:
+        devices = parse_devices(spec)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"bench_kernels on {spec}")
+    result = run(devices, quick=args.quick, repeats=args.repeats)
+    print()
+    print_table(result["rows"], COLUMNS)
+    if args.json:
+        print(f"\nwrote {write_json(args.json, result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Tests for the digits demo, ``python -m dpcore.demo`` (dpcore/demo.py).
+
+The demo needs scikit-learn and tqdm (``pip install 'dpcore[demo]'``); the
+test environment installs them, so nothing here skips for want of them.
+Runs are kept short: one epoch, or a stratified subset (the hidden
+``--limit`` option)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import NO_GPU_REASON
+from dpcore import demo
+
+
+def _check_summary(summary: dict[str, Any], epochs: int, devices: int) -> None:
+    assert summary["agreement"] is True
+    check = summary["agreement_check"]
+    assert check["ok"] is True and check["steps"] == demo.CHECK_STEPS and check["atol"] == demo.CHECK_ATOL
+    assert len(check["max_abs_diff"]) == demo.CHECK_STEPS
+    assert all(0.0 <= d <= demo.CHECK_ATOL for d in check["max_abs_diff"] + check["loss_diff"])
+    assert summary["epochs"] == epochs and len(summary["history"]) == epochs
+    assert len(summary["devices"]) == devices
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    assert summary["final_accuracy"] == summary["history"][-1]["test_accuracy"]
+    assert summary["samples_per_second"] > 0 and summary["seconds"] > 0
+    for row in summary["history"]:
+        assert row["loss"] == row["loss"] and row["loss"] > 0  # finite, not NaN
+
+
+def test_one_epoch_on_four_cpu_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    summary = demo.main(["--epochs", "1", "--devices", "cpu:4", "--seed", "1"])
+    _check_summary(summary, epochs=1, devices=4)
+    assert summary["train_samples"] + summary["test_samples"] == 1797
+    assert summary["test_samples"] == 360  # 80/20
+    # One epoch already learns something: above chance (0.1; seed 1 gives
+    # 0.33) and a mean loss below that of uniform predictions, ln 10.
+    assert summary["final_accuracy"] > 0.2
+    assert summary["history"][0]["loss"] < math.log(10)
+    out, err = capsys.readouterr()
+    assert "agreement check passed" in out
+    assert "epoch 1/1" in out and "test accuracy" in out and "samples/s" in out
+    assert "final test acc" in out  # the summary table
+    assert "epoch 1/1" in err  # tqdm's bar
+
+
+def test_uneven_splits_on_a_subset(capsys: pytest.CaptureFixture[str]) -> None:
+    """Batch 7 on 3 devices (3, 2, 2), the last batch shorter, two epochs."""
+    summary = demo.main(["--epochs", "2", "--devices", "cpu:3", "--batch-size", "7", "--limit", "200", "--no-progress"])
+    _check_summary(summary, epochs=2, devices=3)
+    assert summary["train_samples"] == 160 and summary["test_samples"] == 40
+    out, err = capsys.readouterr()
+    assert "epoch 2/2" in out
+    assert "epoch 1/2" not in err  # --no-progress: no bar
+
+
+def test_single_device_and_batch_smaller_than_device_count() -> None:
+    _check_summary(
+        demo.main(["--epochs", "1", "--devices", "cpu", "--limit", "100", "--no-progress"]), epochs=1, devices=1
+    )
+    _check_summary(
+        demo.main(["--epochs", "1", "--devices", "cpu:4", "--batch-size", "2", "--limit", "60", "--no-progress"]),
+        epochs=1, devices=4,
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON)
+def test_one_epoch_on_a_repeated_gpu() -> None:
+    summary = demo.main(["--epochs", "1", "--devices", "0,0", "--no-progress"])
+    _check_summary(summary, epochs=1, devices=2)
+    assert summary["devices"] == ["cuda:0", "cuda:0"]
+
+
+def test_same_seed_same_run() -> None:
+    args = ["--epochs", "1", "--devices", "cpu:2", "--limit", "150", "--no-progress", "--seed", "3"]
+    first, second = demo.main(args), demo.main(args)
+    assert first["final_accuracy"] == second["final_accuracy"]
+    assert first["history"][0]["loss"] == pytest.approx(second["history"][0]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--epochs", "0"], "--epochs"),
+        (["--epochs", "-3"], "--epochs"),
+        (["--epochs", "two"], "--epochs"),
+        (["--devices", "cpu:0"], "--devices"),
+        (["--devices", "gpu"], "--devices"),
+        (["--devices", "99"], "--devices"),  # no GPU: none available; with GPUs: not visible
+        (["--batch-size", "0"], "--batch-size"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "-0.1"], "--lr"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("python -m dpcore.demo: error:") and option in last
+    assert out == ""  # nothing ran
+
+
+def test_cuda_index_without_gpu_is_an_option_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--devices 0` on a machine without a GPU (the CPU test machine; where a
+    GPU is present, `--devices 0` is valid and an unseen index stands in)."""
+    spec = "0" if not torch.cuda.is_available() else str(torch.cuda.device_count())
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--devices", spec])
+    assert exc.value.code == 2
+    assert "--devices" in capsys.readouterr().err
+
+
+def test_disagreement_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed float64 check stops the run before training: with a negative
+    tolerance nothing can agree."""
+    original = demo.check_agreement
+    monkeypatch.setattr(demo, "check_agreement", lambda *a, **k: original(*a, **{**k, "atol": -1.0}))
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress"])
+    assert exc.value.code == 1
+    out, err = capsys.readouterr()
+    assert "agreement check FAILED" in err
+    assert "epoch 1/1" not in out
+
+
+def test_check_agreement_detects_a_different_model() -> None:
+    """The check compares real parameters: a DataParallel whose replicas see a
+    different loss (here: labels shifted on the parallel side) disagrees."""
+    torch.manual_seed(0)
+    model = demo.digits_cnn()
+    x = torch.rand(32, 1, 8, 8)
+    y = torch.randint(0, 10, (32,))
+    order = list(torch.arange(32).split(8))
+    good = demo.check_agreement(model, [torch.device("cpu")] * 3, x, y, order, lr=0.1)
+    assert good["ok"] and good["steps"] == 3
+    before = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # model untouched
+
+    class Shifted(torch.nn.CrossEntropyLoss):
+        def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return super().forward(logits, (target + 1) % 10)
+
+    import dpcore
+
+    real = dpcore.DataParallel
+
+    def shifted_dp(module: torch.nn.Module, **kwargs: Any) -> Any:
+        return real(module, **{**kwargs, "criterion": Shifted()})
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dpcore, "DataParallel", shifted_dp)
+        bad = demo.check_agreement(model, [torch.device("cpu")] * 2, x, y, order, lr=0.1)
+    assert not bad["ok"] and max(bad["max_abs_diff"]) > 1e-6
+
+
+@pytest.mark.parametrize("module", ["sklearn", "tqdm"])
+def test_missing_dependency_names_the_extra(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--epochs", "1", "--devices", "cpu:2"])
+    message = str(exc.value.code)
+    assert "pip install 'dpcore[demo]'" in message and "\n" not in message
+    assert ("scikit-learn" if module == "sklearn" else "tqdm") in message
+
+
+def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--devices", "--epochs", "--batch-size", "--seed", "--lr"):
+        assert option in out
+    assert "--limit" not in out

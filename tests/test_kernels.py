@@ -1,0 +1,157 @@
+"""The kernels as operators (torch.ops.dpcore.pack / unpack / reduce_add_n):
+the CPU implementation against plain torch for every dtype, odd sizes,
+misaligned views and many tiny tensors; the CUDA implementation against the
+CPU reference (skips only without a GPU); torch.library.opcheck on CPU (and
+CUDA when present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dpcore  # noqa: F401  (registers torch.ops.dpcore)
+from conftest import requires_cuda
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+SIZES = [0, 1, 7, 2**20 + 3]
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+
+
+def _values(n: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    """Small exact integers (exact in every dtype used), pseudo-random."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50, (n,), generator=g).to(dtype).to(device)
+
+
+def _reference_sum(sources: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    acc = torch.zeros(sources[0].shape, dtype=torch.float64)
+    for s in sources:
+        acc += s.cpu().double()
+    if out is not None:
+        acc += out.cpu().double()
+    return acc
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [1, 2, 4, 9])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_reduce_add_n_matches_reference(device: str, dtype: torch.dtype, n: int, k: int, accumulate: bool) -> None:
+    if n > 1000 and k > 4:
+        k = 4  # keeps the large case quick; k = 9 (more than one CUDA launch's 8 sources) runs on small sizes
+    sources = [_values(n, dtype, device, seed) for seed in range(k)]
+    out = _values(n, dtype, device, 99)
+    expected = _reference_sum(sources, out if accumulate else None)
+    torch.ops.dpcore.reduce_add_n(sources, out, accumulate)
+    assert out.dtype == dtype and out.device.type == device
+    assert torch.equal(out.cpu().double(), expected.to(dtype).double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduce_add_n_half_accumulates_in_float(device: str) -> None:
+    step = 2.0**-11  # below float16's resolution at 1.0: summed in half, each add is lost
+    sources = [torch.ones(64, dtype=torch.float16, device=device)] + [
+        torch.full((64,), step, dtype=torch.float16, device=device) for _ in range(4)
+    ]
+    out = torch.empty(64, dtype=torch.float16, device=device)
+    torch.ops.dpcore.reduce_add_n(sources, out, False)
+    assert out[0].item() == pytest.approx(1.0 + 4 * step, abs=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reduce_add_n_misaligned_and_strided_views(device: str) -> None:
+    base = [_values(4 * 1001, torch.float32, device, s) for s in range(3)]
+    # Offset by one element: not 16-byte aligned, so the vector path must not be taken.
+    sources = [b[1:1001] for b in base]
+    out = torch.empty(4 * 1001, device=device)[3:1003]
+    torch.ops.dpcore.reduce_add_n(sources, out, False)
+    assert torch.equal(out.cpu().double(), _reference_sum(sources, None))
+    # Strided (non-dense) views take the ATen path.
+    strided = [b[::4] for b in base]
+    out2 = torch.empty(strided[0].shape, device=device)
+    torch.ops.dpcore.reduce_add_n(strided, out2, False)
+    assert torch.equal(out2.cpu().double(), _reference_sum(strided, None))
+
+
+def _tensor_list(device: str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Odd sizes, a misaligned view, a transposed and a channels_last tensor."""
+    big = _values(2**20 + 3, dtype, device, 1)
+    return [
+        _values(0, dtype, device, 2),
+        _values(1, dtype, device, 3),
+        _values(7, dtype, device, 4),
+        big[1:],  # misaligned
+        _values(12, dtype, device, 5).view(3, 4).t(),
+        _values(2 * 3 * 4 * 5, dtype, device, 6).view(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        _values(40, dtype, device, 7)[::3],  # not dense: packed in contiguous order
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_unpack_round_trip(device: str, dtype: torch.dtype) -> None:
+    tensors = _tensor_list(device, dtype)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    torch.ops.dpcore.pack(tensors, flat)
+    # Dense tensors are stored in memory order, others in logical order; the
+    # views that unflatten returns give every value back.
+    views = dpcore._C.unflatten(flat, tensors)
+    for t, v in zip(tensors, views):
+        assert torch.equal(v.cpu(), t.cpu())
+    outs = [torch.zeros_like(t) for t in tensors]
+    torch.ops.dpcore.unpack(flat, outs)
+    for t, o in zip(tensors, outs):
+        assert torch.equal(o.cpu(), t.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_many_tiny_tensors_matches_cat(device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3500, generator=g).to(device) for _ in range(3000)]
+    flat = torch.empty(3000 * 3500, device=device)
+    torch.ops.dpcore.pack(tensors, flat)
+    assert torch.equal(flat.cpu(), torch.cat([t.cpu() for t in tensors]))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_matches_cpu_reference() -> None:
+    cpu = _tensor_list("cpu", torch.float32)
+    cuda = [t.cuda() for t in cpu]
+    flat_cpu = torch.empty(sum(t.numel() for t in cpu))
+    flat_cuda = torch.empty(flat_cpu.numel(), device="cuda")
+    torch.ops.dpcore.pack(cpu, flat_cpu)
+    torch.ops.dpcore.pack(cuda, flat_cuda)
+    assert torch.equal(flat_cuda.cpu(), flat_cpu)
+
+
+def test_errors_name_the_argument() -> None:
+    with pytest.raises(RuntimeError, match="expected 'flat' to have 6 elements"):
+        torch.ops.dpcore.pack([torch.ones(3), torch.ones(3)], torch.empty(5))
+    with pytest.raises(RuntimeError, match=r"sources\[1\] of shape"):
+        torch.ops.dpcore.reduce_add_n([torch.ones(3), torch.ones(4)], torch.empty(3), False)
+    with pytest.raises(RuntimeError, match="at least one source"):
+        torch.ops.dpcore.reduce_add_n([], torch.empty(3), False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device: str) -> None:
+    tensors = [torch.randn(5, device=device), torch.randn(2, 3, device=device)]
+    torch.library.opcheck(torch.ops.dpcore.pack.default, (tensors, torch.empty(11, device=device)))
+    torch.library.opcheck(
+        torch.ops.dpcore.unpack.default, (torch.randn(11, device=device), [torch.empty(5, device=device), torch.empty(2, 3, device=device)])
+    )
+    torch.library.opcheck(
+        torch.ops.dpcore.reduce_add_n.default,
+        ([torch.randn(6, device=device) for _ in range(3)], torch.randn(6, device=device), True),
+    )
+
+
+def test_meta_shapes_trace() -> None:
+    """The Meta implementations accept fake tensors of the right shapes and
+    reject wrong ones (what torch.compile's tracing relies on)."""
+    meta = [torch.empty(5, device="meta"), torch.empty(2, 3, device="meta")]
+    torch.ops.dpcore.pack(meta, torch.empty(11, device="meta"))
+    with pytest.raises(RuntimeError, match="expected 'flat' to hold every element"):
+        torch.ops.dpcore.pack(meta, torch.empty(10, device="meta"))

@@ -105,7 +105,9 @@ def _extension():
     with_cuda = _want_cuda()
     arches = _arch_list() if with_cuda else ""
     _write_build_info(with_cuda, arches)
-    cxx = ["-O3"]
+    # at::parallel_for is an inline OpenMP template: without -fopenmp the
+    # kernels' parallel loops would silently run on one thread.
+    cxx = ["-O3", "-fopenmp"]
     define_macros = []
     include_dirs = [str(CSRC)]
     if with_cuda:
@@ -117,6 +119,7 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+            extra_link_args=["-fopenmp"],
         )
     return cpp_extension.CppExtension(
         "dpcore._C",
@@ -124,6 +127,7 @@ def _extension():
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx},
+        extra_link_args=["-fopenmp"],
     )
 
 

@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "dpcore/kernels.h"
@@ -15,39 +17,100 @@
 namespace dpcore {
 namespace {
 
-// Elements summed per block: the block's accumulators stay in L1 while the
-// K sources stream through, so memory sees K reads and one write.
-constexpr int64_t kBlock = 1024;
 constexpr int64_t kGrain = 32 * 1024;
+// Sources summed in one pass; more are folded in by further passes.
+constexpr size_t kMaxFused = 8;
 
+// out[j] (+)= sum_k sources[k][j] for j in [0, n), K fixed at compile time
+// so that the loop vectorizes with one load per source and one store per
+// element (K reads and one write: the memory-traffic minimum). out_t is the
+// element type or, for a multi-pass sum of half types, float.
+// Compiled for AVX2 and for the baseline ISA, picked at load time (GCC's
+// function multiversioning): the wheel must run on any x86-64.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DPCORE_TARGET_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DPCORE_TARGET_CLONES
+#endif
+
+template <typename scalar_t, typename out_t, size_t K>
+DPCORE_TARGET_CLONES void reduce_fixed(const scalar_t* const* sources, out_t* out, int64_t n, bool accumulate) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* s[K];
+  for (size_t k = 0; k < K; ++k) {
+    s[k] = sources[k];
+  }
+  if (accumulate) {
+    for (int64_t j = 0; j < n; ++j) {
+      acc_t acc = static_cast<acc_t>(out[j]);
+      for (size_t k = 0; k < K; ++k) {
+        acc += static_cast<acc_t>(s[k][j]);
+      }
+      out[j] = static_cast<out_t>(acc);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      acc_t acc = static_cast<acc_t>(s[0][j]);
+      for (size_t k = 1; k < K; ++k) {
+        acc += static_cast<acc_t>(s[k][j]);
+      }
+      out[j] = static_cast<out_t>(acc);
+    }
+  }
+}
+
+template <typename scalar_t, typename out_t>
+void reduce_group(const scalar_t* const* sources, size_t count, out_t* out, int64_t n, bool accumulate) {
+  switch (count) {
+    case 1: return reduce_fixed<scalar_t, out_t, 1>(sources, out, n, accumulate);
+    case 2: return reduce_fixed<scalar_t, out_t, 2>(sources, out, n, accumulate);
+    case 3: return reduce_fixed<scalar_t, out_t, 3>(sources, out, n, accumulate);
+    case 4: return reduce_fixed<scalar_t, out_t, 4>(sources, out, n, accumulate);
+    case 5: return reduce_fixed<scalar_t, out_t, 5>(sources, out, n, accumulate);
+    case 6: return reduce_fixed<scalar_t, out_t, 6>(sources, out, n, accumulate);
+    case 7: return reduce_fixed<scalar_t, out_t, 7>(sources, out, n, accumulate);
+    default: return reduce_fixed<scalar_t, out_t, kMaxFused>(sources, out, n, accumulate);
+  }
+}
+
+// Sums the sources over cache-sized blocks, up to kMaxFused sources per pass
+// (later passes find the block in cache). With more sources, half types are
+// summed in a float buffer so that nothing is rounded between passes.
 template <typename scalar_t>
 void reduce_dense(
     const std::vector<const scalar_t*>& sources, scalar_t* out, int64_t n, bool accumulate) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kBlock = 16 * 1024;
+  constexpr bool kWiderAccumulator = !std::is_same_v<acc_t, scalar_t>;
+  const size_t count = sources.size();
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    acc_t acc[kBlock];
+    std::vector<const scalar_t*> shifted(count);
+    std::unique_ptr<acc_t[]> wide;
+    if (kWiderAccumulator && count > kMaxFused) {
+      wide = std::make_unique<acc_t[]>(kBlock);
+    }
     for (int64_t start = begin; start < end; start += kBlock) {
-      const int64_t len = std::min(kBlock, end - start);
-      const scalar_t* first = sources[0] + start;
-      if (accumulate) {
-        const scalar_t* current = out + start;
-        for (int64_t j = 0; j < len; ++j) {
-          acc[j] = static_cast<acc_t>(current[j]) + static_cast<acc_t>(first[j]);
-        }
-      } else {
-        for (int64_t j = 0; j < len; ++j) {
-          acc[j] = static_cast<acc_t>(first[j]);
-        }
+      const int64_t len = std::min(end, start + kBlock) - start;
+      for (size_t k = 0; k < count; ++k) {
+        shifted[k] = sources[k] + start;
       }
-      for (size_t k = 1; k < sources.size(); ++k) {
-        const scalar_t* src = sources[k] + start;
-        for (int64_t j = 0; j < len; ++j) {
-          acc[j] += static_cast<acc_t>(src[j]);
+      if (!wide) {
+        for (size_t first = 0; first < count; first += kMaxFused) {
+          reduce_group<scalar_t, scalar_t>(
+              shifted.data() + first, std::min(kMaxFused, count - first), out + start, len,
+              accumulate || first > 0);
         }
+        continue;
       }
-      scalar_t* dst = out + start;
+      acc_t* buffer = wide.get();
       for (int64_t j = 0; j < len; ++j) {
-        dst[j] = static_cast<scalar_t>(acc[j]);
+        buffer[j] = accumulate ? static_cast<acc_t>(out[start + j]) : acc_t(0);
+      }
+      for (size_t first = 0; first < count; first += kMaxFused) {
+        reduce_group<scalar_t, acc_t>(shifted.data() + first, std::min(kMaxFused, count - first), buffer, len, true);
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        out[start + j] = static_cast<scalar_t>(buffer[j]);
       }
     }
   });

@@ -27,8 +27,6 @@ __all__ = ["replicate", "check_on_device", "ReplicaCache", "DEFAULT_BUCKET_BYTES
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
-# Attributes of a module's __dict__ a replica never shares with the master.
-_OWN = ("_parameters", "_buffers", "_modules")
 
 
 @contextlib.contextmanager
@@ -93,7 +91,7 @@ class ReplicaCache:
         self.targets = self.devices[1:]
         self.masters: list[nn.Module] = list(module.modules())
         self._index = {id(m): i for i, m in enumerate(self.masters)}
-        self._signature = self._compute_signature()
+        self._structure = _C.StructureSignature(self.masters)
         # Unique tensors (shared parameters appear once), and where each sits.
         self.tensors: list[torch.Tensor] = []
         self._slots: list[tuple[int, str, str, int]] = []  # (module index, kind, name, tensor index)
@@ -123,22 +121,23 @@ class ReplicaCache:
         for _ in self.targets:
             mods = [m._replicate_for_data_parallel() for m in self.masters]
             self.replica_modules.append(mods)
-
-    def _compute_signature(self) -> tuple[Any, ...]:
-        """What the cache's structure depends on, compared by identity."""
-        parts: list[Any] = []
-        for m in self.masters:
-            d = m.__dict__
-            # dtype, device and shape too: `module.double()` / `.to(device)`
-            # keep the Parameter objects but swap their data.
-            parts.append(tuple((k, id(v)) + _layout(v, True) for k, v in d["_parameters"].items()))
-            parts.append(tuple((k, id(v)) + _layout(v, False) for k, v in d["_buffers"].items()))
-            parts.append(tuple((k, id(v)) for k, v in d["_modules"].items()))
-        return tuple(parts)
+        # The per-step refresh of the replica modules runs in C++.
+        self._plan = _C.ReplicaSyncPlan(
+            self.masters,
+            self._hook_names,
+            [list(getattr(m, "_replica_private_attrs", ())) for m in self.masters],
+            [
+                [(name, -1 if child is None else self._index[id(child)]) for name, child in m._modules.items()]
+                for m in self.masters
+            ],
+            [(mi, 0 if kind == "_parameters" else 1, name, ti) for mi, kind, name, ti in self._slots],
+        )
 
     def valid(self) -> bool:
-        """False when the master's structure changed since the cache was built."""
-        return list(self.module.modules()) == self.masters and self._compute_signature() == self._signature
+        """False when the master's structure changed since the cache was built:
+        a parameter, buffer or child added, removed or replaced, or a tensor's
+        dtype, device, shape or requires_grad changed (checked in C++)."""
+        return self._structure.matches(self.masters)
 
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas (see the class guarantees)."""
@@ -162,38 +161,9 @@ class ReplicaCache:
         result: list[nn.Module] = [self.module]
         for j in range(n - 1):
             mods = self.replica_modules[j]
-            for mi, m in enumerate(self.masters):
-                self._sync(m, mods[mi], self._hook_names[mi], mods)
-            for mi, kind, name, ti in self._slots:
-                mods[mi].__dict__[kind][name] = None if ti < 0 else copies[j][ti]
+            self._plan.sync(mods, copies[j])
             result.append(mods[0])
         return result
-
-    def _sync(self, master: nn.Module, replica: nn.Module, hook_names: list[str], row: list[nn.Module]) -> None:
-        """Replica's __dict__ := master's, but its own parameter/buffer/module
-        dicts (children mapped to their replicas) and private hook dicts."""
-        own = {k: replica.__dict__[k] for k in _OWN}
-        # State a module keeps per object (a nested DataParallel's replica
-        # cache) is the replica's own, never the master's.
-        for k in getattr(master, "_replica_private_attrs", ()):
-            own[k] = replica.__dict__.get(k)
-        d = master.__dict__.copy()
-        d.update(own)
-        for name in hook_names:
-            hooks = d.get(name)
-            if isinstance(hooks, dict):
-                d[name] = hooks.copy()
-        d["_is_replica"] = True
-        replica.__dict__ = d
-        children = own["_modules"]
-        for cname, child in master._modules.items():
-            children[cname] = None if child is None else row[self._index[id(child)]]
-
-
-def _layout(t: torch.Tensor | None, param: bool) -> tuple[Any, ...]:
-    if t is None:
-        return (None,)
-    return (t.dtype, t.device, t.shape, t.requires_grad) if param else (t.dtype, t.device, t.shape)
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:

@@ -1,16 +1,22 @@
 #include "dpcore/worker_pool.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <thread>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace dpcore {
 namespace {
@@ -22,6 +28,11 @@ struct CallerState {
   at::ThreadLocalState tls;
   bool autocast_cache_enabled = at::autocast::is_autocast_cache_enabled();
   std::vector<std::optional<c10::Stream>> streams;
+  // Intra-op threads for each task (0: leave as is). When every task runs on
+  // the CPU, the caller's threads are shared out among the tasks: K replicas
+  // each opening a full OpenMP team would oversubscribe the cores, and the
+  // idle teams' spin-waiting would slow whatever runs next.
+  int intra_op_threads = 0;
 };
 
 class WorkerPool {
@@ -47,6 +58,10 @@ class WorkerPool {
       return errors;
     }
     CallerState state;
+    const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
+    if (all_cpu) {
+      state.intra_op_threads = std::max(1, at::get_num_threads() / static_cast<int>(tasks.size()));
+    }
     state.streams.reserve(tasks.size());
     for (const Task& task : tasks) {
       if (task.device.is_cpu()) {
@@ -102,6 +117,11 @@ class WorkerPool {
       std::exception_ptr error;
       try {
         at::ThreadLocalStateGuard tls_guard(state->tls);
+#ifdef _OPENMP
+        if (state->intra_op_threads > 0) {
+          omp_set_num_threads(state->intra_op_threads);  // this thread's teams only
+        }
+#endif
         const bool cache = at::autocast::is_autocast_cache_enabled();
         at::autocast::set_autocast_cache_enabled(state->autocast_cache_enabled);
         c10::DeviceGuard device_guard(task->device);

@@ -7,6 +7,7 @@ namespace dpcore {
 namespace python {
 
 void bind_parallel_apply(pybind11::module_& m);
+void bind_replica_sync(pybind11::module_& m);
 
 } // namespace python
 } // namespace dpcore

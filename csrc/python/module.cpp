@@ -167,4 +167,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("targets", &dpcore::BucketReplicas::targets);
 
   dpcore::python::bind_parallel_apply(m);
+  dpcore::python::bind_replica_sync(m);
 }

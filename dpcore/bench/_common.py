@@ -69,6 +69,33 @@ def measure(
     return statistics.median(times)
 
 
+def measure_against(
+    fn: Callable[[], Any],
+    baseline: Callable[[], Any],
+    devices: Sequence[torch.device],
+    *,
+    rounds: int = 5,
+    repeats: int = 4,
+) -> tuple[float, float]:
+    """Median times of `fn` and `baseline`, measured in alternating rounds so
+    that both see the same machine load (a noisy neighbour slows both, not
+    one of them). Returns (fn seconds, baseline seconds)."""
+    ours: list[float] = []
+    theirs: list[float] = []
+    for f in (fn, baseline):
+        f()
+        f()
+    synchronize(devices)
+    for _ in range(rounds):
+        for f, out in ((fn, ours), (baseline, theirs)):
+            for _ in range(repeats):
+                begin = time.perf_counter()
+                f()
+                synchronize(devices)
+                out.append(time.perf_counter() - begin)
+    return statistics.median(ours), statistics.median(theirs)
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts recorded next to every result."""
     import dpcore

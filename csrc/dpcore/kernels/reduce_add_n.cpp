@@ -73,47 +73,67 @@ void reduce_group(const scalar_t* const* sources, size_t count, out_t* out, int6
   }
 }
 
-// Sums the sources over cache-sized blocks, up to kMaxFused sources per pass
-// (later passes find the block in cache). With more sources, half types are
-// summed in a float buffer so that nothing is rounded between passes.
+// out[0, n) (+)= the sum of `count` sources, serially, over cache-sized
+// blocks with up to kMaxFused sources per pass (later passes find the block
+// in cache). With more sources, half types are summed in a float buffer so
+// that nothing is rounded between passes.
+template <typename scalar_t>
+void reduce_range(const scalar_t* const* sources, size_t count, scalar_t* out, int64_t n, bool accumulate) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kBlock = 16 * 1024;
+  if (std::is_same_v<acc_t, scalar_t> || count <= kMaxFused) {
+    for (size_t first = 0; first < count; first += kMaxFused) {
+      reduce_group<scalar_t, scalar_t>(
+          sources + first, std::min(kMaxFused, count - first), out, n, accumulate || first > 0);
+    }
+    return;
+  }
+  const auto buffer = std::make_unique<acc_t[]>(kBlock);
+  std::vector<const scalar_t*> shifted(count);
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(n, start + kBlock) - start;
+    for (size_t k = 0; k < count; ++k) {
+      shifted[k] = sources[k] + start;
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      buffer[j] = accumulate ? static_cast<acc_t>(out[start + j]) : acc_t(0);
+    }
+    for (size_t first = 0; first < count; first += kMaxFused) {
+      reduce_group<scalar_t, acc_t>(shifted.data() + first, std::min(kMaxFused, count - first), buffer.get(), len, true);
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      out[start + j] = static_cast<scalar_t>(buffer[j]);
+    }
+  }
+}
+
+// reduce_range over [0, n), its elements spread over the intra-op threads.
 template <typename scalar_t>
 void reduce_dense(
     const std::vector<const scalar_t*>& sources, scalar_t* out, int64_t n, bool accumulate) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr int64_t kBlock = 16 * 1024;
-  constexpr bool kWiderAccumulator = !std::is_same_v<acc_t, scalar_t>;
   const size_t count = sources.size();
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     std::vector<const scalar_t*> shifted(count);
-    std::unique_ptr<acc_t[]> wide;
-    if (kWiderAccumulator && count > kMaxFused) {
-      wide = std::make_unique<acc_t[]>(kBlock);
+    for (size_t k = 0; k < count; ++k) {
+      shifted[k] = sources[k] + begin;
     }
-    for (int64_t start = begin; start < end; start += kBlock) {
-      const int64_t len = std::min(end, start + kBlock) - start;
-      for (size_t k = 0; k < count; ++k) {
-        shifted[k] = sources[k] + start;
-      }
-      if (!wide) {
-        for (size_t first = 0; first < count; first += kMaxFused) {
-          reduce_group<scalar_t, scalar_t>(
-              shifted.data() + first, std::min(kMaxFused, count - first), out + start, len,
-              accumulate || first > 0);
-        }
-        continue;
-      }
-      acc_t* buffer = wide.get();
-      for (int64_t j = 0; j < len; ++j) {
-        buffer[j] = accumulate ? static_cast<acc_t>(out[start + j]) : acc_t(0);
-      }
-      for (size_t first = 0; first < count; first += kMaxFused) {
-        reduce_group<scalar_t, acc_t>(shifted.data() + first, std::min(kMaxFused, count - first), buffer, len, true);
-      }
-      for (int64_t j = 0; j < len; ++j) {
-        out[start + j] = static_cast<scalar_t>(buffer[j]);
-      }
-    }
+    reduce_range<scalar_t>(shifted.data(), count, out + begin, end - begin, accumulate);
   });
+}
+
+// Whether sources[k][i] for every k has outs[i]'s dtype and strides and is
+// dense (then entry i is summed through raw pointers).
+bool entry_is_dense(const TensorList2D& sources, const at::Tensor& out, size_t i, at::ScalarType dtype) {
+  if (out.scalar_type() != dtype || !out.is_non_overlapping_and_dense()) {
+    return false;
+  }
+  for (const auto& list : sources) {
+    const at::Tensor& s = list[i];
+    if (!s.strides().equals(out.strides()) || !s.is_non_overlapping_and_dense()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
@@ -198,35 +218,53 @@ void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate
 }
 
 void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool accumulate) {
-  // Large or irregular entries one by one (each spread over the threads),
-  // the small dense ones as one parallel loop over entries.
+  if (outs.empty()) {
+    return;
+  }
+  // Large or irregular entries one by one (each spread over the threads);
+  // the small dense ones, by raw pointers, as one parallel loop over entries
+  // (3000 tensors of 3500 floats cost no per-tensor dispatch).
+  const size_t count = sources.size();
+  const at::ScalarType dtype = outs[0].scalar_type();
   std::vector<size_t> small;
   small.reserve(outs.size());
-  std::vector<at::Tensor> column(sources.size());
+  std::vector<at::Tensor> column(count);
   for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t k = 0; k < sources.size(); ++k) {
+    const int64_t nbytes = static_cast<int64_t>(outs[i].numel() * outs[i].element_size());
+    if (nbytes == 0) {
+      continue;
+    }
+    if (nbytes < detail::kLargeTensorBytes && entry_is_dense(sources, outs[i], i, dtype)) {
+      small.push_back(i);
+      continue;
+    }
+    for (size_t k = 0; k < count; ++k) {
       column[k] = sources[k][i];
     }
-    const int64_t nbytes = static_cast<int64_t>(outs[i].numel() * outs[i].element_size());
-    if (nbytes < detail::kLargeTensorBytes && detail::same_dense_layout(column, outs[i])) {
-      small.push_back(i);
-    } else {
-      reduce_add_n(column, outs[i], accumulate);
-    }
+    reduce_add_n(column, outs[i], accumulate);
   }
-  at::parallel_for(
-      0, static_cast<int64_t>(small.size()), detail::kTensorsPerTask,
-      [&](int64_t begin, int64_t end) {
-        std::vector<at::Tensor> entry(sources.size());
-        for (int64_t b = begin; b < end; ++b) {
+  if (small.empty()) {
+    return;
+  }
+  AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(
+      at::kHalf, at::kBFloat16, at::kBool, dtype, "dpcore::reduce_add_lists", [&] {
+        std::vector<const scalar_t*> pointers(small.size() * count);
+        std::vector<scalar_t*> targets(small.size());
+        std::vector<int64_t> lengths(small.size());
+        for (size_t b = 0; b < small.size(); ++b) {
           const size_t i = small[b];
-          for (size_t k = 0; k < sources.size(); ++k) {
-            entry[k] = sources[k][i];
+          for (size_t k = 0; k < count; ++k) {
+            pointers[b * count + k] = sources[k][i].const_data_ptr<scalar_t>();
           }
-          // Dense with equal strides (checked above): no ATen op runs here,
-          // and the nested parallel_for inside runs inline.
-          reduce_add_n(entry, outs[i], accumulate);
+          targets[b] = outs[i].mutable_data_ptr<scalar_t>();
+          lengths[b] = outs[i].numel();
         }
+        at::parallel_for(
+            0, static_cast<int64_t>(small.size()), detail::kTensorsPerTask, [&](int64_t begin, int64_t end) {
+              for (int64_t b = begin; b < end; ++b) {
+                reduce_range<scalar_t>(pointers.data() + b * count, count, targets[b], lengths[b], accumulate);
+              }
+            });
       });
 }
 } // namespace cpu

@@ -42,7 +42,10 @@ def parallel_apply(
     "raised in replica i on device d" and its original traceback (also
     KeyboardInterrupt and other BaseExceptions); the pool stays usable.
     Nested calls (a module calling parallel_apply) and concurrent calls from
-    several threads do not deadlock.
+    several threads do not deadlock. Accelerator calls all run at once; CPU
+    calls run at most ``torch.get_num_threads()`` at a time, sharing those
+    intra-op threads (more would only contend for the cores and the GIL), so
+    a call must not wait for another call of the same parallel_apply.
     """
     n = len(modules)
     if len(inputs) != n:

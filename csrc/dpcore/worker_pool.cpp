@@ -58,9 +58,15 @@ class WorkerPool {
       return errors;
     }
     CallerState state;
+    // On the CPU, replicas share the caller's intra-op thread budget: at most
+    // that many run at once (more would only contend for cores and the GIL),
+    // each with its share of intra-op threads. Accelerator tasks all run at once.
     const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
+    size_t lanes = tasks.size();
     if (all_cpu) {
-      state.intra_op_threads = std::max(1, at::get_num_threads() / static_cast<int>(tasks.size()));
+      const int budget = std::max(1, at::get_num_threads());
+      lanes = std::min(tasks.size(), static_cast<size_t>(budget));
+      state.intra_op_threads = std::max(1, budget / static_cast<int>(lanes));
     }
     state.streams.reserve(tasks.size());
     for (const Task& task : tasks) {
@@ -72,7 +78,7 @@ class WorkerPool {
     }
     // Only run() changes generation_, and one call uses a pool at a time, so
     // reading it here is race-free; a new worker starts as having seen it.
-    while (threads_.size() < tasks.size()) {
+    while (threads_.size() < lanes) {
       const size_t index = threads_.size();
       const uint64_t start = generation_;
       threads_.emplace_back([this, index, start] { loop(index, start); });
@@ -80,10 +86,10 @@ class WorkerPool {
     }
     std::unique_lock<std::mutex> lock(mutex_);
     tasks_ = &tasks;
-    task_count_ = tasks.size();
+    lanes_ = lanes;
     errors_ = &errors;
     state_ = &state;
-    remaining_ = tasks.size();
+    remaining_ = lanes;
     ++generation_;
     work_ready_.notify_all();
     all_done_.wait(lock, [this] { return remaining_ == 0; });
@@ -94,13 +100,15 @@ class WorkerPool {
   }
 
  private:
-  // Worker `index`: runs task `index` of every generation that has one. A
-  // worker without a task in a generation touches only task_count_, which
-  // stays valid after run() returns (tasks_ does not).
+  // Worker `index`: in every generation with more than `index` lanes, runs
+  // tasks index, index + lanes, ... A worker without work in a generation
+  // touches only lanes_, which stays valid after run() returns (tasks_ does
+  // not).
   void loop(size_t index, uint64_t seen) {
     for (;;) {
-      const Task* task = nullptr;
+      const std::vector<Task>* tasks = nullptr;
       const CallerState* state = nullptr;
+      size_t lanes = 0;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         work_ready_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -108,43 +116,56 @@ class WorkerPool {
           return;
         }
         seen = generation_;
-        if (index >= task_count_) {
+        if (index >= lanes_) {
           continue;
         }
-        task = &(*tasks_)[index];
+        tasks = tasks_;
         state = state_;
+        lanes = lanes_;
       }
-      std::exception_ptr error;
-      try {
-        at::ThreadLocalStateGuard tls_guard(state->tls);
-#ifdef _OPENMP
-        if (state->intra_op_threads > 0) {
-          omp_set_num_threads(state->intra_op_threads);  // this thread's teams only
+      std::vector<std::pair<size_t, std::exception_ptr>> failures;
+      for (size_t i = index; i < tasks->size(); i += lanes) {
+        if (auto error = run_one((*tasks)[i], *state, i)) {
+          failures.emplace_back(i, std::move(error));
         }
-#endif
-        const bool cache = at::autocast::is_autocast_cache_enabled();
-        at::autocast::set_autocast_cache_enabled(state->autocast_cache_enabled);
-        c10::DeviceGuard device_guard(task->device);
-        c10::OptionalStreamGuard stream_guard;
-        if (state->streams[index]) {
-          stream_guard.reset_stream(*state->streams[index]);
-        }
-        try {
-          task->fn();
-        } catch (...) {
-          at::autocast::set_autocast_cache_enabled(cache);
-          throw;
-        }
-        at::autocast::set_autocast_cache_enabled(cache);
-      } catch (...) {
-        error = std::current_exception();
       }
       std::lock_guard<std::mutex> lock(mutex_);
-      (*errors_)[index] = std::move(error);
+      for (auto& [i, error] : failures) {
+        (*errors_)[i] = std::move(error);
+      }
       if (--remaining_ == 0) {
         all_done_.notify_all();
       }
     }
+  }
+
+  // Runs one task under the caller's state; returns its exception, if any.
+  static std::exception_ptr run_one(const Task& task, const CallerState& state, size_t i) {
+    try {
+      at::ThreadLocalStateGuard tls_guard(state.tls);
+#ifdef _OPENMP
+      if (state.intra_op_threads > 0) {
+        omp_set_num_threads(state.intra_op_threads);  // this thread's teams only
+      }
+#endif
+      const bool cache = at::autocast::is_autocast_cache_enabled();
+      at::autocast::set_autocast_cache_enabled(state.autocast_cache_enabled);
+      c10::DeviceGuard device_guard(task.device);
+      c10::OptionalStreamGuard stream_guard;
+      if (state.streams[i]) {
+        stream_guard.reset_stream(*state.streams[i]);
+      }
+      try {
+        task.fn();
+      } catch (...) {
+        at::autocast::set_autocast_cache_enabled(cache);
+        throw;
+      }
+      at::autocast::set_autocast_cache_enabled(cache);
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
   }
 
   std::mutex mutex_;
@@ -154,7 +175,7 @@ class WorkerPool {
   const std::vector<Task>* tasks_ = nullptr;
   std::vector<std::exception_ptr>* errors_ = nullptr;
   const CallerState* state_ = nullptr;
-  size_t task_count_ = 0;
+  size_t lanes_ = 0;
   size_t remaining_ = 0;
   uint64_t generation_ = 0;
   bool stop_ = false;

@@ -19,8 +19,11 @@ struct Task {
   std::function<void()> fn;
 };
 
-// Runs tasks[i] on worker thread i of a pool whose threads are created once
-// and reused by later calls. Each task runs with the caller's thread-local
+// Runs every task on the worker threads of a pool whose threads are created
+// once and reused by later calls: accelerator tasks each on a thread of its
+// own, all at once; CPU tasks on at most at::get_num_threads() threads at
+// once (the caller's intra-op budget, shared out among them), since more
+// would only contend for the cores. Each task runs with the caller's thread-local
 // state (grad mode, inference mode, autocast enabled/dtype/cache flag, saved
 // tensor hooks, dispatch and function modes), under a device guard for its
 // device and with the caller's current stream on that device as the

@@ -22,7 +22,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpcore import comm
-from dpcore.bench._common import environment, measure, parse_devices, print_table, write_json
+from dpcore.bench._common import environment, measure, measure_against, parse_devices, print_table, write_json
 
 MiB = 1024 * 1024
 
@@ -150,13 +150,18 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
     repeats = repeats or (3 if quick else 10)
     first = devices[0]
     rows: list[dict[str, Any]] = []
-    copy_cache: dict[int, float] = {}
 
     for name, shapes in payloads(quick):
         nbytes, cases = _cases(devices, shapes)
         for op, traffic, ours, theirs in cases:
-            seconds = measure(ours, devices, repeats=repeats)
-            copy = _copy_seconds(traffic // 2, first, repeats, copy_cache)
+            # The copy_ baseline alternates with the collective, so a noisy
+            # neighbour on this shared machine slows both rather than one.
+            src = torch.ones(traffic // 2 // 4, device=first)
+            dst = torch.empty_like(src)
+            seconds, copy = measure_against(
+                ours, lambda: dst.copy_(src), devices, rounds=5, repeats=max(2, repeats // 2)
+            )
+            del src, dst
             torch_seconds = None
             if theirs is not None:
                 try:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import environment, measure, parse_devices, print_table, write_json
+from dpcore.bench._common import environment, measure, measure_against, parse_devices, print_table, write_json
 
 
 def mlp(depth: int = 50, width: int = 64) -> nn.Module:
@@ -98,8 +98,14 @@ def run(
         def measure_step(fn: Callable[[], Any]) -> float:
             return measure(fn, devices, warmup=3, repeats=repeats, min_seconds=min_seconds)
 
-        t_dp = measure_step(lambda: _train_step(dp, opt, x, y))
-        t_split = measure_step(lambda: _split_step(model, opt, xs, ys))
+        # dpcore and its baseline alternate, so machine noise hits both alike.
+        t_dp, t_split = measure_against(
+            lambda: _train_step(dp, opt, x, y),
+            lambda: _split_step(model, opt, xs, ys),
+            devices,
+            rounds=5,
+            repeats=max(2, repeats // 5),
+        )
         t_plain = measure_step(lambda: _train_step(model, opt, x, y))
 
         def refresh() -> None:

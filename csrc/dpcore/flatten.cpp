@@ -1,6 +1,7 @@
 #include "dpcore/flatten.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <map>
@@ -57,12 +58,18 @@ at::Tensor FlatLayout::view(const at::Tensor& flat, size_t i) const {
 }
 
 std::vector<at::Tensor> FlatLayout::unflatten(const at::Tensor& flat) const {
+  // Each entry is a fresh TensorImpl on flat's storage: no view metadata, no
+  // autograd history, and a version counter of its own (see the
+  // version-counter note in torch/csrc/cuda/comm.cpp for why). Built
+  // directly rather than through as_strided: thousands of small parameters
+  // per step make the dispatcher's per-call cost show.
   std::vector<at::Tensor> result;
   result.reserve(size());
+  const c10::Storage& storage = flat.storage();
   for (size_t i = 0; i < size(); ++i) {
-    // variable_data(): same storage, a version counter of its own (see the
-    // version-counter note in torch/csrc/cuda/comm.cpp for why).
-    result.emplace_back(view(flat, i).variable_data());
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage), flat.key_set(), flat.dtype());
+    impl->set_sizes_and_strides(sizes[i], strides[i], flat.storage_offset() + offsets[i]);
+    result.emplace_back(std::move(impl));
   }
   return result;
 }

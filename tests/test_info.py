@@ -4,10 +4,8 @@ torch-version check."""
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest

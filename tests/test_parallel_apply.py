@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest

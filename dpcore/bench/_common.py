@@ -130,3 +130,35 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def bench_main(
+    name: str,
+    doc: str | None,
+    run: Callable[..., dict[str, Any]],
+    columns: Sequence[tuple[str, str, str]],
+    argv: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The command line every benchmark shares: --devices, --quick,
+    --repeats, --json; runs `run(devices, quick=, repeats=)`, prints the
+    table of its rows and writes the JSON. Bad --devices exit 2 naming it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
+    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
+    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
+    try:
+        devices = parse_devices(spec)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"{name} on {spec}")
+    result = run(devices, quick=args.quick, repeats=args.repeats)
+    print()
+    print_table(result["rows"], columns)
+    if args.json:
+        print(f"\nwrote {write_json(args.json, result)}")
+    return result

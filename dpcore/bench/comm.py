@@ -14,7 +14,6 @@ add, split+copy_ and cat).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -22,7 +21,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpcore import comm
-from dpcore.bench._common import environment, measure, measure_against, parse_devices, print_table, write_json
+from dpcore.bench._common import bench_main, environment, measure, measure_against
 
 MiB = 1024 * 1024
 
@@ -245,25 +244,8 @@ SWEEP_COLUMNS = [
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
-    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
-    args = parser.parse_args(argv)
-    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
-    try:
-        devices = parse_devices(spec)
-    except ValueError as error:
-        parser.error(str(error))
-    print(f"bench_comm on {spec}")
-    result = run(devices, quick=args.quick, repeats=args.repeats)
-    print()
-    print_table(result["rows"], COLUMNS)
-    if args.json:
-        print(f"\nwrote {write_json(args.json, result)}")
-    return result
-
+    """Command line: see the module docstring."""
+    return bench_main("bench_comm", __doc__, run, COLUMNS, argv)
 
 if __name__ == "__main__":
     main()

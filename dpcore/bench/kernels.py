@@ -15,7 +15,6 @@ measured in the same run:
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 import dpcore  # noqa: F401  (registers torch.ops.dpcore)
 from dpcore import comm
-from dpcore.bench._common import environment, measure, parse_devices, print_table, write_json
+from dpcore.bench._common import bench_main, environment, measure
 
 MiB = 1024 * 1024
 
@@ -89,14 +88,12 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
         add(f"scatter {nbytes // MiB} MiB pageable CPU -> {len(devices)} devices", t_scatter, nbytes,
             "pinned H2D copy_", t_pinned)
         chunks = comm.scatter(batch, devices)
-        indices = [d.index for d in devices]
         t_gather = measure(lambda: comm.gather(chunks, destination="cpu"), devices, repeats=repeats)
         try:
             t_torch_gather = measure(lambda: torch.cuda.comm.gather(chunks, 0, -1), devices, repeats=repeats)
             add(f"gather {nbytes // MiB} MiB -> CPU", t_gather, nbytes, "torch.cuda.comm.gather(-1)", t_torch_gather)
         except RuntimeError as error:
             print(f"  torch.cuda.comm.gather unavailable here: {error}".splitlines()[0])
-        del indices
     return {"benchmark": "kernels", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
 
 
@@ -112,25 +109,8 @@ COLUMNS = [
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
-    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
-    args = parser.parse_args(argv)
-    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
-    try:
-        devices = parse_devices(spec)
-    except ValueError as error:
-        parser.error(str(error))
-    print(f"bench_kernels on {spec}")
-    result = run(devices, quick=args.quick, repeats=args.repeats)
-    print()
-    print_table(result["rows"], COLUMNS)
-    if args.json:
-        print(f"\nwrote {write_json(args.json, result)}")
-    return result
-
+    """Command line: see the module docstring."""
+    return bench_main("bench_kernels", __doc__, run, COLUMNS, argv)
 
 if __name__ == "__main__":
     main()

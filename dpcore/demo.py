@@ -26,7 +26,6 @@ import argparse
 import copy
 import itertools
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -179,25 +178,6 @@ def _default_devices() -> str:
     return "cpu:4"
 
 
-def _cpu_count() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _replica_threads(devices: Sequence[torch.device]) -> int | None:
-    """Intra-op threads for a CPU device list: each CPU replica already runs
-    on its own worker thread, so torch's intra-op threads on top would
-    oversubscribe the cores (4 replicas x 2 threads on 2 cores runs at about
-    half the speed of 4 x 1); the cores are shared out instead. None for
-    CUDA lists (torch's setting is left alone)."""
-    if devices[0].type != "cpu":
-        return None
-    return max(1, _cpu_count() // len(devices))
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo with command-line arguments `argv` (default sys.argv[1:]).
 
     Returns the summary: {"devices", "epochs", "batch_size", "lr", "seed",
-    "threads_per_replica" (intra-op threads set for a CPU device list, else
-    None; restored on return), "train_samples", "test_samples",
+    "train_samples", "test_samples",
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed),
     "agreement_check" (its details, see check_agreement), "history" (one
@@ -259,17 +238,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     scikit-learn or tqdm is missing or the agreement check fails."""
     args, devices, spec = _parse(argv)
     _require_demo_deps()
-    threads = _replica_threads(devices)
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        return _run(args, devices, spec, threads)
-    finally:
-        torch.set_num_threads(previous)
+    return _run(args, devices, spec)
 
 
-def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, threads: int | None) -> dict[str, Any]:
+def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> dict[str, Any]:
     """The demo proper, once the options are checked (see main)."""
     from tqdm import tqdm
 
@@ -284,7 +256,6 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, threa
         f"dpcore.demo: digits CNN on {len(devices)} device(s) [{names}] ({spec}); "
         f"{len(y_train)} train / {len(y_test)} test images, batch {args.batch_size}, "
         f"{args.epochs} epoch(s), SGD lr {args.lr} (momentum 0.9, cosine decay), seed {args.seed}"
-        + ("" if threads is None else f"; {threads} intra-op thread(s) per CPU replica ({_cpu_count()} cores)")
     )
 
     # The check's batches are the run's first ones (repeated when the whole
@@ -358,7 +329,6 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, threa
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
-        "threads_per_replica": threads,
         "train_samples": len(y_train),
         "test_samples": len(y_test),
         "final_accuracy": history[-1]["test_accuracy"],

@@ -85,7 +85,7 @@ def _arch_list() -> str:
 def _sources(with_cuda: bool) -> list[str]:
     patterns = ["dpcore/*.cpp", "dpcore/comm/*.cpp", "dpcore/kernels/*.cpp", "python/*.cpp"]
     if with_cuda:
-        patterns.append("dpcore/cuda/*.cu")
+        patterns += ["dpcore/cuda/*.cpp", "dpcore/cuda/*.cu"]
     sources: list[str] = []
     for pattern in patterns:
         sources.extend(sorted(str(p.relative_to(ROOT)) for p in CSRC.glob(pattern)))

@@ -13,10 +13,11 @@ import torch
 
 import dpcore
 from dpcore import _build_info, _loader
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, requires_cuda, subprocess_env
 
 
-EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices"}
+EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices",
+                 "peer_access"}
 
 
 def test_info_keys() -> None:
@@ -45,6 +46,25 @@ def test_info_devices() -> None:
     assert len(devices) == 1 + visible
     for i, entry in enumerate(devices[1:]):
         assert entry.startswith(f"cuda:{i} (")
+
+
+def test_info_peer_access() -> None:
+    peer = dpcore.info()["peer_access"]
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    expected_pairs = {f"cuda:{i} -> cuda:{j}" for i in range(visible) for j in range(visible) if i != j}
+    assert set(peer) == expected_pairs  # empty below two GPUs
+    assert all(isinstance(ok, bool) for ok in peer.values())
+
+
+def test_peer_access_rejects_non_cuda_devices() -> None:
+    with pytest.raises(RuntimeError, match=r"peer_access: expected CUDA devices, but devices\[1\] is cpu"):
+        dpcore._C.peer_access([torch.device("cuda", 0), torch.device("cpu")])
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_peer_access_of_one_device_with_itself_is_not_listed() -> None:
+    assert dpcore._C.peer_access([torch.device("cuda", 0)] * 2) == {}
 
 
 def test_extension_built_against_imported_torch() -> None:

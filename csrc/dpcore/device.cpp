@@ -1,9 +1,14 @@
 #include "dpcore/device.h"
 
+#include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
+
+#ifdef DPCORE_WITH_CUDA
+#include "dpcore/cuda/peer_access.h"
+#endif
 
 namespace dpcore {
 
@@ -55,6 +60,42 @@ c10::Device current_device(c10::DeviceType type) {
       c10::impl::hasDeviceGuardImpl(type), "no support for device type ",
       c10::DeviceTypeName(type), " is loaded");
   return c10::impl::getDeviceGuardImpl(type)->getDevice();
+}
+
+c10::Stream current_stream(c10::Device device) {
+  device = normalize_device(device);
+  if (device.is_cpu()) {
+    return c10::Stream(c10::Stream::DEFAULT, device);
+  }
+  return c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+}
+
+bool can_access_directly(c10::Device reader, c10::Device owner) {
+  reader = normalize_device(reader);
+  owner = normalize_device(owner);
+  if (reader == owner) {
+    return true;
+  }
+#ifdef DPCORE_WITH_CUDA
+  if (reader.is_cuda() && owner.is_cuda()) {
+    return cuda::peer_access(reader.index(), owner.index());
+  }
+#endif
+  return false;
+}
+
+void order_after(c10::Device consumer, c10::Device producer) {
+  if (consumer.type() != producer.type() || !supports_events(consumer.type())) {
+    return;
+  }
+  const c10::Stream produced_on = current_stream(producer);
+  const c10::Stream consumed_on = current_stream(consumer);
+  if (produced_on == consumed_on) {
+    return;
+  }
+  c10::Event event(producer.type());
+  event.record(produced_on);
+  event.block(consumed_on);
 }
 
 bool supports_events(c10::DeviceType type) {

@@ -27,6 +27,21 @@ std::vector<c10::Device> check_devices(
 // The current device of `type` (for CUDA: torch.cuda.current_device()).
 c10::Device current_device(c10::DeviceType type);
 
+// The current stream of `device` (CPU has one, the default).
+c10::Stream current_stream(c10::Device device);
+
+// Whether kernels running on `reader` may read memory of `owner` directly:
+// the same device, or two CUDA devices with peer access (enabled on the
+// first ask, once per ordered pair, through torch's own peer-access cache so
+// that torch's copies and ours agree). Always false between distinct devices
+// in a CPU build.
+bool can_access_directly(c10::Device reader, c10::Device owner);
+
+// Makes the current stream of `consumer` wait for the work queued so far on
+// the current stream of `producer`, without blocking the host. A no-op for
+// device types without events (CPU work is synchronous) and for one stream.
+void order_after(c10::Device consumer, c10::Device producer);
+
 // Whether `type` supports c10::Event (CPU does not; its copies are synchronous).
 bool supports_events(c10::DeviceType type);
 

@@ -121,6 +121,13 @@ std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket) {
   return result;
 }
 
+at::Tensor flat_alias(const at::Tensor& tensor, const FlatLayout& layout) {
+  if (layout.size() != 1 || !layout.matches(0, tensor)) {
+    return at::Tensor();
+  }
+  return tensor.as_strided({tensor.numel()}, {1}, tensor.storage_offset());
+}
+
 at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
   TORCH_CHECK(!tensors.empty(), "flatten: expected at least one tensor");
   at::Tensor flat = empty_flat(tensors[0], tensors[0].device(), layout.numel);

@@ -56,6 +56,11 @@ std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes);
 // The tensors of `list` at `bucket.indices`.
 std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket);
 
+// `tensor`'s elements as a 1-D view of its own memory when `layout` is its
+// layout alone and it is dense (a copy would only reproduce its bytes);
+// undefined otherwise.
+at::Tensor flat_alias(const at::Tensor& tensor, const FlatLayout& layout);
+
 // A fresh flat buffer holding `tensors` (all on one device) laid out as
 // `layout`, on `tensors`' device. Uses dpcore::pack.
 at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout);

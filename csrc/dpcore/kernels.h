@@ -19,7 +19,10 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 
 // out = sum(sources), or out += sum(sources) when `accumulate`, in one pass
 // over memory. Every source has out's shape and dtype and lives on out's
-// device; half types accumulate in float. K >= 1 sources.
+// device or, for CUDA, on a device whose memory out's device reads directly
+// (peer access): such sources are read in place, after the work queued on
+// their device's current stream, and kept alive until out's stream is done
+// with them. Half types accumulate in float. K >= 1 sources.
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate);
 
 // outs[i] = sum over k of sources[k][i] (or += when `accumulate`) for every

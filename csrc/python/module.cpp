@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dpcore/comm.h"
+#include "dpcore/device.h"
 #include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
@@ -149,6 +150,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "Counters of the caching allocator for large CPU buffers of the collectives.");
   m.def("host_cache_clear", &dpcore::host_cache_clear, "Frees every cached CPU buffer.");
+  m.def(
+      "peer_access",
+      [](const Devices& devices) {
+        for (size_t i = 0; i < devices.size(); ++i) {
+          TORCH_CHECK(
+              devices[i].is_cuda(), "peer_access: expected CUDA devices, but devices[", i,
+              "] is ", devices[i]);
+        }
+        py::dict result;
+        for (const c10::Device& reader : devices) {
+          for (const c10::Device& owner : devices) {
+            if (reader != owner) {
+              result[py::make_tuple(reader.index(), owner.index())] =
+                  dpcore::can_access_directly(reader, owner);
+            }
+          }
+        }
+        return result;
+      },
+      py::arg("devices"),
+      "{(reader, owner): whether kernels on CUDA device `reader` read memory of `owner` "
+      "directly}, for every ordered pair of distinct `devices`; asking enables access "
+      "where the hardware allows it.");
 
   // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (csrc/dpcore/ops.cpp).
 

@@ -150,7 +150,8 @@ TEST(Errors, ReduceAddN) {
                    dpcore::reduce_add_n({a}, at::Tensor(), false));
   EXPECT_C10_ERROR("reduce_add_n: expected a dense 'out', but it has layout Sparse",
                    dpcore::reduce_add_n({a}, a.to_sparse(), false));
-  EXPECT_C10_ERROR("expected sources[1] on cpu (the device of 'out'), but it is on meta",
+  EXPECT_C10_ERROR("expected sources[1] on cpu (the device of 'out') or on a device whose memory "
+                   "it can read directly (peer access), but it is on meta",
                    dpcore::reduce_add_n({a, meta_tensor({2, 3})}, out, true));
   EXPECT_C10_ERROR("expected sources[0] of dtype Float (the dtype of 'out'), but it is Double",
                    dpcore::reduce_add_n({a.to(at::kDouble)}, out, false));

@@ -39,7 +39,40 @@ TEST(Device, NormalizeAndCheck) {
   EXPECT_EQ(dpcore::sizes_str({}), "[]");
 }
 
+TEST(Device, DirectAccessAndStreamOrdering) {
+  const c10::Device cpu(c10::kCPU);
+  // The same memory is always readable; CPU and meta are not peers.
+  EXPECT_TRUE(dpcore::can_access_directly(cpu, c10::Device(c10::kCPU, 0)));
+  EXPECT_TRUE(dpcore::can_access_directly(dpcore_test::meta(), dpcore_test::meta()));
+  EXPECT_FALSE(dpcore::can_access_directly(cpu, dpcore_test::meta()));
+  EXPECT_FALSE(dpcore::can_access_directly(dpcore_test::meta(), cpu));
+  EXPECT_EQ(dpcore::current_stream(c10::Device(c10::kCPU, 0)), c10::Stream(c10::Stream::DEFAULT, cpu));
+  // CPU work is synchronous: ordering is a no-op, also across device types.
+  EXPECT_NO_THROW(dpcore::order_after(cpu, cpu));
+  EXPECT_NO_THROW(dpcore::order_after(cpu, dpcore_test::meta()));
+}
+
 // ------------------------------------------------------------------- flatten
+
+TEST(FlatLayout, FlatAlias) {
+  // A dense tensor alone in its layout: a 1-D view of its own bytes.
+  for (const at::Tensor& t : {values({3, 4}), values({4, 3}).t(),
+                              values({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast),
+                              values({5, 3}).narrow(0, 1, 3)}) {
+    const auto layout = dpcore::FlatLayout::of({t});
+    const at::Tensor alias = dpcore::flat_alias(t, layout);
+    ASSERT_TRUE(alias.defined());
+    EXPECT_EQ(alias.dim(), 1);
+    EXPECT_EQ(alias.numel(), t.numel());
+    EXPECT_EQ(alias.data_ptr(), t.data_ptr());
+    EXPECT_TRUE(same_values(alias, dpcore::flatten({t}, layout)));
+  }
+  // Not dense, or not alone: no alias.
+  const at::Tensor strided = values({4, 6}).slice(1, 0, 6, 2);
+  EXPECT_FALSE(dpcore::flat_alias(strided, dpcore::FlatLayout::of({strided})).defined());
+  const at::Tensor a = values({2});
+  EXPECT_FALSE(dpcore::flat_alias(a, dpcore::FlatLayout::of({a, a})).defined());
+}
 
 TEST(FlatLayout, OffsetsSizesAndStrides) {
   const std::vector<at::Tensor> list = {

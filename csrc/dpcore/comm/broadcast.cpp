@@ -25,15 +25,6 @@ at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
   return copy;
 }
 
-// `tensor`'s elements as one flat 1-D view when it is dense and stored in the
-// order `layout` gives it; undefined otherwise.
-at::Tensor as_flat(const at::Tensor& tensor, const FlatLayout& layout) {
-  if (layout.size() != 1 || !layout.matches(0, tensor)) {
-    return at::Tensor();
-  }
-  return tensor.as_strided({tensor.numel()}, {1}, tensor.storage_offset());
-}
-
 } // namespace
 
 std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices_in) {
@@ -91,7 +82,7 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
   // For another device, the bucket is flattened once on the source and the
   // flat buffer copied over; for a repeat of the source device, the members
   // are packed straight into that buffer (one pass, no staging).
-  at::Tensor source_flat = as_flat(members[0], layout);
+  at::Tensor source_flat = flat_alias(members[0], layout);
   for (const at::Tensor& flat : flats) {
     c10::DeviceGuard guard(flat.device());
     if (normalize_device(flat.device()) == source) {

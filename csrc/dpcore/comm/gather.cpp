@@ -8,6 +8,9 @@
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
 #include "dpcore/host_allocator.h"
+#ifdef DPCORE_WITH_CUDA
+#include "dpcore/cuda/host_staging.h"
+#endif
 
 namespace dpcore {
 namespace {
@@ -48,13 +51,26 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
   return wrapped;
 }
 
+// Copies tensors[i] into its slice of `out` along `dim`. Into a CPU `out`,
+// the data has landed when this returns.
 void copy_slices(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
   c10::NoGradGuard no_grad;
-  c10::DeviceGuard guard(out.device());
+  std::vector<at::Tensor> slices;
+  slices.reserve(tensors.size());
   int64_t start = 0;
   for (const at::Tensor& t : tensors) {
-    out.narrow(dim, start, t.size(dim)).copy_(t, /*non_blocking=*/true);
+    slices.push_back(out.narrow(dim, start, t.size(dim)));
     start += t.size(dim);
+  }
+#ifdef DPCORE_WITH_CUDA
+  if (out.is_cpu() && tensors[0].is_cuda()) {
+    cuda::devices_to_host(tensors, slices);
+    return;
+  }
+#endif
+  c10::DeviceGuard guard(out.device());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    slices[i].copy_(tensors[i], /*non_blocking=*/!out.is_cpu());
   }
 }
 

@@ -53,6 +53,33 @@ at::Tensor on_device(const at::Tensor& tensor, c10::Device device) {
   return tensor.to(device, /*non_blocking=*/true);
 }
 
+// `tensor` where reduce_add_n on `device` can read it: itself when on
+// `device` or on a device whose memory `device` reads directly (peer access;
+// reduce_add_n orders the streams), else a copy on `device`.
+at::Tensor readable_on(const at::Tensor& tensor, c10::Device device) {
+  if (can_access_directly(device, tensor.device())) {
+    return tensor;
+  }
+  return tensor.to(device, /*non_blocking=*/true);
+}
+
+// Bucket `members` (all on `device`) as one flat buffer laid out as `layout`
+// that reduce_add_n on `dest` can read: the member's own memory when it is
+// the whole bucket, else packed on `device`; copied to `dest` when `dest`
+// cannot read `device`'s memory.
+at::Tensor flat_source(
+    const std::vector<at::Tensor>& members,
+    const FlatLayout& layout,
+    c10::Device device,
+    c10::Device dest) {
+  c10::DeviceGuard guard(device);
+  at::Tensor flat = flat_alias(members[0], layout);
+  if (!flat.defined()) {
+    flat = flatten(members, layout);
+  }
+  return readable_on(flat, dest);
+}
+
 at::Tensor sum_sparse(at::TensorList tensors, c10::Device destination) {
   at::Tensor result = tensors[0].to(destination, /*non_blocking=*/true, /*copy=*/true);
   for (size_t i = 1; i < tensors.size(); ++i) {
@@ -75,7 +102,7 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
   std::vector<at::Tensor> sources;
   sources.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
-    sources.push_back(on_device(t, dest));
+    sources.push_back(readable_on(t, dest));
   }
   at::Tensor out = empty_preserving(sources[0], dest);
   reduce_add_n(sources, out, /*accumulate=*/false);
@@ -136,6 +163,22 @@ std::vector<at::Tensor> reduce_add_coalesced(
       continue;
     }
     const FlatLayout layout = FlatLayout::of(select(inputs[0], bucket));
+    at::Tensor flat = empty_flat(inputs[0][bucket.indices[0]], dest, layout.numel);
+    std::vector<at::Tensor> results = layout.unflatten(flat);
+    if (dest.is_cuda()) {
+      // One pack launch per device and one reduce launch reading every
+      // device's flat buffer in place (peer access) beat a launch per tensor.
+      std::vector<at::Tensor> flats;
+      flats.reserve(inputs.size());
+      for (size_t k = 0; k < inputs.size(); ++k) {
+        flats.push_back(flat_source(select(inputs[k], bucket), layout, list_devices[k], dest));
+      }
+      reduce_add_n(flats, flat, /*accumulate=*/false);
+      for (size_t j = 0; j < results.size(); ++j) {
+        outputs[bucket.indices[j]] = std::move(results[j]);
+      }
+      continue;
+    }
     // Sources on the destination are read in place; the others are
     // flattened on their device and the flat buffer copied over.
     TensorList2D sources;
@@ -155,8 +198,6 @@ std::vector<at::Tensor> reduce_add_coalesced(
         sources.push_back(std::move(views));
       }
     }
-    at::Tensor flat = empty_flat(inputs[0][bucket.indices[0]], dest, layout.numel);
-    std::vector<at::Tensor> results = layout.unflatten(flat);
     reduce_add_lists(sources, results, /*accumulate=*/false);
     for (size_t j = 0; j < results.size(); ++j) {
       outputs[bucket.indices[j]] = std::move(results[j]);

@@ -10,6 +10,9 @@
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
+#ifdef DPCORE_WITH_CUDA
+#include "dpcore/cuda/host_staging.h"
+#endif
 
 namespace dpcore {
 namespace {
@@ -60,6 +63,18 @@ at::Tensor move_chunk(
       c10::MemoryFormat::Preserve);
 }
 
+// Consecutive views of `tensor` along `dim` of the given sizes.
+std::vector<at::Tensor> split(const at::Tensor& tensor, int64_t dim, c10::IntArrayRef sizes) {
+  std::vector<at::Tensor> chunks;
+  chunks.reserve(sizes.size());
+  int64_t start = 0;
+  for (const int64_t size : sizes) {
+    chunks.push_back(tensor.narrow(dim, start, size));
+    start += size;
+  }
+  return chunks;
+}
+
 } // namespace
 
 std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts) {
@@ -101,13 +116,14 @@ std::vector<at::Tensor> scatter(
   }
   check_streams(streams, devices);
   c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> chunks;
-  chunks.reserve(devices.size());
-  int64_t start = 0;
+  std::vector<at::Tensor> chunks = split(tensor, dim, sizes);
+#ifdef DPCORE_WITH_CUDA
+  if (tensor.is_cpu() && devices[0].is_cuda()) {
+    return cuda::host_to_devices(chunks, devices, {}, streams);
+  }
+#endif
   for (size_t i = 0; i < devices.size(); ++i) {
-    at::Tensor chunk = tensor.narrow(dim, start, sizes[i]);
-    start += sizes[i];
-    chunks.push_back(move_chunk(chunk, devices[i], at::Tensor(), streams, i));
+    chunks[i] = move_chunk(chunks[i], devices[i], at::Tensor(), streams, i);
   }
   return chunks;
 }
@@ -146,11 +162,20 @@ void scatter_out(
   const auto checked = check_devices(devices, "scatter", "the devices of out");
   check_streams(streams, checked);
   c10::NoGradGuard no_grad;
-  int64_t start = 0;
+  std::vector<int64_t> sizes;
+  sizes.reserve(outs.size());
+  for (const at::Tensor& out : outs) {
+    sizes.push_back(out.size(dim));
+  }
+  const std::vector<at::Tensor> chunks = split(tensor, dim, sizes);
+#ifdef DPCORE_WITH_CUDA
+  if (tensor.is_cpu() && checked[0].is_cuda()) {
+    cuda::host_to_devices(chunks, checked, outs, streams);
+    return;
+  }
+#endif
   for (size_t i = 0; i < outs.size(); ++i) {
-    at::Tensor chunk = tensor.narrow(dim, start, outs[i].size(dim));
-    start += outs[i].size(dim);
-    move_chunk(chunk, checked[i], outs[i], streams, i);
+    move_chunk(chunks[i], checked[i], outs[i], streams, i);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dpcore/device.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -85,10 +86,28 @@ bool aligned16(const void* p) {
 
 } // namespace
 
-void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate) {
+void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumulate) {
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard guard(out.device());
-  if (!detail::same_dense_layout(sources, out)) {
+  std::vector<at::Tensor> sources = sources_in.vec();
+  const bool dense = detail::same_dense_layout(sources, out);
+  std::vector<c10::Device> ordered;
+  for (at::Tensor& source : sources) {
+    if (source.device() == out.device()) continue;
+    if (!dense) {
+      // ATen's fallback needs every operand on out's device.
+      source = source.to(out.device(), /*non_blocking=*/true);
+      continue;
+    }
+    // Read in place through peer access: after its producer, and its memory
+    // not reused before out's stream has read it.
+    if (std::find(ordered.begin(), ordered.end(), source.device()) == ordered.end()) {
+      order_after(out.device(), source.device());
+      ordered.push_back(source.device());
+    }
+    source.record_stream(at::cuda::getCurrentCUDAStream());
+  }
+  if (!dense) {
     detail::reduce_add_n_aten(sources, out, accumulate);
     return;
   }

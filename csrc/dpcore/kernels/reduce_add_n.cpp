@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dpcore/device.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -146,8 +147,10 @@ void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
   for (size_t i = 0; i < sources.size(); ++i) {
     const at::Tensor& s = sources[i];
     TORCH_CHECK(
-        s.device() == out.device(), "reduce_add_n: expected sources[", i, "] on ",
-        out.device(), " (the device of 'out'), but it is on ", s.device());
+        s.device() == out.device() || can_access_directly(out.device(), s.device()),
+        "reduce_add_n: expected sources[", i, "] on ", out.device(), " (the device of 'out') ",
+        "or on a device whose memory it can read directly (peer access), but it is on ",
+        s.device());
     TORCH_CHECK(
         s.scalar_type() == out.scalar_type(), "reduce_add_n: expected sources[", i,
         "] of dtype ", out.scalar_type(), " (the dtype of 'out'), but it is ", s.scalar_type());

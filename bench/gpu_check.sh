@@ -4,8 +4,8 @@
 # tests (device lists on the one GPU, repeats included), then bench_comm,
 # bench_kernels and bench_step on [0, 0, 0, 0], writing JSON and a log into
 # $OUT. Budget: 8 minutes; each step has its own timeout so a hang cannot eat
-# the rest, and a failed step does not stop the later ones (the exit status
-# says whether any failed).
+# the rest, and a failed step after the build does not stop the later ones
+# (the exit status says whether any failed); a failed build stops the script.
 # Usage (device tool): bash bench/gpu_check.sh      Env: OUT, CUDA_HOME, PYTHON
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,15 @@ step() {  # step NAME TIMEOUT COMMAND...
 }
 
 step "environment" 60 "$py" -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')"
+# Any dpcore installed before is removed first, so that a failed build cannot
+# leave the later steps testing a stale one; without a build they would mean
+# nothing, so the script stops there.
+"$py" -m pip uninstall -q -y dpcore >/dev/null 2>&1 || true
 step "build (arch $TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)" 240 "$py" -m pip install -q --no-build-isolation "$root"
+if [ $failed != 0 ]; then
+  echo "gpu_check: the build failed; nothing else was run. Log: $OUT/log.txt"
+  exit 1
+fi
 cd "$OUT"  # import the installed dpcore, not the source folder
 step "info" 60 "$py" -m dpcore.info
 step "CUDA tests" 150 "$py" -m pytest "$root/tests" -q -m cuda -p no:cacheprovider -x --junitxml="$OUT/pytest-cuda.xml"

@@ -3,7 +3,8 @@
 Device lists:
 
 * ``devices``: CPU device lists ``["cpu"] * k`` for k = 1..4 (always run).
-* ``cuda_devices``: CUDA device lists, including the repeated ``[0, 0]``;
+* ``cuda_devices``: CUDA device lists, including the repeated ``[0, 0]`` and
+  ``[0, 0, 0, 0]``;
   skipped only when ``torch.cuda.is_available()`` is False.
 * ``any_devices``: both of the above, so that one test body runs on CPU lists
   and, where a GPU is present, on CUDA lists.
@@ -28,10 +29,11 @@ CPU_DEVICE_LISTS: list[list[DeviceLike]] = [["cpu"] * k for k in range(1, 5)]
 
 
 def _cuda_device_lists() -> list[list[DeviceLike]]:
-    """CUDA lists to test: one GPU, the same GPU twice, and every GPU (in
-    both orders) where there are several. The first two exist on every
-    machine (and skip without a GPU), so the skip is visible in reports."""
-    lists: list[list[DeviceLike]] = [[0], [0, 0]]
+    """CUDA lists to test: one GPU, the same GPU twice and four times (how a
+    single-GPU machine stands in for four), and every GPU (in both orders)
+    where there are several. The first three exist on every machine (and
+    skip without a GPU), so the skip is visible in reports."""
+    lists: list[list[DeviceLike]] = [[0], [0, 0], [0, 0, 0, 0]]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count >= 2:
         lists.append(list(range(count)))
@@ -67,7 +69,7 @@ def devices(request: pytest.FixtureRequest) -> list[DeviceLike]:
 
 @pytest.fixture(params=CUDA_PARAMS)
 def cuda_devices(request: pytest.FixtureRequest) -> list[DeviceLike]:
-    """A CUDA device list ([0], [0, 0], and multi-GPU lists where present)."""
+    """A CUDA device list ([0], [0, 0], [0, 0, 0, 0], and multi-GPU lists where present)."""
     return list(request.param)
 
 

@@ -114,6 +114,26 @@ def test_gather_out_to_host(any_devices: list[DeviceLike]) -> None:
     assert torch.equal(out, batch)  # read at once: the data has landed
 
 
+def test_host_transfers_resolve_lazy_conjugate_and_negative_views(any_devices: list[DeviceLike]) -> None:
+    # Their bytes are not their values: moved as values, never as bytes.
+    real = host_batch((32, 70_000))
+    lazy = {
+        "conj": torch.complex(real, real + 0.5).conj(),
+        "neg": torch._neg_view(real),
+    }
+    for kind, view in lazy.items():
+        values = view.resolve_conj().resolve_neg()
+        chunks = comm.scatter(view, any_devices)
+        for chunk, want in zip(chunks, expected_chunks(values, len(any_devices))):
+            assert torch.equal(chunk.resolve_conj().resolve_neg().cpu(), want), kind
+        devices = [as_torch_device(d) for d in any_devices]
+        parts = [w.to(d) for w, d in zip(expected_chunks(values, len(any_devices)), devices)]
+        lazy_parts = [p.conj() if kind == "conj" else torch._neg_view(p.neg()) for p in parts]
+        gathered = comm.gather(lazy_parts, destination="cpu")
+        want = values.conj().resolve_conj() if kind == "conj" else values
+        assert torch.equal(gathered.resolve_conj().resolve_neg(), want), kind
+
+
 def test_scatter_gather_host_round_trip_dtypes(any_devices: list[DeviceLike]) -> None:
     for dtype in (torch.float16, torch.int32, torch.bool):
         batch = host_batch((32, 70_000), dtype=dtype)

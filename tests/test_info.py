@@ -57,14 +57,24 @@ def test_info_peer_access() -> None:
 
 
 def test_peer_access_rejects_non_cuda_devices() -> None:
-    with pytest.raises(RuntimeError, match=r"peer_access: expected CUDA devices, but devices\[1\] is cpu"):
-        dpcore._C.peer_access([torch.device("cuda", 0), torch.device("cpu")])
+    with pytest.raises(RuntimeError, match=r"peer_access: expected CUDA devices, but devices\[0\] is cpu"):
+        dpcore._C.peer_access([torch.device("cpu"), torch.device("cpu")])
+    with pytest.raises(RuntimeError, match=r"peer_access: expected at least one device in 'devices'"):
+        dpcore._C.peer_access([])
 
 
 @requires_cuda
 @pytest.mark.cuda
 def test_peer_access_of_one_device_with_itself_is_not_listed() -> None:
     assert dpcore._C.peer_access([torch.device("cuda", 0)] * 2) == {}
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_peer_access_checks_device_indices() -> None:
+    count = torch.cuda.device_count()
+    with pytest.raises(RuntimeError, match=f"devices\\[1\\] is cuda:{count}, but only {count} cuda device"):
+        dpcore._C.peer_access([torch.device("cuda", 0), torch.device("cuda", count)])
 
 
 def test_extension_built_against_imported_torch() -> None:

@@ -114,6 +114,40 @@ def test_pack_many_tiny_tensors_matches_cat(device: str) -> None:
     assert torch.equal(flat.cpu(), torch.cat([t.cpu() for t in tensors]))
 
 
+def _lazy_views(device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(view with a lazy bit, the same values materialised): a conjugate view
+    of a complex tensor and a negative view of a real one, whose bytes are
+    not their values."""
+    z = torch.complex(torch.arange(12.0), torch.arange(12.0) + 0.5).reshape(3, 4).to(device)
+    x = torch.arange(12.0).reshape(3, 4).to(device)
+    conj = z.conj()
+    neg = torch._neg_view(x)
+    assert conj.is_conj() and neg.is_neg()
+    return {"conj": (conj, conj.resolve_conj()), "neg": (neg, neg.resolve_neg())}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_kernels_resolve_lazy_conjugate_and_negative_views(device: str, kind: str) -> None:
+    view, values = _lazy_views(device)[kind]
+    # pack and unpack: values, not bytes.
+    flat = torch.empty(2 * values.numel(), dtype=values.dtype, device=device)
+    torch.ops.dpcore.pack([view, values], flat)
+    assert torch.equal(flat.cpu(), torch.cat([values.flatten(), values.flatten()]).cpu())
+    back = torch.zeros_like(values)
+    torch.ops.dpcore.unpack(flat[: values.numel()], [back])
+    assert torch.equal(back, values)
+    # reduce_add_n with a lazy source, and into a lazy out.
+    out = torch.empty_like(values)
+    torch.ops.dpcore.reduce_add_n([view, values], out, False)
+    assert torch.equal(out, 2 * values)
+    base = values.clone()
+    lazy_out = base.conj() if kind == "conj" else torch._neg_view(base)
+    before = lazy_out.resolve_conj().resolve_neg().clone()
+    torch.ops.dpcore.reduce_add_n([values], lazy_out, True)
+    assert torch.equal(lazy_out.resolve_conj().resolve_neg(), before + values)
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_cuda_matches_cpu_reference() -> None:

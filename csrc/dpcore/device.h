@@ -42,6 +42,14 @@ bool can_access_directly(c10::Device reader, c10::Device owner);
 // device types without events (CPU work is synchronous) and for one stream.
 void order_after(c10::Device consumer, c10::Device producer);
 
+// Whether a copy into memory on `destination` may return before the data has
+// landed: yes for an accelerator, whose streams order the work that follows;
+// never for the host, which reads the data next (a non_blocking copy from a
+// GPU into pinned host memory would otherwise race the reader).
+inline bool may_copy_async(c10::Device destination) {
+  return !destination.is_cpu();
+}
+
 // Whether `type` supports c10::Event (CPU does not; its copies are synchronous).
 bool supports_events(c10::DeviceType type);
 

@@ -48,9 +48,13 @@ int64_t FlatLayout::nbytes() const {
       : numel * static_cast<int64_t>(c10::elementSize(dtype));
 }
 
+bool is_plain_dense(const at::Tensor& t) {
+  return t.layout() == c10::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() &&
+      !t.is_neg();
+}
+
 bool FlatLayout::matches(size_t i, const at::Tensor& t) const {
-  return t.sizes().equals(sizes[i]) && t.strides().equals(strides[i]) &&
-      t.is_non_overlapping_and_dense();
+  return t.sizes().equals(sizes[i]) && t.strides().equals(strides[i]) && is_plain_dense(t);
 }
 
 at::Tensor FlatLayout::view(const at::Tensor& flat, size_t i) const {

@@ -13,6 +13,12 @@ namespace dpcore {
 
 using TensorList2D = std::vector<std::vector<at::Tensor>>;
 
+// Whether `t`'s values are exactly the bytes of one dense block of memory
+// starting at its data pointer: strided, non-overlapping and dense, and with
+// no lazy conjugate or negative bit (which make its values differ from its
+// bytes). Byte-level copies and raw-pointer kernels take only such tensors.
+bool is_plain_dense(const at::Tensor& t);
+
 // Where each tensor of a list lives inside one flat, contiguous 1-D buffer.
 // A tensor whose elements are dense in memory (contiguous, channels_last, any
 // permutation) keeps its strides, so its view in the buffer has the same

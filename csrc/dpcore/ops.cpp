@@ -85,6 +85,22 @@ TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
 }
 #endif
 
+// Tensors with a lazy conjugate or negative bit reach the implementations
+// as they are (their byte-level fast paths take only plain tensors, and ATen
+// copies resolve the rest): no materialised copies of inputs, and mutable
+// outputs with such a bit work, which the generic fallbacks refuse.
+TORCH_LIBRARY_IMPL(dpcore, Conjugate, m) {
+  m.impl("pack", torch::CppFunction::makeFallthrough());
+  m.impl("unpack", torch::CppFunction::makeFallthrough());
+  m.impl("reduce_add_n", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(dpcore, Negative, m) {
+  m.impl("pack", torch::CppFunction::makeFallthrough());
+  m.impl("unpack", torch::CppFunction::makeFallthrough());
+  m.impl("reduce_add_n", torch::CppFunction::makeFallthrough());
+}
+
 TORCH_LIBRARY_IMPL(dpcore, Meta, m) {
   m.impl("pack", &dpcore::pack_meta);
   m.impl("unpack", &dpcore::unpack_meta);

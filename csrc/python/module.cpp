@@ -152,12 +152,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("host_cache_clear", &dpcore::host_cache_clear, "Frees every cached CPU buffer.");
   m.def(
       "peer_access",
-      [](const Devices& devices) {
-        for (size_t i = 0; i < devices.size(); ++i) {
-          TORCH_CHECK(
-              devices[i].is_cuda(), "peer_access: expected CUDA devices, but devices[", i,
-              "] is ", devices[i]);
-        }
+      [](const Devices& devices_in) {
+        const auto devices = dpcore::check_devices(devices_in, "peer_access");
+        TORCH_CHECK(
+            devices[0].is_cuda(), "peer_access: expected CUDA devices, but devices[0] is ",
+            devices[0]);
         py::dict result;
         for (const c10::Device& reader : devices) {
           for (const c10::Device& owner : devices) {

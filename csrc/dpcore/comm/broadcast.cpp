@@ -18,10 +18,10 @@ namespace {
 at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
   c10::DeviceGuard guard(device);
   if (tensor.layout() != c10::kStrided) {
-    return tensor.to(device, tensor.scalar_type(), /*non_blocking=*/true, /*copy=*/true);
+    return tensor.to(device, tensor.scalar_type(), may_copy_async(device), /*copy=*/true);
   }
   at::Tensor copy = empty_preserving(tensor, device);
-  copy.copy_(tensor, /*non_blocking=*/true);
+  copy.copy_(tensor, may_copy_async(device));
   return copy;
 }
 
@@ -71,7 +71,7 @@ void broadcast_out(const at::Tensor& tensor, at::TensorList outs) {
       continue;
     }
     c10::DeviceGuard guard(out.device());
-    out.copy_(tensor, /*non_blocking=*/true);
+    out.copy_(tensor, may_copy_async(out.device()));
   }
 }
 
@@ -91,7 +91,7 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
       if (!source_flat.defined()) {
         source_flat = flatten(members, layout);
       }
-      flat.copy_(source_flat, /*non_blocking=*/true);
+      flat.copy_(source_flat, may_copy_async(flat.device()));
     }
   }
 }

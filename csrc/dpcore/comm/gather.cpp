@@ -70,7 +70,7 @@ void copy_slices(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
 #endif
   c10::DeviceGuard guard(out.device());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    slices[i].copy_(tensors[i], /*non_blocking=*/!out.is_cpu());
+    slices[i].copy_(tensors[i], may_copy_async(out.device()));
   }
 }
 

@@ -50,7 +50,7 @@ at::Tensor on_device(const at::Tensor& tensor, c10::Device device) {
   if (normalize_device(tensor.device()) == device) {
     return tensor;
   }
-  return tensor.to(device, /*non_blocking=*/true);
+  return tensor.to(device, may_copy_async(device));
 }
 
 // `tensor` where reduce_add_n on `device` can read it: itself when on
@@ -60,7 +60,7 @@ at::Tensor readable_on(const at::Tensor& tensor, c10::Device device) {
   if (can_access_directly(device, tensor.device())) {
     return tensor;
   }
-  return tensor.to(device, /*non_blocking=*/true);
+  return tensor.to(device, may_copy_async(device));
 }
 
 // Bucket `members` (all on `device`) as one flat buffer laid out as `layout`
@@ -81,7 +81,7 @@ at::Tensor flat_source(
 }
 
 at::Tensor sum_sparse(at::TensorList tensors, c10::Device destination) {
-  at::Tensor result = tensors[0].to(destination, /*non_blocking=*/true, /*copy=*/true);
+  at::Tensor result = tensors[0].to(destination, may_copy_async(destination), /*copy=*/true);
   for (size_t i = 1; i < tensors.size(); ++i) {
     result.add_(on_device(tensors[i], destination));
   }
@@ -189,7 +189,7 @@ std::vector<at::Tensor> reduce_add_coalesced(
         sources.push_back(std::move(members));
       } else {
         c10::DeviceGuard source_guard(list_devices[k]);
-        at::Tensor staged = flatten(members, layout).to(dest, /*non_blocking=*/true);
+        at::Tensor staged = flatten(members, layout).to(dest, may_copy_async(dest));
         std::vector<at::Tensor> views;
         views.reserve(layout.size());
         for (size_t j = 0; j < layout.size(); ++j) {

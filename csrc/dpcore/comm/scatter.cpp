@@ -55,11 +55,11 @@ at::Tensor move_chunk(
     stream_guard.reset_stream(*(*streams)[i]);
   }
   if (out.defined()) {
-    out.copy_(chunk, /*non_blocking=*/true);
+    out.copy_(chunk, may_copy_async(device));
     return out;
   }
   return chunk.to(
-      device, chunk.scalar_type(), /*non_blocking=*/true, /*copy=*/false,
+      device, chunk.scalar_type(), may_copy_async(device), /*copy=*/false,
       c10::MemoryFormat::Preserve);
 }
 

@@ -15,6 +15,7 @@
 #include <optional>
 #include <utility>
 
+#include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
 
 namespace dpcore {
@@ -46,6 +47,16 @@ class StagingRing {
   static StagingRing& instance() {
     static StagingRing* ring = std::make_unique<StagingRing>().release();
     return *ring;
+  }
+
+  // Every slot is allocated here, so that no allocation can fail halfway
+  // through a transfer.
+  StagingRing() : slots_(kStagingSlots) {
+    for (Slot& slot : slots_) {
+      slot.buffer = at::empty(
+          {kStagingSlotBytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      slot.data = static_cast<char*>(slot.buffer.mutable_data_ptr());
+    }
   }
 
   std::unique_lock<std::mutex> lock() {
@@ -132,24 +143,25 @@ class StagingRing {
     Slot& slot = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
     slot.wait();
-    if (!slot.buffer.defined()) {
-      slot.buffer = at::empty(
-          {kStagingSlotBytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      slot.data = static_cast<char*>(slot.buffer.mutable_data_ptr());
-    }
     return slot;
   }
 
   std::mutex mutex_;
-  std::vector<Slot> slots_ = std::vector<Slot>(kStagingSlots);
+  std::vector<Slot> slots_;
   size_t next_ = 0;
   std::vector<std::optional<CUDAStream>> side_streams_;
 };
 
-// Whether `host` takes the ring: pageable and large enough to pay for it.
-bool staged(const at::Tensor& host) {
+// Whether a copy between `host` and `device` (same shape and dtype) takes
+// the ring: the host side pageable and large enough to pay for it, and both
+// sides' values their bytes (no lazy conjugate or negative bit; ATen's own
+// copy resolves those).
+bool staged(const at::Tensor& host, const at::Tensor& device) {
+  const auto plain = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_conj() && !t.is_neg();
+  };
   return host.numel() * static_cast<int64_t>(host.element_size()) >= kMinStagedBytes &&
-      !host.is_pinned();
+      plain(host) && plain(device) && !host.is_pinned();
 }
 
 // `stream` waits for the work queued so far on `producer`.
@@ -167,14 +179,14 @@ void copy_host_to_device(StagingRing& ring, const at::Tensor& chunk, const at::T
   if (out.numel() == 0) {
     return;
   }
-  if (!staged(chunk)) {
+  if (!staged(chunk, out)) {
     out.copy_(chunk, /*non_blocking=*/true);
     return;
   }
   // The ring moves bytes: both sides must hold the elements in one order.
-  at::Tensor target = out.is_non_overlapping_and_dense() ? out : at::empty(out.sizes(), out.options());
+  at::Tensor target = is_plain_dense(out) ? out : at::empty(out.sizes(), out.options());
   at::Tensor source = chunk;
-  if (!chunk.is_non_overlapping_and_dense() || !chunk.strides().equals(target.strides())) {
+  if (!is_plain_dense(chunk) || !chunk.strides().equals(target.strides())) {
     source = empty_like_layout(chunk, c10::Device(c10::kCPU), target.sizes(), target.strides());
     source.copy_(chunk);
   }
@@ -220,12 +232,21 @@ std::vector<at::Tensor> host_to_devices(
         wait_for(copy, current);  // the caller's stream may still be using out
       }
     }
-    copy_host_to_device(ring, chunks[i], out);
-    if (!given) {
-      wait_for(current, copy);
-      // out's memory must outlive the copy stream's and the caller's use.
-      out.record_stream(outs.empty() ? c10::Stream(current) : c10::Stream(copy));
+    // The caller's stream waits for the copies, and out's memory outlives
+    // both streams' use; also when a copy fails after others were queued.
+    const auto hand_over = [&] {
+      if (!given) {
+        wait_for(current, copy);
+        out.record_stream(outs.empty() ? c10::Stream(current) : c10::Stream(copy));
+      }
+    };
+    try {
+      copy_host_to_device(ring, chunks[i], out);
+    } catch (...) {
+      hand_over();
+      throw;
     }
+    hand_over();
     result.push_back(std::move(out));
   }
   return result;
@@ -252,15 +273,15 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
     if (dest.numel() == 0) {
       continue;
     }
-    if (!staged(dest)) {
+    if (!staged(dest, source)) {
       dest.copy_(source);  // synchronous: after the source's current stream
       continue;
     }
     const c10::DeviceIndex index = source.device().index();
     c10::cuda::CUDAGuard guard(index);
-    at::Tensor device_source = source.is_non_overlapping_and_dense() ? source : source.contiguous();
+    at::Tensor device_source = is_plain_dense(source) ? source : source.contiguous();
     at::Tensor host = dest;
-    if (!dest.is_non_overlapping_and_dense() || !dest.strides().equals(device_source.strides())) {
+    if (!is_plain_dense(dest) || !dest.strides().equals(device_source.strides())) {
       host = empty_like_layout(device_source, c10::Device(c10::kCPU), device_source.sizes(), device_source.strides());
       finish.emplace_back(dest, host);
     }

@@ -136,6 +136,11 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
       first_pass = false;
     }
   });
+  // The peers' streams wait for the reads, so that work queued there next
+  // (zeroing a gradient, say) cannot overwrite a source still being read.
+  for (const c10::Device& device : ordered) {
+    order_after(device, out.device());
+  }
 }
 
 } // namespace cuda

@@ -125,16 +125,13 @@ void reduce_dense(
 // Whether sources[k][i] for every k has outs[i]'s dtype and strides and is
 // dense (then entry i is summed through raw pointers).
 bool entry_is_dense(const TensorList2D& sources, const at::Tensor& out, size_t i, at::ScalarType dtype) {
-  if (out.scalar_type() != dtype || !out.is_non_overlapping_and_dense()) {
+  // detail::same_dense_layout on column i, without building the column.
+  if (out.scalar_type() != dtype || !is_plain_dense(out)) {
     return false;
   }
-  for (const auto& list : sources) {
-    const at::Tensor& s = list[i];
-    if (!s.strides().equals(out.strides()) || !s.is_non_overlapping_and_dense()) {
-      return false;
-    }
-  }
-  return true;
+  return std::all_of(sources.begin(), sources.end(), [&](const std::vector<at::Tensor>& list) {
+    return list[i].strides().equals(out.strides()) && is_plain_dense(list[i]);
+  });
 }
 
 void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
@@ -168,11 +165,11 @@ void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
 namespace detail {
 
 bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
-  if (!out.is_non_overlapping_and_dense()) {
+  if (!is_plain_dense(out)) {
     return false;
   }
   return std::all_of(sources.begin(), sources.end(), [&](const at::Tensor& s) {
-    return s.strides().equals(out.strides()) && s.is_non_overlapping_and_dense();
+    return s.strides().equals(out.strides()) && is_plain_dense(s);
   });
 }
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 import dpcore
 from dpcore import comm
+from conftest import TESTS_DIR, subprocess_env
 
 MiB = 1024 * 1024
 
@@ -57,3 +61,38 @@ def test_clear_releases_everything() -> None:
     assert dpcore._C.host_cache_stats()["cached_bytes"] > 0
     dpcore._C.host_cache_clear()
     assert dpcore._C.host_cache_stats()["cached_bytes"] == 0
+
+
+def _run_with_cache_setting(value: str) -> subprocess.CompletedProcess[str]:
+    """A child that sets DPCORE_HOST_CACHE_MB, broadcasts 4 MiB on the CPU
+    three times over and prints the cache's counters."""
+    code = (
+        "import torch, dpcore\n"
+        "x = torch.ones(1024 * 1024)\n"
+        "for _ in range(2):\n"
+        "    out = dpcore.comm.broadcast(x, ['cpu'] * 3)\n"
+        "    assert all(torch.equal(o, x) for o in out)\n"
+        "    del out\n"
+        "print(dpcore._C.host_cache_stats())\n"
+    )
+    env = subprocess_env()
+    env["DPCORE_HOST_CACHE_MB"] = value
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cache_cap_zero_keeps_nothing() -> None:
+    completed = _run_with_cache_setting("0")
+    assert completed.returncode == 0, completed.stderr
+    stats = eval(completed.stdout.strip().splitlines()[-1])  # a dict of ints
+    assert stats["cached_bytes"] == 0 and stats["hits"] == 0 and stats["misses"] >= 4
+
+
+def test_cache_cap_must_be_a_whole_number() -> None:
+    completed = _run_with_cache_setting("lots")
+    assert completed.returncode != 0
+    assert (
+        "expected the environment variable DPCORE_HOST_CACHE_MB to be an integer of at least 0, "
+        "but it is 'lots'" in completed.stderr
+    )

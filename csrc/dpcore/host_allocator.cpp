@@ -1,5 +1,7 @@
 #include "dpcore/host_allocator.h"
 
+#include "dpcore/env.h"
+
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
@@ -29,9 +31,7 @@ size_t round_up(size_t n) {
 }
 
 int64_t cap_bytes() {
-  const char* env = std::getenv("DPCORE_HOST_CACHE_MB");
-  const int64_t mb = env ? std::atoll(env) : 1024;
-  return mb < 0 ? 0 : mb * 1024 * 1024;
+  return env_int("DPCORE_HOST_CACHE_MB", 1024, 0) * 1024 * 1024;
 }
 
 class HostCache final : public c10::Allocator {

@@ -4,12 +4,14 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
+#include "dpcore/env.h"
 #include "dpcore/flatten.h"
 #include "dpcore/kernels.h"
 #include "helpers.h"
@@ -460,4 +462,24 @@ TEST(Errors, GatherOut) {
                    dpcore::gather_out({a, a}, at::empty({4, 3}), -1));
   EXPECT_C10_ERROR("gather: expected 'out' of dtype Float, but it is Half",
                    dpcore::gather_out({a, a}, at::empty({4, 3}, at::kHalf)));
+}
+
+// ----------------------------------------------------------------- settings
+
+TEST(Errors, EnvironmentSettings) {
+  const char* name = "DPCORE_TEST_SETTING";
+  unsetenv(name);
+  EXPECT_EQ(dpcore::env_int(name, 7, 1), 7);
+  setenv(name, "", 1);
+  EXPECT_EQ(dpcore::env_int(name, 7, 1), 7);
+  setenv(name, "16", 1);
+  EXPECT_EQ(dpcore::env_int(name, 7, 1), 16);
+  for (const char* bad : {"0", "-3", "8MB", "abc", "99999999999999999999999"}) {
+    setenv(name, bad, 1);
+    EXPECT_C10_ERROR(
+        std::string("expected the environment variable DPCORE_TEST_SETTING to be an integer of at ") +
+            "least 1, but it is '" + bad + "'",
+        dpcore::env_int(name, 7, 1));
+  }
+  unsetenv(name);
 }

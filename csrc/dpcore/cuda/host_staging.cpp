@@ -15,6 +15,7 @@
 #include <optional>
 #include <utility>
 
+#include "dpcore/env.h"
 #include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
 
@@ -51,12 +52,19 @@ class StagingRing {
 
   // Every slot is allocated here, so that no allocation can fail halfway
   // through a transfer.
-  StagingRing() : slots_(kStagingSlots) {
+  StagingRing()
+      : slot_bytes_(env_int("DPCORE_STAGING_SLOT_MB", kDefaultStagingSlotMB, 1) << 20),
+        slots_(static_cast<size_t>(env_int("DPCORE_STAGING_SLOTS", kDefaultStagingSlots, 1))) {
     for (Slot& slot : slots_) {
       slot.buffer = at::empty(
-          {kStagingSlotBytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+          {slot_bytes_}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       slot.data = static_cast<char*>(slot.buffer.mutable_data_ptr());
     }
+  }
+
+  // Bytes per slot: the most one block of a transfer moves.
+  int64_t slot_bytes() const {
+    return slot_bytes_;
   }
 
   std::unique_lock<std::mutex> lock() {
@@ -80,8 +88,8 @@ class StagingRing {
   // slot (the DMAs may still be running).
   void upload(const char* host, char* device, int64_t nbytes, CUDAStream stream) {
     c10::cuda::CUDAGuard guard(stream.device_index());
-    for (int64_t offset = 0; offset < nbytes; offset += kStagingSlotBytes) {
-      const int64_t count = std::min(kStagingSlotBytes, nbytes - offset);
+    for (int64_t offset = 0; offset < nbytes; offset += slot_bytes_) {
+      const int64_t count = std::min(slot_bytes_, nbytes - offset);
       Slot& slot = acquire();
       host_copy(slot.data, host + offset, count);
       C10_CUDA_CHECK(cudaMemcpyAsync(
@@ -91,7 +99,7 @@ class StagingRing {
     }
   }
 
-  // Runs every block device-to-host, up to kStagingSlots DMAs ahead of the
+  // Runs every block device-to-host, up to one DMA per slot ahead of the
   // host copies out of the slots; returns once every block has landed.
   void download(const std::vector<Block>& blocks) {
     std::vector<Slot*> used(blocks.size(), nullptr);
@@ -106,7 +114,7 @@ class StagingRing {
       slot.record(block.stream);
       used[issued++] = &slot;
     };
-    while (issued < blocks.size() && issued < static_cast<size_t>(kStagingSlots)) {
+    while (issued < blocks.size() && issued < slots_.size()) {
       issue();
     }
     for (size_t b = 0; b < blocks.size(); ++b) {
@@ -121,7 +129,7 @@ class StagingRing {
 
  private:
   struct Slot {
-    at::Tensor buffer;  // pinned, kStagingSlotBytes
+    at::Tensor buffer;  // pinned, slot_bytes_
     char* data = nullptr;
     std::optional<c10::Event> busy;  // the last DMA through this slot
 
@@ -147,6 +155,7 @@ class StagingRing {
   }
 
   std::mutex mutex_;
+  const int64_t slot_bytes_;
   std::vector<Slot> slots_;
   size_t next_ = 0;
   std::vector<std::optional<CUDAStream>> side_streams_;
@@ -292,8 +301,8 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
     const int64_t nbytes = device_source.numel() * static_cast<int64_t>(device_source.element_size());
     char* host_data = static_cast<char*>(host.mutable_data_ptr());
     const char* device_data = static_cast<const char*>(device_source.const_data_ptr());
-    for (int64_t offset = 0; offset < nbytes; offset += kStagingSlotBytes) {
-      blocks.push_back({host_data + offset, device_data + offset, std::min(kStagingSlotBytes, nbytes - offset), side});
+    for (int64_t offset = 0; offset < nbytes; offset += ring.slot_bytes()) {
+      blocks.push_back({host_data + offset, device_data + offset, std::min(ring.slot_bytes(), nbytes - offset), side});
     }
     device_sources.push_back(std::move(device_source));
   }

@@ -15,7 +15,8 @@
 //  * Device-to-host copies start after the work queued so far on each source
 //    device's current stream and have finished when the call returns (the
 //    host reads the result next).
-//  * Pinned or small (< kMinStagedBytes) host tensors are copied directly.
+//  * Pinned or small (< kMinStagedBytes) host tensors, and tensors with a lazy
+//    conjugate or negative bit, are copied by ATen directly.
 //  * One transfer at a time uses the ring; concurrent callers queue.
 #pragma once
 
@@ -33,9 +34,11 @@ namespace cuda {
 // Host tensors smaller than this are copied by ATen directly (the driver
 // stages small pageable copies without blocking for long).
 constexpr int64_t kMinStagedBytes = 1 << 20;
-// The ring: kStagingSlots pinned buffers of kStagingSlotBytes each.
-constexpr int64_t kStagingSlotBytes = 8 << 20;
-constexpr int kStagingSlots = 4;
+// The ring: DPCORE_STAGING_SLOTS pinned buffers (default 4) of
+// DPCORE_STAGING_SLOT_MB MiB each (default 8), read when the ring is first
+// used: more or larger slots let the DMA run further ahead of the host.
+constexpr int64_t kDefaultStagingSlotMB = 8;
+constexpr int64_t kDefaultStagingSlots = 4;
 
 // Copies each host chunks[i] to devices[i] (CUDA): into outs[i] when `outs`
 // is non-empty, else into a new tensor with chunks[i]'s strides where dense.

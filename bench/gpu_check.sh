@@ -6,7 +6,8 @@
 # $OUT. Budget: 8 minutes; each step has its own timeout so a hang cannot eat
 # the rest, and a failed step after the build does not stop the later ones
 # (the exit status says whether any failed); a failed build stops the script.
-# Usage (device tool): bash bench/gpu_check.sh      Env: OUT, CUDA_HOME, PYTHON
+# Usage (device tool): bash bench/gpu_check.sh
+# Env: OUT, CUDA_HOME, PYTHON, MAX_JOBS, DPCORE_SKIP_BUILD=1 (rerun without building)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -35,15 +36,21 @@ step "environment" 60 "$py" -c "import torch, sys; print(sys.version); print(tor
 # Any dpcore installed before is removed first, so that a failed build cannot
 # leave the later steps testing a stale one; without a build they would mean
 # nothing, so the script stops there.
-"$py" -m pip uninstall -q -y dpcore >/dev/null 2>&1 || true
-step "build (arch $TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)" 240 "$py" -m pip install -q --no-build-isolation "$root"
-if [ $failed != 0 ]; then
-  echo "gpu_check: the build failed; nothing else was run. Log: $OUT/log.txt"
-  exit 1
+# DPCORE_SKIP_BUILD=1 reuses the dpcore a previous run installed on this
+# (still warm) machine, for a quick rerun of the tests and benchmarks.
+if [ "${DPCORE_SKIP_BUILD:-0}" = 1 ]; then
+  echo "==> build skipped (DPCORE_SKIP_BUILD=1)"
+else
+  "$py" -m pip uninstall -q -y dpcore >/dev/null 2>&1 || true
+  step "build (arch $TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)" 240 "$py" -m pip install -q --no-build-isolation "$root"
+  if [ $failed != 0 ]; then
+    echo "gpu_check: the build failed; nothing else was run. Log: $OUT/log.txt"
+    exit 1
+  fi
 fi
 cd "$OUT"  # import the installed dpcore, not the source folder
 step "info" 60 "$py" -m dpcore.info
-step "CUDA tests" 150 "$py" -m pytest "$root/tests" -q -m cuda -p no:cacheprovider -x --junitxml="$OUT/pytest-cuda.xml"
+step "CUDA tests" 150 "$py" -m pytest "$root/tests" -q -rf -m cuda -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml"
 step "bench_comm [0,0,0,0]" 90 "$py" "$root/bench/bench_comm.py" --devices 0,0,0,0 --json "$OUT/comm.json"
 step "bench_kernels [0,0,0,0]" 90 "$py" "$root/bench/bench_kernels.py" --devices 0,0,0,0 --json "$OUT/kernels.json"
 step "bench_step [0,0,0,0]" 90 "$py" "$root/bench/bench_step.py" --devices 0,0,0,0 --json "$OUT/step.json"

@@ -250,3 +250,31 @@ def test_cuda_host_transfers_from_threads() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(round_trip, batches * 3))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_results_in_host_memory_have_landed_when_returned() -> None:
+    # The device is kept busy (a sleep queued ahead of every copy): whatever
+    # a call returns in host memory, pinned or not, must already hold the data.
+    x = torch.arange(3 * 1024 * 1024, dtype=torch.float32, device="cuda:0")
+    want = x.cpu()
+
+    def busy() -> None:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+
+    busy()
+    assert torch.equal(torch.cat(comm.scatter(x, ["cpu", "cpu"])), want)
+    busy()
+    assert torch.equal(comm.reduce_add([x, x], destination="cpu"), 2 * want)
+    busy()
+    assert torch.equal(comm.reduce_add_coalesced([[x], [x]], destination="cpu")[0], 2 * want)
+    pinned = torch.zeros_like(want).pin_memory()
+    busy()
+    comm.broadcast(x, out=[pinned])
+    assert torch.equal(pinned, want)
+    pinned.zero_()
+    busy()
+    comm.scatter(x, out=[pinned])
+    assert torch.equal(pinned, want)

@@ -84,18 +84,21 @@ bool can_access_directly(c10::Device reader, c10::Device owner) {
   return false;
 }
 
+void wait_stream(c10::Stream consumer, c10::Stream producer) {
+  if (consumer == producer || consumer.device_type() != producer.device_type() ||
+      !supports_events(producer.device_type())) {
+    return;
+  }
+  c10::Event event(producer.device_type());
+  event.record(producer);
+  event.block(consumer);
+}
+
 void order_after(c10::Device consumer, c10::Device producer) {
-  if (consumer.type() != producer.type() || !supports_events(consumer.type())) {
+  if (consumer.type() != producer.type()) {
     return;
   }
-  const c10::Stream produced_on = current_stream(producer);
-  const c10::Stream consumed_on = current_stream(consumer);
-  if (produced_on == consumed_on) {
-    return;
-  }
-  c10::Event event(producer.type());
-  event.record(produced_on);
-  event.block(consumed_on);
+  wait_stream(current_stream(consumer), current_stream(producer));
 }
 
 bool supports_events(c10::DeviceType type) {

@@ -37,6 +37,11 @@ c10::Stream current_stream(c10::Device device);
 // in a CPU build.
 bool can_access_directly(c10::Device reader, c10::Device owner);
 
+// Makes `consumer` wait for the work queued so far on `producer` (streams of
+// one device type), without blocking the host. A no-op for one stream and for
+// device types without events (CPU work is synchronous).
+void wait_stream(c10::Stream consumer, c10::Stream producer);
+
 // Makes the current stream of `consumer` wait for the work queued so far on
 // the current stream of `producer`, without blocking the host. A no-op for
 // device types without events (CPU work is synchronous) and for one stream.

@@ -15,6 +15,7 @@
 #include <optional>
 #include <utility>
 
+#include "dpcore/device.h"
 #include "dpcore/env.h"
 #include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
@@ -173,16 +174,6 @@ bool staged(const at::Tensor& host, const at::Tensor& device) {
       plain(host) && plain(device) && !host.is_pinned();
 }
 
-// `stream` waits for the work queued so far on `producer`.
-void wait_for(CUDAStream stream, CUDAStream producer) {
-  if (stream == producer) {
-    return;
-  }
-  c10::Event event(c10::DeviceType::CUDA);
-  event.record(producer);
-  event.block(stream);
-}
-
 // out (on the current stream's device) = chunk (host), on the current stream.
 void copy_host_to_device(StagingRing& ring, const at::Tensor& chunk, const at::Tensor& out) {
   if (out.numel() == 0) {
@@ -238,14 +229,14 @@ std::vector<at::Tensor> host_to_devices(
     } else {
       out = outs[i];
       if (!given) {
-        wait_for(copy, current);  // the caller's stream may still be using out
+        wait_stream(copy, current);  // the caller's stream may still be using out
       }
     }
     // The caller's stream waits for the copies, and out's memory outlives
     // both streams' use; also when a copy fails after others were queued.
     const auto hand_over = [&] {
       if (!given) {
-        wait_for(current, copy);
+        wait_stream(current, copy);
         out.record_stream(outs.empty() ? c10::Stream(current) : c10::Stream(copy));
       }
     };
@@ -309,7 +300,7 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
   // Every side stream starts after the work queued so far on its device's
   // current stream (which produced the sources and any contiguous copies).
   for (const c10::DeviceIndex index : ordered) {
-    wait_for(ring.side_stream(index), c10::cuda::getCurrentCUDAStream(index));
+    wait_stream(ring.side_stream(index), c10::cuda::getCurrentCUDAStream(index));
   }
   ring.download(blocks);
   for (auto& [dest, host] : finish) {

@@ -203,14 +203,11 @@ def libstdcxx_problems(library: str | os.PathLike[str], runtime_libstdcxx: str |
     return problems
 
 
-def compiler_description(linker: list[str] | None = None) -> str:
-    """The compiler in use, for messages: the linker command (when known) and CC / CXX."""
-    parts = []
-    if linker:
-        parts.append(f"linked by {' '.join(linker)}")
-    parts.append(f"CC={os.environ.get('CC', '(unset)')}")
-    parts.append(f"CXX={os.environ.get('CXX', '(unset)')}")
-    return ", ".join(parts)
+def compiler_description(cxx: str | None = None) -> str:
+    """The compiler in use, for messages: the C++ compiler setuptools ran
+    (when known) and the CC / CXX environment variables."""
+    described = f"CC={os.environ.get('CC', '(unset)')}, CXX={os.environ.get('CXX', '(unset)')}"
+    return f"{cxx} ({described})" if cxx else described
 
 
 def refusal_message(library: str | os.PathLike[str], problems: list[str], compiler: str) -> str:
@@ -237,8 +234,8 @@ def make_checked_build_ext(base: type) -> type:
             problems = libstdcxx_problems(library, loaded_libstdcxx())
             if problems:
                 os.remove(library)
-                linker = getattr(self.compiler, "linker_so_cxx", None) or getattr(self.compiler, "linker_so", None)
-                raise ExecError(refusal_message(library, problems, compiler_description(linker)))
+                cxx = getattr(self.compiler, "compiler_cxx", None)
+                raise ExecError(refusal_message(library, problems, compiler_description(cxx[0] if cxx else None)))
 
     return CheckedBuildExtension
 

@@ -8,12 +8,12 @@
 #      links libstdc++ statically makes a library that crashes next to torch,
 #      and the build refuses it), offline: pip install --no-deps
 #      --no-build-isolation --no-index;
-#   3. `python -m dpcore.info` (fails when C++ error messages lose numbers)
-#      and the link tests (tests/test_link_check.py, tests/test_info.py);
+#   3. `python -m dpcore.info` (fails when C++ error messages lose numbers);
 #   4. the CUDA tests (device lists on the one GPU, repeats included) in 8
 #      pytest-xdist workers with a per-test timeout, so that a hang or a crash
 #      fails its own test and the others still run;
-#   5. bench_comm, bench_kernels and bench_step on [0, 0, 0, 0].
+#   5. bench_comm, bench_kernels and bench_step on [0, 0, 0, 0];
+#   6. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
 # Writes into $OUT: log.txt (everything), one <step>.log per step,
 # pytest-*.xml (JUnit) and the benchmarks' JSON.
 # Time: at most GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes) in all:
@@ -66,6 +66,7 @@ step() {  # step ID NAME TIMEOUT COMMAND...: output also in $OUT/ID.log
   begin=$(date +%s)
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$id.log"
   status=${PIPESTATUS[0]}
+  [ -n "$(tail -c 1 "$OUT/$id.log")" ] && echo  # a killed command may leave a line open
   if [ "$status" = 0 ]; then
     echo "<== $name ok in $(( $(date +%s) - begin )) s"
   else
@@ -111,13 +112,13 @@ else
   cuda_workers=()
   cuda_how="one process"
 fi
-step link-tests "libstdc++ link and info tests" 90 "$py" -m pytest "${pytest_args[@]}" \
-  "$root/tests/test_link_check.py" "$root/tests/test_info.py" --junitxml="$OUT/pytest-link.xml"
 step cuda-tests "CUDA tests ($cuda_how)" 180 "$py" -m pytest "${pytest_args[@]}" \
   ${cuda_workers[@]+"${cuda_workers[@]}"} -m cuda "$root/tests" --junitxml="$OUT/pytest-cuda.xml"
 step bench-comm "bench_comm [0,0,0,0]" 90 "$py" "$root/bench/bench_comm.py" --devices 0,0,0,0 --json "$OUT/comm.json"
 step bench-kernels "bench_kernels [0,0,0,0]" 90 "$py" "$root/bench/bench_kernels.py" --devices 0,0,0,0 --json "$OUT/kernels.json"
 step bench-step "bench_step [0,0,0,0]" 90 "$py" "$root/bench/bench_step.py" --devices 0,0,0,0 --json "$OUT/step.json"
+step link-tests "libstdc++ link and info tests" 90 "$py" -m pytest "${pytest_args[@]}" \
+  "$root/tests/test_link_check.py" "$root/tests/test_info.py" --junitxml="$OUT/pytest-link.xml"
 echo
 echo "gpu_check: $([ $failed = 0 ] && echo all steps passed || echo SOME STEPS FAILED) in $(( budget - (deadline - $(date +%s)) )) s; results in $OUT"
 exit $failed

@@ -3,11 +3,17 @@
 CUDAExtension when the installed torch has CUDA and nvcc is found, else
 CppExtension; DPCORE_CUDA=0 or DPCORE_CUDA=1 forces either. Install with
 `pip install --no-build-isolation .` after torch.
+
+The extension always links the shared libstdc++ that torch loads, whatever
+compiler CC / CXX name, and the build refuses a library that does not (see
+tools/link_check.py: a static libstdc++ next to torch's crashes on the first
+number formatted into an error message).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -26,6 +32,18 @@ except ImportError:  # pragma: no cover - reported to the user
 
 ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
+
+
+def _load_link_check():
+    """tools/link_check.py, imported from its file (it is not an installed package)."""
+    spec = importlib.util.spec_from_file_location("dpcore_link_check", ROOT / "tools" / "link_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+link_check = _load_link_check()
 
 
 def _nvcc() -> str | None:
@@ -108,6 +126,7 @@ def _extension():
     # at::parallel_for is an inline OpenMP template: without -fopenmp the
     # kernels' parallel loops would silently run on one thread.
     cxx = ["-O3", "-fopenmp"]
+    link = ["-fopenmp", *link_check.SHARED_LIBSTDCXX_LINK_ARGS]
     define_macros = []
     include_dirs = [str(CSRC)]
     if with_cuda:
@@ -119,7 +138,7 @@ def _extension():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     return cpp_extension.CppExtension(
         "dpcore._C",
@@ -127,11 +146,23 @@ def _extension():
         include_dirs=include_dirs,
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link,
     )
+
+
+def _license_metadata() -> dict[str, str]:
+    """The license as the running setuptools wants it (pyproject.toml lists it
+    as dynamic): an SPDX expression from setuptools 77 on, the plain license
+    field before (Python 3.11's venvs bundle setuptools 65.5); neither warns."""
+    import setuptools
+
+    if int(setuptools.__version__.split(".")[0]) >= 77:
+        return {"license_expression": "BSD-3-Clause"}
+    return {"license": "BSD-3-Clause"}
 
 
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": link_check.make_checked_build_ext(cpp_extension.BuildExtension)},
+    **_license_metadata(),
 )

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
+
+# What _C._self_check() returns when C++ formats numbers into error messages
+# correctly (csrc/python/module.cpp).
+SELF_CHECK_EXPECTED = "self-check: size_t 42, int64_t -7, double 0.5"
 
 
 def info() -> dict[str, Any]:
@@ -18,7 +23,10 @@ def info() -> dict[str, Any]:
     ``peer_access`` ({"cuda:i -> cuda:j": bool} for every ordered pair of
     distinct visible GPUs: whether kernels on i read j's memory directly,
     which reduce_add_coalesced then does instead of copying; asking enables
-    access where the hardware allows it; empty with fewer than two GPUs).
+    access where the hardware allows it; empty with fewer than two GPUs), and
+    ``self_check``: "ok" when a C++ error raised inside _C carries its
+    numbers (a size_t, an int64_t, a double), else "failed: ..." with what it
+    carried (a static libstdc++ in _C next to torch's shared one drops them).
     """
     import dpcore
     from dpcore import _C, _build_info
@@ -41,13 +49,33 @@ def info() -> dict[str, Any]:
         "cuda_arch_list": list(_C.cuda_arch_list),
         "devices": devices,
         "peer_access": peer_access,
+        "self_check": self_check(),
     }
 
 
+def self_check() -> str:
+    """"ok" when _C formats numbers into its C++ error messages correctly,
+    else "failed: " with the message it produced and the likely cause."""
+    from dpcore import _C
+
+    message = _C._self_check()
+    if message == SELF_CHECK_EXPECTED:
+        return "ok"
+    return (
+        f"failed: a C++ error message came out as {message!r}, expected {SELF_CHECK_EXPECTED!r}; "
+        "dpcore._C probably carries its own static libstdc++: rebuild with a compiler that links "
+        "libstdc++ dynamically (CC=/usr/bin/gcc CXX=/usr/bin/g++ pip install --no-build-isolation .)"
+    )
+
+
 def main() -> None:
-    """Print info() one fact per line."""
-    for key, value in info().items():
+    """Print info() one fact per line; exit with status 1 when the self-check failed."""
+    facts = info()
+    for key, value in facts.items():
         print(f"{key:>20}: {value}")
+    if facts["self_check"] != "ok":
+        print(f"dpcore.info: self-check {facts['self_check']}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Builds dpcore as a CUDA extension against torch 2.14.1 (CUDA 13.0) with
-# nvcc, checks that it imports as a CUDA build, and runs the test suite
-# against it. Works without a GPU (the CUDA tests then skip).
-# Env: DPCORE_CUDA_VENV (default ~/.cache/dpcore/venv-torch-2.14.1, reused
+# Builds dpcore as a CUDA extension against torch 2.11.0 (CUDA 13.0, from the
+# package registry) with nvcc, checks that it imports as a CUDA build, and
+# runs the test suite against it. torch 2.11.0+cu130 is what the GPU machine
+# (bench/gpu_check.sh) runs, so this compiles what runs there; the CPU suite
+# (scripts/test.sh) stays on torch 2.13.0. Works without a GPU (the CUDA
+# tests then skip).
+# Env: DPCORE_CUDA_VENV (default ~/.cache/dpcore/venv-torch-2.11.0, reused
 #      between runs: torch with CUDA is 5.5 GB), CUDA_HOME (default
 #      /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
-venv=${DPCORE_CUDA_VENV:-$HOME/.cache/dpcore/venv-torch-2.14.1}
+torch_version=2.11.0
+venv=${DPCORE_CUDA_VENV:-$HOME/.cache/dpcore/venv-torch-$torch_version}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -20,11 +24,11 @@ if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
   exit 1
 fi
 
-step "virtual environment $venv with torch 2.14.1 (CUDA 13.0)"
+step "virtual environment $venv with torch $torch_version (CUDA 13.0)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
-python -m pip install -q "torch==2.14.1" pytest numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+python -m pip install -q "torch==$torch_version" pytest numpy ninja setuptools wheel scikit-learn tqdm matplotlib
 
 step "build dpcore with nvcc (DPCORE_CUDA=1, arch $TORCH_CUDA_ARCH_LIST)"
 # A fresh build tree: the CPU build's objects must not be reused.

@@ -9,6 +9,7 @@ small sweep sizes, no minimum measuring time) to finish in seconds."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from dpcore.bench import __main__ as bench_cli
 from dpcore.bench import comm as bench_comm
+from conftest import TESTS_DIR, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SWEEP_OPS = {"copy_", "broadcast_coalesced", "reduce_add_coalesced", "scatter (out=)", "gather"}
@@ -123,3 +125,18 @@ def test_missing_matplotlib_names_the_extra(
     message = str(exc.value.code)
     assert "pip install 'dpcore[demo]'" in message and "matplotlib" in message
     assert not (tmp_path / "never").exists()
+
+
+def test_bench_modules_make_torch_cuda_comm_available() -> None:
+    # torch.cuda.comm (the CUDA baselines) is no attribute of torch.cuda until
+    # it is imported; a fresh interpreter shows whether the bench modules do.
+    code = (
+        "import torch, dpcore.bench.comm, dpcore.bench.kernels; "
+        "print(torch.cuda.comm.scatter.__name__, torch.cuda.comm.gather.__name__)"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True,
+        timeout=120, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["scatter", "gather"]

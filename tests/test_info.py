@@ -17,7 +17,7 @@ from conftest import TESTS_DIR, requires_cuda, subprocess_env
 
 
 EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices",
-                 "peer_access"}
+                 "peer_access", "self_check"}
 
 
 def test_info_keys() -> None:
@@ -37,6 +37,27 @@ def test_info_values() -> None:
     assert all(isinstance(arch, str) for arch in facts["cuda_arch_list"])
     if facts["build"] == "cpu":
         assert facts["cuda_arch_list"] == []
+
+
+def test_self_check_formats_numbers_in_cpp_errors() -> None:
+    # A C++ error raised and caught inside _C keeps its numbers: _C uses the
+    # shared libstdc++ torch loads (a static copy drops them or crashes).
+    assert dpcore._C._self_check() == "self-check: size_t 42, int64_t -7, double 0.5"
+    assert dpcore.info()["self_check"] == "ok"
+
+
+def test_self_check_failure_is_reported_and_fails_the_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info_module = importlib.import_module("dpcore.info")  # the module; dpcore.info is the function
+    monkeypatch.setattr(dpcore._C, "_self_check", lambda: "self-check: size_t , int64_t , double ")
+    verdict = dpcore.info()["self_check"]
+    assert verdict.startswith("failed: a C++ error message came out as 'self-check: size_t , int64_t , double '")
+    assert "CC=/usr/bin/gcc CXX=/usr/bin/g++" in verdict
+    with pytest.raises(SystemExit) as exit_info:
+        info_module.main()
+    assert exit_info.value.code == 1
+    assert "self-check failed" in capsys.readouterr().err
 
 
 def test_info_devices() -> None:
@@ -100,6 +121,7 @@ def test_python_m_dpcore_info_prints_torch_version() -> None:
     assert lines["torch"] == torch.__version__
     assert lines["build"] == dpcore.info()["build"]
     assert lines["torch_matches"] == "True"
+    assert lines["self_check"] == "ok"
     assert set(lines) == EXPECTED_KEYS
 
 

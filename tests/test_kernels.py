@@ -60,6 +60,25 @@ def test_reduce_add_n_half_accumulates_in_float(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
+@pytest.mark.parametrize("k", [9, 17, 40])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_reduce_add_n_half_accumulates_in_float_across_all_sources(
+    device: str, dtype: torch.dtype, big: float, k: int, accumulate: bool
+) -> None:
+    # big + 1 lies halfway between two neighbours of `big` in dtype (their
+    # spacing there is 2): rounded after the first sources it becomes big,
+    # and the last source (-big) leaves 0 instead of the exact 1. Both the
+    # CPU passes and the CUDA kernel must round once, after all k sources.
+    n = 4 * 1000 + 3  # vector path and tail
+    values = [big, 1.0] + [0.0] * (k - 3) + [-big]
+    sources = [torch.full((n,), v, dtype=dtype, device=device) for v in values]
+    out = torch.full((n,), 0.0, dtype=dtype, device=device)
+    torch.ops.dpcore.reduce_add_n(sources, out, accumulate)
+    assert torch.equal(out.cpu(), torch.ones(n, dtype=dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_reduce_add_n_misaligned_and_strided_views(device: str) -> None:
     base = [_values(4 * 1001, torch.float32, device, s) for s in range(3)]
     # Offset by one element: not 16-byte aligned, so the vector path must not be taken.

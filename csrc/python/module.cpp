@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "dpcore/comm.h"
@@ -41,6 +42,20 @@ std::vector<std::string> cuda_arch_list() {
   return arches;
 }
 
+// A c10::Error whose message formats numbers, raised and caught here: its
+// message, which dpcore.info() compares with the expected text. A second,
+// static libstdc++ in this library next to torch's shared one drops the
+// numbers (GCC 12) or crashes (GCC 13) right here.
+std::string self_check() {
+  try {
+    TORCH_CHECK(
+        false, "self-check: size_t ", size_t{42}, ", int64_t ", int64_t{-7}, ", double ", 0.5);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "self-check: TORCH_CHECK(false) did not throw";
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -72,6 +87,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("torch_version") = TORCH_VERSION;
   m.attr("cuda_arch_list") = cuda_arch_list();
   m.attr("default_bucket_bytes") = dpcore::kDefaultBucketBytes;
+  m.def(
+      "_self_check", &self_check,
+      "The message of a C++ error raised and caught inside _C, with numbers formatted "
+      "into it (dpcore.info() checks them).");
 
   m.def(
       "broadcast",

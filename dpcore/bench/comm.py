@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
+import torch.cuda.comm  # the baselines; not an attribute of torch.cuda until imported (torch 2.11)
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpcore import comm

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.cuda.comm  # the baselines; not an attribute of torch.cuda until imported (torch 2.11)
 
 import dpcore  # noqa: F401  (registers torch.ops.dpcore)
 from dpcore import comm

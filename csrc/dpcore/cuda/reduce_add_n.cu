@@ -1,6 +1,8 @@
 // reduce_add_n on CUDA: out (+)= the sum of K same-device buffers in one
-// pass (K reads, one write), 16-byte vector loads where every pointer is
-// aligned, accumulation in float for half types.
+// kernel (K reads, one write), 16-byte vector loads where every pointer is
+// aligned. All K sources are summed in one pass, so half types accumulate in
+// float across all of them and are rounded once, as the CPU kernel does (the
+// same float additions in the same order).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -19,15 +21,20 @@ namespace dpcore {
 namespace cuda {
 namespace {
 
-// Sources summed by one launch; more are folded in by further launches with
-// accumulate = true.
-constexpr int kMaxSources = 8;
+// Up to kInlineSources pointers travel in the kernel's parameters; with more,
+// all of them are read from a pointer table in device memory.
+constexpr int kInlineSources = 8;
 constexpr int kThreads = 256;
 
 template <typename scalar_t>
 struct Sources {
-  const scalar_t* ptr[kMaxSources];
+  const scalar_t* ptr[kInlineSources];
+  const scalar_t* const* table;  // device memory with `count` pointers, or null
   int count;
+
+  __device__ const scalar_t* operator[](int k) const {
+    return table != nullptr ? table[k] : ptr[k];
+  }
 };
 
 template <typename scalar_t>
@@ -56,7 +63,7 @@ __global__ void reduce_add_n_kernel(Sources<scalar_t> src, scalar_t* out, int64_
         for (int j = 0; j < kSize; ++j) acc[j] = acc_t(0);
       }
       for (int k = 0; k < src.count; ++k) {
-        const V value = reinterpret_cast<const V*>(src.ptr[k])[i];
+        const V value = reinterpret_cast<const V*>(src[k])[i];
 #pragma unroll
         for (int j = 0; j < kSize; ++j) acc[j] += static_cast<acc_t>(value.v[j]);
       }
@@ -68,13 +75,13 @@ __global__ void reduce_add_n_kernel(Sources<scalar_t> src, scalar_t* out, int64_
     // The tail that does not fill a vector.
     for (int64_t i = vectors * kSize + first; i < n; i += stride) {
       acc_t acc = accumulate ? static_cast<acc_t>(out[i]) : acc_t(0);
-      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src.ptr[k][i]);
+      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src[k][i]);
       out[i] = static_cast<scalar_t>(acc);
     }
   } else {
     for (int64_t i = first; i < n; i += stride) {
       acc_t acc = accumulate ? static_cast<acc_t>(out[i]) : acc_t(0);
-      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src.ptr[k][i]);
+      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src[k][i]);
       out[i] = static_cast<scalar_t>(acc);
     }
   }
@@ -114,27 +121,41 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t n = out.numel();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // More sources than fit in the parameters: their pointers go to the device
+  // through pinned memory, in stream order (the caching host allocator keeps
+  // the pinned block until the copy has run; the device table is freed to
+  // the caching allocator on this stream, after the kernel in stream order).
+  at::Tensor table;
+  if (sources.size() > static_cast<size_t>(kInlineSources)) {
+    at::Tensor host = at::empty(
+        {static_cast<int64_t>(sources.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    int64_t* entries = host.mutable_data_ptr<int64_t>();
+    for (size_t k = 0; k < sources.size(); ++k) {
+      entries[k] = reinterpret_cast<int64_t>(sources[k].const_data_ptr());
+    }
+    table = host.to(out.device(), /*non_blocking=*/true);
+  }
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, out.scalar_type(), "dpcore::reduce_add_n_cuda", [&] {
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    bool first_pass = !accumulate;
-    for (size_t begin = 0; begin < sources.size(); begin += kMaxSources) {
-      Sources<scalar_t> src{};
-      src.count = static_cast<int>(std::min<size_t>(kMaxSources, sources.size() - begin));
-      bool vectorized = aligned16(dst);
-      for (int k = 0; k < src.count; ++k) {
-        src.ptr[k] = sources[begin + k].const_data_ptr<scalar_t>();
-        vectorized = vectorized && aligned16(src.ptr[k]);
+    Sources<scalar_t> src{};
+    src.count = static_cast<int>(sources.size());
+    src.table = table.defined() ? reinterpret_cast<const scalar_t* const*>(table.const_data_ptr<int64_t>()) : nullptr;
+    bool vectorized = aligned16(dst);
+    for (size_t k = 0; k < sources.size(); ++k) {
+      const scalar_t* pointer = sources[k].const_data_ptr<scalar_t>();
+      if (k < static_cast<size_t>(kInlineSources)) {
+        src.ptr[k] = pointer;
       }
-      const int64_t work = vectorized ? std::max<int64_t>(1, n / Vec<scalar_t>::kSize) : n;
-      const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, sms * 8));
-      if (vectorized) {
-        reduce_add_n_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(src, dst, n, !first_pass);
-      } else {
-        reduce_add_n_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(src, dst, n, !first_pass);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      first_pass = false;
+      vectorized = vectorized && aligned16(pointer);
     }
+    const int64_t work = vectorized ? std::max<int64_t>(1, n / Vec<scalar_t>::kSize) : n;
+    const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, sms * 8));
+    if (vectorized) {
+      reduce_add_n_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
+    } else {
+      reduce_add_n_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   // The peers' streams wait for the reads, so that work queued there next
   // (zeroing a gradient, say) cannot overwrite a source still being read.

@@ -133,6 +133,26 @@ def test_pack_many_tiny_tensors_matches_cat(device: str) -> None:
     assert torch.equal(flat.cpu(), torch.cat([t.cpu() for t in tensors]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
+def test_pack_unpack_many_tensors_of_mixed_sizes(device: str, dtype: torch.dtype) -> None:
+    # More tensors and chunks than one launch's kernel arguments hold (the
+    # CUDA table path), odd sizes (misaligned slots), tensors over the 64 KiB
+    # chunk and empty ones. Two calls back to back with different values
+    # check that the second call's table does not disturb the first.
+    g = torch.Generator().manual_seed(1)
+    sizes = [int(s) for s in torch.randint(0, 300, (400,), generator=g)] + [70_001, 0, 3, 200_000]
+    for round_ in range(2):
+        tensors = [torch.randint(0, 100, (n,), generator=g).to(dtype).to(device) for n in sizes]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        torch.ops.dpcore.pack(tensors, flat)
+        outs = [torch.zeros_like(t) for t in tensors]
+        torch.ops.dpcore.unpack(flat, outs)
+        assert torch.equal(flat.cpu(), torch.cat([t.cpu() for t in tensors])), f"round {round_}"
+        for i, (t, o) in enumerate(zip(tensors, outs)):
+            assert torch.equal(o.cpu(), t.cpu()), f"round {round_}, tensor {i}"
+
+
 def _lazy_views(device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(view with a lazy bit, the same values materialised): a conjugate view
     of a complex tensor and a negative view of a real one, whose bytes are

@@ -426,9 +426,9 @@ TEST(Errors, ScatterOut) {
   at::Tensor x = values({10, 3});
   const at::Tensor before = x.clone();
   at::Tensor other = at::zeros({6, 3});
-  EXPECT_C10_ERROR("scatter: out[1] and 'tensor' overlap in memory (partly): an output must not share memory",
+  EXPECT_C10_ERROR("scatter: out[0] and 'tensor' overlap in memory (partly): an output must not share memory",
                    dpcore::scatter_out(x, {x.narrow(0, 6, 4), other.narrow(0, 0, 6)}));
-  EXPECT_C10_ERROR("scatter: out[0] and 'tensor' overlap in memory (partly)",
+  EXPECT_C10_ERROR("scatter: out[1] and 'tensor' overlap in memory (partly)",
                    dpcore::scatter_out(x, {other, x.narrow(0, 0, 4)}));
   EXPECT_C10_ERROR("scatter: out[0] and 'tensor' overlap in memory (fully)", dpcore::scatter_out(x, {x}));
   EXPECT_TRUE(at::equal(x, before));

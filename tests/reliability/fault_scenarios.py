@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import dpcore
+from dpcore.bench.soak import os_threads
 
 F64 = torch.float64
 CPU4 = ["cpu"] * 4
@@ -35,14 +36,6 @@ class InjectedError(Exception):
         super().__init__(message)
         self.code = code
         self.payload = payload
-
-
-def os_threads() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Threads: line")
 
 
 def batch(fail_replica: int | None = None, seed: int = 0, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:

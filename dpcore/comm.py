@@ -120,7 +120,9 @@ def scatter(
     Chunk sizes default to a balanced split (differing by at most one, every
     device used, empty chunks only when the dim is smaller than the device
     count). A chunk for the tensor's own device is a view of it; memory
-    format is preserved.
+    format is preserved. Dense (strided) tensors only. An ``out`` tensor
+    sharing memory with ``tensor`` or with another ``out`` raises, naming
+    both, before anything is written.
     """
     stream_list = None if streams is None else list(streams)
     if out is None:
@@ -151,7 +153,10 @@ def gather(
     current device of their type; -1 or "cpu": the CPU), or into ``out``.
 
     Returns a new tensor (or ``out``); channels_last is kept when every input
-    has it.
+    has it. Dense (strided) tensors only. An ``out`` sharing memory with an
+    input raises, naming it, before anything is written (as torch.cat(out=));
+    non-dense views whose overlap with ``out`` cannot be decided cheaply are
+    read from copies, so the result is right either way.
     """
     tensors = tensor_list(tensors, "tensors")
     if out is not None:

@@ -4,7 +4,7 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,8 +13,8 @@ from torch import nn
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
+from dpcore.scatter_gather import _as_int, scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
-from dpcore.scatter_gather import scatter_kwargs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -26,14 +26,44 @@ def _check_device_list(devices: list[torch.device]) -> None:
     kinds = {d.type for d in devices}
     if len(kinds) > 1:
         raise ValueError(f"device_ids: expected devices of one type, but got {sorted(kinds)}: {devices}")
-    kind = devices[0].type
-    if kind == "cuda":
+    for i, d in enumerate(devices):
+        _check_usable(d, f"device_ids[{i}]")
+
+
+def _check_usable(device: torch.device, arg: str) -> None:
+    """Raises ValueError naming `arg` unless `device` is the CPU or a visible CUDA device."""
+    if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        for i, d in enumerate(devices):
-            if d.index is None or not 0 <= d.index < count:
-                raise ValueError(f"device_ids[{i}] is {d}, but only {count} CUDA device(s) are visible")
-    elif kind != "cpu":
-        raise ValueError(f"device_ids: unsupported device type {kind!r}; expected 'cuda' or 'cpu'")
+        if device.index is None or not 0 <= device.index < count:
+            raise ValueError(f"{arg} is {device}, but only {count} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"{arg}: unsupported device type {device.type!r}; expected 'cuda' or 'cpu'")
+
+
+def _check_bucket_bytes(value: Any) -> int:
+    """`value` as a positive int (bool is not one), else TypeError/ValueError naming bucket_bytes."""
+    size = _as_int(value, "bucket_bytes")
+    if size <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {size}")
+    return size
+
+
+def _check_losses(losses: Sequence[Any], devices: Sequence[torch.device]) -> None:
+    """Raises unless every replica's loss is a 0-dim tensor: the losses are
+    weighted by chunk size and summed, which needs one number per replica."""
+    for i, (loss, device) in enumerate(zip(losses, devices)):
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"criterion: expected a loss tensor from every replica, but replica {i} (on {device}) "
+                f"returned {type(loss).__name__}"
+            )
+        if loss.dim() != 0:
+            raise ValueError(
+                f"criterion: expected a scalar (0-dim) loss from every replica, because the per-replica "
+                f"losses are weighted by chunk size and summed, which needs one number per replica; but "
+                f"replica {i} (on {device}) returned a loss of shape {list(loss.shape)}. Use a reducing "
+                f"criterion (reduction='mean' or 'sum'), or drop criterion= and reduce the gathered outputs"
+            )
 
 
 def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float:
@@ -53,16 +83,20 @@ class DataParallel(nn.Module):
             (``["cpu"] * 4``), repeats allowed. Default: every visible GPU;
             with no GPU and no list, the module runs as is.
         output_device: where outputs (or the loss) are gathered; default
-            ``device_ids[0]``; -1 or "cpu" is the CPU.
+            ``device_ids[0]``; -1 or "cpu" is the CPU. Checked at
+            construction: the CPU or a visible CUDA device.
         dim: the batch dimension.
         chunk_sizes: explicit split sizes, one per device (zeros allowed).
         weights: per-device split weights (proportional split).
         criterion: ``loss_fn(output, target)``; then ``dp(*inputs, target)``
             returns one scalar loss computed inside each replica, weighted by
             chunk size (equal to the single-device loss of the whole batch for
-            a mean-reduced loss, summed for ``reduction="sum"``).
+            a mean-reduced loss, summed for ``reduction="sum"``). It must
+            return a 0-dim tensor for each replica (else ValueError naming
+            the replica and the shape).
         gather: False returns the per-replica outputs where they were computed.
-        bucket_bytes: size of the parameter buckets broadcast to replicas.
+        bucket_bytes: size of the parameter buckets broadcast to replicas
+            (a positive int).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -98,7 +132,7 @@ class DataParallel(nn.Module):
         self.weights = None if weights is None else [float(w) for w in weights]
         self.criterion = criterion
         self.gather = gather
-        self.bucket_bytes = int(bucket_bytes)
+        self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             if not device_ids:
@@ -115,6 +149,7 @@ class DataParallel(nn.Module):
         if self.weights is not None and len(self.weights) != len(self.device_ids):
             raise ValueError(f"weights: expected one weight per device ({len(self.device_ids)}), but got {len(self.weights)}")
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
+        _check_usable(self.output_device, "output_device")
         check_on_device(module, self.device_ids[0], "device_ids[0]")
         self._cache: ReplicaCache | None = None
 
@@ -181,9 +216,14 @@ class DataParallel(nn.Module):
         )
         used = self._used_devices(sizes)
         if used and used[0] != 0:
+            from dpcore.scatter_gather import split_sizes  # the full per-device split
+
+            given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
+            split = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
             raise ValueError(
-                "chunk_sizes/weights: the first device (device_ids[0], which holds the module) must get a "
-                f"non-empty chunk, but the split is {self.chunk_sizes or self.weights}"
+                f"{given}: the first device (device_ids[0], which holds the module) must get a non-empty "
+                f"chunk, but {given}={self.chunk_sizes or self.weights} split the batch of {sum(sizes)} "
+                f"into {split}"
             )
         n = len(args)
         replicas = self._replicas(max(used) + 1 if used else 1)
@@ -193,6 +233,7 @@ class DataParallel(nn.Module):
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
             losses = parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
+            _check_losses(losses, devices)
             if total == 0:
                 return losses[0]
             out = self.output_device
@@ -251,4 +292,6 @@ def data_parallel(
     a one-off DataParallel, so nothing is cached between calls."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
+    if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
+        raise TypeError(f"module_kwargs: expected a mapping of keyword arguments, but got {type(module_kwargs).__name__}")
     return DataParallel(module, device_ids, output_device, dim, **options)(*inputs, **(module_kwargs or {}))

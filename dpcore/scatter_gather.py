@@ -337,6 +337,11 @@ def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> int:
     """The common size along ``dim`` of the tensors to scatter."""
     first_path, batch = "", -1
     for path, t in leaves:
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"{path} is a {t.layout} tensor and cannot be split: DataParallel splits dense (strided) "
+                f"tensors only; wrap it in dpcore.Broadcast to pass it whole to every replica"
+            )
         if t.dim() == 0:
             raise ValueError(
                 f"{path} is a 0-dim tensor and cannot be split along dim {dim}; "

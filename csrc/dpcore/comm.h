@@ -74,6 +74,8 @@ std::vector<at::Tensor> reduce_add_coalesced(
 // larger first (10 into 4: 3, 3, 2, 2).
 std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts);
 
+// scatter and gather take dense (strided) tensors only; sparse ones raise.
+//
 // Splits `tensor` along `dim` into one chunk per device (sizes `chunk_sizes`,
 // default balanced_chunk_sizes) and moves chunk i to devices[i], on
 // streams[i] where given. A chunk bound for tensor's own device is a view.
@@ -86,7 +88,8 @@ std::vector<at::Tensor> scatter(
     const std::optional<StreamList>& streams = std::nullopt);
 
 // Copies consecutive chunks of `tensor` along `dim` into `outs`; the chunk
-// sizes are the outs' sizes along dim.
+// sizes are the outs' sizes along dim. An out sharing memory with `tensor`
+// or with another out is an error (checked before anything is written).
 void scatter_out(
     const at::Tensor& tensor,
     at::TensorList outs,
@@ -101,7 +104,8 @@ at::Tensor gather(
     int64_t dim = 0,
     std::optional<c10::Device> destination = std::nullopt);
 
-// Concatenates `tensors` along `dim` into `out`.
+// Concatenates `tensors` along `dim` into `out`, which must not share
+// memory with any of them (checked before anything is written).
 void gather_out(at::TensorList tensors, const at::Tensor& out, int64_t dim = 0);
 
 } // namespace dpcore

@@ -138,10 +138,13 @@ def bench_main(
     run: Callable[..., dict[str, Any]],
     columns: Sequence[tuple[str, str, str]],
     argv: Sequence[str] | None = None,
+    add_options: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """The command line every benchmark shares: --devices, --quick,
     --repeats, --json; runs `run(devices, quick=, repeats=)`, prints the
-    table of its rows and writes the JSON. Bad --devices exit 2 naming it."""
+    table of its rows and writes the JSON. Bad --devices exit 2 naming it.
+    `add_options(parser)` adds a benchmark's own options; their values are
+    passed to `run` as keyword arguments too."""
     import argparse
 
     parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -149,14 +152,18 @@ def bench_main(
     parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
+    shared = {action.dest for action in parser._actions}
+    if add_options is not None:
+        add_options(parser)
     args = parser.parse_args(argv)
+    extra = {key: value for key, value in vars(args).items() if key not in shared}
     spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
     try:
         devices = parse_devices(spec)
     except ValueError as error:
         parser.error(str(error))
     print(f"{name} on {spec}")
-    result = run(devices, quick=args.quick, repeats=args.repeats)
+    result = run(devices, quick=args.quick, repeats=args.repeats, **extra)
     print()
     print_table(result["rows"], columns)
     if args.json:

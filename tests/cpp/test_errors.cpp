@@ -375,6 +375,13 @@ TEST(Errors, Scatter) {
   EXPECT_C10_ERROR(
       "scatter: expected streams[1] on cpu (the device at that index), but it is on meta",
       dpcore::scatter(t, cpus(2), std::nullopt, 0, dpcore::StreamList{std::nullopt, meta_stream}));
+  // Dense tensors only; the message says what takes sparse ones.
+  EXPECT_C10_ERROR(
+      "scatter: expected dense (strided) tensors, but 'tensor' has layout Sparse: dpcore's scatter and "
+      "gather take dense tensors only (broadcast, broadcast_coalesced, reduce_add and reduce_add_coalesced "
+      "take sparse COO tensors too)",
+      dpcore::scatter(t.to_sparse(), cpus(2)));
+  EXPECT_C10_ERROR("'tensor' has layout SparseCsr", dpcore::scatter(csr(), cpus(2)));
 }
 
 TEST(Errors, ScatterOut) {
@@ -410,6 +417,40 @@ TEST(Errors, ScatterOut) {
                    dpcore::scatter_out(t, {out(4), out(6)}, 0, dpcore::StreamList{std::nullopt}));
   EXPECT_C10_ERROR("scatter: expected streams[0] on cpu",
                    dpcore::scatter_out(t, {out(4), out(6)}, 0, dpcore::StreamList{meta_stream, std::nullopt}));
+  EXPECT_C10_ERROR("scatter: expected dense (strided) tensors, but 'tensor' has layout Sparse",
+                   dpcore::scatter_out(t.to_sparse(), {out(4), out(6)}));
+  EXPECT_C10_ERROR("scatter: expected dense (strided) tensors, but out[1] has layout Sparse",
+                   dpcore::scatter_out(t, {out(4), out(6).to_sparse()}));
+
+  // Outs sharing memory with the tensor or with each other: nothing is written.
+  at::Tensor x = values({10, 3});
+  const at::Tensor before = x.clone();
+  at::Tensor other = at::zeros({6, 3});
+  EXPECT_C10_ERROR("scatter: out[0] and 'tensor' overlap in memory (partly): an output must not share memory",
+                   dpcore::scatter_out(x, {x.narrow(0, 6, 4), other.narrow(0, 0, 6)}));
+  EXPECT_C10_ERROR("scatter: out[1] and 'tensor' overlap in memory (partly)",
+                   dpcore::scatter_out(x, {other, x.narrow(0, 0, 4)}));
+  EXPECT_C10_ERROR("scatter: out[0] and 'tensor' overlap in memory (fully)", dpcore::scatter_out(x, {x}));
+  EXPECT_TRUE(at::equal(x, before));
+  EXPECT_TRUE(at::equal(other, at::zeros({6, 3})));
+  at::Tensor buffer = at::zeros({12, 3});
+  EXPECT_C10_ERROR("scatter: out[1] and out[0] overlap in memory (partly)",
+                   dpcore::scatter_out(t, {buffer.narrow(0, 0, 4), buffer.narrow(0, 2, 6)}));
+  EXPECT_C10_ERROR("scatter: out[2] and out[0] overlap in memory (fully)",
+                   dpcore::scatter_out(t, {buffer.narrow(0, 0, 4), out(2), buffer.narrow(0, 0, 4)}));
+  EXPECT_C10_ERROR("scatter: out[0] has internal overlap (more than one of its elements refer to one memory location",
+                   dpcore::scatter_out(t, {at::zeros({1, 3}).expand({4, 3}), out(6)}));
+  // Non-dense outs interleaved with the tensor (overlap not decidable
+  // cheaply) are written from a copy of it: right values either way.
+  at::Tensor grid = values({4, 2});
+  const at::Tensor grid0 = grid.clone();
+  EXPECT_NO_THROW(dpcore::scatter_out(grid, {grid.narrow(1, 1, 1), grid.narrow(1, 0, 1)}, 1));
+  EXPECT_TRUE(at::equal(grid, grid0.flip(1)));  // the two columns swapped
+  // Disjoint parts of one buffer are fine, interleaved columns included.
+  EXPECT_NO_THROW(dpcore::scatter_out(t, {buffer.narrow(0, 0, 4), buffer.narrow(0, 4, 6)}));
+  at::Tensor columns = at::zeros({10, 6});
+  EXPECT_NO_THROW(dpcore::scatter_out(values({10, 6}), {columns.narrow(1, 0, 2), columns.narrow(1, 2, 4)}, 1));
+  EXPECT_TRUE(at::equal(columns, values({10, 6})));
 }
 
 // -------------------------------------------------------------------- gather
@@ -446,6 +487,12 @@ TEST(Errors, Gather) {
                    dpcore::gather({meta_tensor({2}), meta_tensor({2})}, 0));
   EXPECT_C10_ERROR(unusable_device_needle(c10::kCUDA),
                    dpcore::gather({a, a}, 0, c10::Device(c10::kCUDA, 0)));
+  EXPECT_C10_ERROR(
+      "gather: expected dense (strided) tensors, but tensors[1] has layout Sparse: dpcore's scatter and "
+      "gather take dense tensors only",
+      dpcore::gather({a, a.to_sparse()}, 0));
+  EXPECT_C10_ERROR("gather: expected dense (strided) tensors, but tensors[0] has layout SparseCsr",
+                   dpcore::gather({values({4, 4}).to_sparse_csr(), values({4, 4})}, 0));
 }
 
 TEST(Errors, GatherOut) {
@@ -462,6 +509,38 @@ TEST(Errors, GatherOut) {
                    dpcore::gather_out({a, a}, at::empty({4, 3}), -1));
   EXPECT_C10_ERROR("gather: expected 'out' of dtype Float, but it is Half",
                    dpcore::gather_out({a, a}, at::empty({4, 3}, at::kHalf)));
+  EXPECT_C10_ERROR("gather: expected dense (strided) tensors, but tensors[0] has layout Sparse",
+                   dpcore::gather_out({a.to_sparse(), a}, at::empty({4, 3})));
+  EXPECT_C10_ERROR("gather: expected dense (strided) tensors, but 'out' has layout Sparse",
+                   dpcore::gather_out({a, a}, at::zeros({4, 3}).to_sparse()));
+
+  // An out sharing memory with the inputs: nothing is written.
+  at::Tensor x = values({8});
+  const at::Tensor before = x.clone();
+  EXPECT_C10_ERROR(
+      "gather: 'out' and tensors[0] overlap in memory (partly): an output must not share memory with the "
+      "inputs or the other outputs, or writing it would change values before they are read",
+      dpcore::gather_out({x.narrow(0, 4, 4), x.narrow(0, 0, 4)}, x));
+  EXPECT_C10_ERROR("gather: 'out' and tensors[1] overlap in memory (partly)",
+                   dpcore::gather_out({values({4}), x.narrow(0, 2, 4)}, x));
+  EXPECT_C10_ERROR("gather: 'out' and tensors[0] overlap in memory (fully)", dpcore::gather_out({x}, x));
+  EXPECT_TRUE(at::equal(x, before));
+  // Non-dense inputs interleaved with `out` (overlap not decidable cheaply)
+  // are read from copies: right values either way.
+  at::Tensor grid = values({4, 4});
+  const at::Tensor grid0 = grid.clone();
+  EXPECT_NO_THROW(dpcore::gather_out({grid.narrow(1, 2, 2), grid.narrow(1, 0, 2)}, grid, 1));
+  EXPECT_TRUE(at::equal(grid, at::cat({grid0.narrow(1, 2, 2), grid0.narrow(1, 0, 2)}, 1)));
+  EXPECT_C10_ERROR("gather: 'out' has internal overlap",
+                   dpcore::gather_out({a, a}, at::zeros({1, 3}).expand({4, 3})));
+  // Disjoint parts of one buffer are fine.
+  at::Tensor buffer = values({16});
+  EXPECT_NO_THROW(dpcore::gather_out({buffer.narrow(0, 4, 4), buffer.narrow(0, 0, 4)}, buffer.narrow(0, 8, 8)));
+  EXPECT_TRUE(at::equal(buffer.narrow(0, 8, 4), values({16}).narrow(0, 4, 4)));
+  at::Tensor wide = values({4, 8});
+  const at::Tensor wide0 = wide.clone();
+  EXPECT_NO_THROW(dpcore::gather_out({wide.narrow(1, 6, 2), wide.narrow(1, 4, 2)}, wide.narrow(1, 0, 4), 1));
+  EXPECT_TRUE(at::equal(wide.narrow(1, 0, 4), at::cat({wide0.narrow(1, 6, 2), wide0.narrow(1, 4, 2)}, 1)));
 }
 
 // ----------------------------------------------------------------- settings

@@ -5,7 +5,10 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 #include "dpcore/comm.h"
+#include "dpcore/comm/checks.h"
 #include "dpcore/device.h"
 #include "dpcore/host_allocator.h"
 #ifdef DPCORE_WITH_CUDA
@@ -21,6 +24,7 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
   TORCH_CHECK(!tensors.empty(), "gather: expected at least one tensor to gather from");
   const at::Tensor& first = tensors[0];
   TORCH_CHECK(first.defined(), "gather: tensors[0] is undefined");
+  check_dense(first, "gather", "tensors[0]");
   TORCH_CHECK(
       first.dim() > 0, "gather: expected tensors with at least one dimension, but tensors[0] ",
       "is 0-dim");
@@ -30,6 +34,7 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), "gather: tensors[", i, "] is undefined");
+    check_dense(t, "gather", "tensors[" + std::to_string(i) + "]");
     TORCH_CHECK(
         t.dim() == first.dim(), "gather: expected all tensors to have ", first.dim(),
         " dimensions, as tensors[0] does, but tensors[", i, "] has ", t.dim());
@@ -112,7 +117,18 @@ void gather_out(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
   TORCH_CHECK(
       out.scalar_type() == tensors[0].scalar_type(), "gather: expected 'out' of dtype ",
       tensors[0].scalar_type(), ", but it is ", out.scalar_type());
-  copy_slices(tensors, out, wrapped);
+  check_dense(out, "gather", "'out'");
+  check_no_internal_overlap(out, "gather", "'out'");
+  // Inputs that may share memory with `out` (non-dense views interleaved
+  // with it) are read from copies made before anything is written.
+  std::vector<at::Tensor> sources(tensors.begin(), tensors.end());
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (check_no_overlap(out, "'out'", sources[i], "tensors[" + std::to_string(i) + "]", "gather")) {
+      c10::NoGradGuard no_grad;
+      sources[i] = sources[i].clone();
+    }
+  }
+  copy_slices(sources, out, wrapped);
 }
 
 } // namespace dpcore

@@ -7,8 +7,10 @@
 #include <c10/util/Exception.h>
 
 #include <numeric>
+#include <string>
 
 #include "dpcore/comm.h"
+#include "dpcore/comm/checks.h"
 #include "dpcore/device.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
@@ -19,6 +21,7 @@ namespace {
 
 int64_t check_scatter_dim(const at::Tensor& tensor, int64_t dim) {
   TORCH_CHECK(tensor.defined(), "scatter: expected a defined 'tensor'");
+  check_dense(tensor, "scatter", "'tensor'");
   TORCH_CHECK(
       tensor.dim() > 0, "scatter: expected a tensor with at least one dimension, but got a ",
       "0-dim tensor");
@@ -141,6 +144,7 @@ void scatter_out(
   for (size_t i = 0; i < outs.size(); ++i) {
     const at::Tensor& out = outs[i];
     TORCH_CHECK(out.defined(), "scatter: out[", i, "] is undefined");
+    check_dense(out, "scatter", "out[" + std::to_string(i) + "]");
     TORCH_CHECK(
         out.dim() == tensor.dim(), "scatter: expected out[", i, "] to have ", tensor.dim(),
         " dimensions, as the tensor does, but it has ", out.dim());
@@ -161,13 +165,26 @@ void scatter_out(
       " (", total, ") does not match the size of the source tensor (", tensor.size(dim), ")");
   const auto checked = check_devices(devices, "scatter", "the devices of out");
   check_streams(streams, checked);
+  // A tensor that may share memory with an out (non-dense views interleaved
+  // with it) is read from a copy made before anything is written.
+  bool copy_source = false;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const std::string name = "out[" + std::to_string(i) + "]";
+    check_no_internal_overlap(outs[i], "scatter", name);
+    copy_source = check_no_overlap(outs[i], name, tensor, "'tensor'", "scatter") || copy_source;
+    // Outs that may only interleave (column blocks of one buffer) are fine.
+    for (size_t j = 0; j < i; ++j) {
+      check_no_overlap(outs[i], name, outs[j], "out[" + std::to_string(j) + "]", "scatter");
+    }
+  }
   c10::NoGradGuard no_grad;
+  const at::Tensor source = copy_source ? tensor.clone() : tensor;
   std::vector<int64_t> sizes;
   sizes.reserve(outs.size());
   for (const at::Tensor& out : outs) {
     sizes.push_back(out.size(dim));
   }
-  const std::vector<at::Tensor> chunks = split(tensor, dim, sizes);
+  const std::vector<at::Tensor> chunks = split(source, dim, sizes);
 #ifdef DPCORE_WITH_CUDA
   if (tensor.is_cpu() && checked[0].is_cuda()) {
     cuda::host_to_devices(chunks, checked, outs, streams);

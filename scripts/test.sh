@@ -26,7 +26,7 @@ step "virtual environment $venv with torch $torch_version"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==$torch_version" pytest numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
 
 step "build and install dpcore"
 python -m pip install -q --no-build-isolation "$root"

@@ -28,7 +28,7 @@ step "virtual environment $venv with torch $torch_version (CUDA 13.0)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
-python -m pip install -q "torch==$torch_version" pytest numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
 
 step "build dpcore with nvcc (DPCORE_CUDA=1, arch $TORCH_CUDA_ARCH_LIST)"
 # A fresh build tree: the CPU build's objects must not be reused.

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
+from dpcore._split import check_split
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import gather as gather_outputs
@@ -55,8 +56,12 @@ class DataParallel(nn.Module):
         output_device: where outputs (or the loss) are gathered; default
             ``device_ids[0]``; -1 or "cpu" is the CPU.
         dim: the batch dimension.
-        chunk_sizes: explicit split sizes, one per device (zeros allowed).
-        weights: per-device split weights (proportional split).
+        chunk_sizes: explicit split sizes, one int per device (zeros allowed).
+        weights: per-device split weights (proportional split): real numbers,
+            finite, >= 0, with a positive sum. Both are checked here, by the
+            rules of dpcore._split: a float, str or bool size (or weight) is
+            a TypeError, a negative one or a wrong count a ValueError, each
+            naming the argument, the index and the value.
         criterion: ``loss_fn(output, target)``; then ``dp(*inputs, target)``
             returns one scalar loss computed inside each replica, weighted by
             chunk size (equal to the single-device loss of the whole batch for
@@ -69,7 +74,10 @@ class DataParallel(nn.Module):
     device while the batch is at least the device count; tensors whose batch
     sizes disagree raise ValueError naming both; replicas are cached across
     steps and refreshed only where the master changed; ``state_dict()`` has
-    the bare module's keys.
+    the bare module's keys. Unlike torch, the first replica is ``module``
+    itself: ``zero_grad()`` called on it inside forward clears the master's
+    gradients (torch's replicas are copies, where it only warns; dpcore's
+    other replicas warn as torch's do).
     """
 
     # Attributes a replica of this wrapper (DataParallel nested in a model
@@ -94,8 +102,7 @@ class DataParallel(nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         self.module = module
         self.dim = dim
-        self.chunk_sizes = None if chunk_sizes is None else [int(c) for c in chunk_sizes]
-        self.weights = None if weights is None else [float(w) for w in weights]
+        self.chunk_sizes, self.weights = check_split(chunk_sizes, weights)
         self.criterion = criterion
         self.gather = gather
         self.bucket_bytes = int(bucket_bytes)
@@ -108,12 +115,7 @@ class DataParallel(nn.Module):
                 return
         self.device_ids = as_devices(device_ids, "device_ids")
         _check_device_list(self.device_ids)
-        if self.chunk_sizes is not None and len(self.chunk_sizes) != len(self.device_ids):
-            raise ValueError(
-                f"chunk_sizes: expected one size per device ({len(self.device_ids)}), but got {len(self.chunk_sizes)}"
-            )
-        if self.weights is not None and len(self.weights) != len(self.device_ids):
-            raise ValueError(f"weights: expected one weight per device ({len(self.device_ids)}), but got {len(self.weights)}")
+        check_split(self.chunk_sizes, self.weights, len(self.device_ids))
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
         check_on_device(module, self.device_ids[0], "device_ids[0]")
         self._cache: ReplicaCache | None = None
@@ -169,26 +171,21 @@ class DataParallel(nn.Module):
         if criterion is not None:
             if not inputs:
                 raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-            *inputs, target = inputs
-            inputs = (*inputs, target)
         if not self.device_ids:
             if criterion is None:
                 return self.module(*inputs, **kwargs)
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
 
-        args, kws, sizes = scatter_kwargs(
-            tuple(inputs), kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights
-        )
-        used = self._used_devices(sizes)
-        if used and used[0] != 0:
+        args, kws, sizes, used = scatter_kwargs(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights)
+        if used[0] != 0:
             raise ValueError(
                 "chunk_sizes/weights: the first device (device_ids[0], which holds the module) must get a "
                 f"non-empty chunk, but the split is {self.chunk_sizes or self.weights}"
             )
         n = len(args)
-        replicas = self._replicas(max(used) + 1 if used else 1)
-        modules = [replicas[i] for i in (used or [0])]
-        devices = [self.device_ids[i] for i in (used or [0])]
+        replicas = self._replicas(used[-1] + 1)
+        modules = [replicas[i] for i in used]
+        devices = [self.device_ids[i] for i in used]
         if criterion is not None:
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
@@ -205,16 +202,6 @@ class DataParallel(nn.Module):
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)
-
-    def _used_devices(self, sizes: list[int]) -> list[int]:
-        """Indices into device_ids of the devices that got a chunk, in order."""
-        if self.chunk_sizes is None and self.weights is None:
-            return list(range(len(sizes)))
-        from dpcore.scatter_gather import split_sizes  # the full per-device split
-
-        full = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
-        used = [i for i, s in enumerate(full) if s > 0]
-        return used if len(used) == len(sizes) else list(range(len(sizes)))
 
 
 def _has_module_prefix(keys: list[str], module: nn.Module) -> bool:

@@ -21,6 +21,7 @@ from torch.testing import assert_close
 
 import dpcore
 from dpcore import comm
+from dpcore._functions import Scatter
 
 from conftest import DeviceLike, as_torch_device
 
@@ -911,6 +912,31 @@ def test_scatter_errors() -> None:
         comm.scatter(tensor, cpus, dim=2)
     with pytest.raises(TypeError, match=r"devices\[2\]"):
         comm.scatter(tensor, ["cpu", "cpu", None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "chunk_sizes,match",
+    [
+        ([2.5, 2.5, 2, 2], r"chunk_sizes\[0\]: expected an int, but got float 2\.5"),
+        (["2"] * 4, r"chunk_sizes\[0\]: expected an int, but got str '2'"),
+        ([2, 2, 2, True], r"chunk_sizes\[3\]: expected an int, but got bool True"),
+        (8, r"chunk_sizes: expected a sequence of ints, one per device, but got int 8"),
+    ],
+)
+def test_scatter_chunk_sizes_must_be_ints(chunk_sizes: Any, match: str) -> None:
+    # Checked before the C++ int conversion: never truncated (torch's would be).
+    with pytest.raises(TypeError, match=match):
+        comm.scatter(rand((8, 2)), ["cpu"] * 4, chunk_sizes=chunk_sizes)
+    with pytest.raises(TypeError, match=match):
+        Scatter.apply(["cpu"] * 4, chunk_sizes, 0, rand((8, 2)))
+
+
+def test_scatter_takes_numpy_and_torch_integer_chunk_sizes() -> None:
+    np = pytest.importorskip("numpy")
+    tensor = rand((8, 2))
+    chunks = comm.scatter(tensor, ["cpu"] * 3, chunk_sizes=[np.int64(3), torch.tensor(5), 0])
+    assert [c.shape[0] for c in chunks] == [3, 5, 0]
+    assert torch.equal(torch.cat(chunks), tensor)
 
 
 def test_scatter_out_errors() -> None:

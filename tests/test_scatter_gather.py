@@ -6,6 +6,7 @@ CPU device lists ["cpu"] * k, k = 1..4 (the ``devices`` fixture)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
@@ -15,9 +16,10 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+import dpcore
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._split import check_chunk_sizes, check_weights, split_sizes
-from dpcore.scatter_gather import Broadcast, gather, scatter_kwargs
+from dpcore.scatter_gather import Broadcast, gather, scatter, scatter_kwargs
 
 CPU = torch.device("cpu")
 
@@ -664,6 +666,56 @@ def test_gather_requires_outputs() -> None:
         gather([], "cpu")
     with pytest.raises(TypeError, match="outputs"):
         gather(torch.ones(2), "cpu")
+
+
+# ---------------------------------------------------------------------------
+# dpcore.scatter / dpcore.gather: torch.nn.parallel's top-level functions
+# ---------------------------------------------------------------------------
+
+
+def test_top_level_scatter_and_gather_have_torchs_arguments() -> None:
+    assert {"scatter", "gather"} <= set(dpcore.__all__)
+    assert dpcore.scatter is scatter and dpcore.gather is gather
+    for ours, theirs in ((dpcore.scatter, torch.nn.parallel.scatter), (dpcore.gather, torch.nn.parallel.gather)):
+        ours_params = inspect.signature(ours).parameters
+        their_params = inspect.signature(theirs).parameters
+        assert list(ours_params) == list(their_params)
+        assert [p.default for p in ours_params.values()] == [p.default for p in their_params.values()]
+
+
+def test_scatter_a_tensor_gives_a_tuple_of_chunks(devices: list[str]) -> None:
+    n = len(devices)
+    x = rows(2 * n + 1, 3)
+    chunks = dpcore.scatter(x, devices)
+    assert type(chunks) is tuple and [c.shape[0] for c in chunks] == balanced(2 * n + 1, n)
+    assert torch.equal(dpcore.gather(list(chunks), "cpu"), x)
+    assert torch.equal(dpcore.gather(list(chunks), target_device="cpu", dim=0), x)
+
+
+def test_scatter_a_pytree_gives_a_list_per_device(devices: list[str]) -> None:
+    n = len(devices)
+    tree = ({"x": rows(n + 2), "tag": "t"}, [rows(n + 2, 2)])
+    values = dpcore.scatter(tree, devices)
+    assert type(values) is list and len(values) == n
+    for value in values:
+        assert type(value) is tuple and value[0]["tag"] == "t" and type(value[1]) is list
+    assert torch.equal(torch.cat([v[1][0] for v in values]), tree[1][0])
+    # dim, and gradients through both.
+    y = torch.randn(3, n + 1, dtype=torch.float64, requires_grad=True)
+    out = dpcore.gather([c * 2 for c in dpcore.scatter(y, devices, dim=1)], "cpu", dim=1)
+    out.sum().backward()
+    torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
+
+
+def test_scatter_fewer_rows_or_no_tensor() -> None:
+    # torch's zip truncates to the rows; with no tensor every device gets the value.
+    assert len(dpcore.scatter(rows(2), ["cpu"] * 4)) == 2
+    assert dpcore.scatter("text", ["cpu"] * 3) == ["text"] * 3
+    assert dpcore.scatter((1, [2]), ["cpu"] * 2) == [(1, [2]), (1, [2])]
+    with pytest.raises(ValueError, match=r"inputs\[1\] has size 3 along dim 0 but inputs\[0\] has size 4"):
+        dpcore.scatter((rows(4), rows(3)), ["cpu"] * 2)
+    with pytest.raises(ValueError, match="target_gpus: expected at least one device"):
+        dpcore.scatter(rows(4), [])
 
 
 # ---------------------------------------------------------------------------

@@ -25,8 +25,13 @@ namespace dpcore {
 namespace python {
 namespace {
 
+// module.__dict__, read directly (no attribute lookup through the type).
 py::dict instance_dict(const py::handle& module) {
-  return py::reinterpret_borrow<py::dict>(py::getattr(module, "__dict__"));
+  PyObject* d = PyObject_GenericGetDict(module.ptr(), nullptr);
+  if (d == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::dict>(d);
 }
 
 // What the cache's structure depends on: for every master module, the
@@ -346,7 +351,12 @@ class ReplicaSet {
         }
       }
       d[is_replica_key_] = py::bool_(true);
-      py::setattr(row[i], "__dict__", d);
+      // object.__setattr__, not the module's: nn.Module.__setattr__ is
+      // Python code that only passes "__dict__" on, and costs several times
+      // the rest of this loop.
+      if (PyObject_GenericSetAttr(row[i].ptr(), dict_key_.ptr(), d.ptr()) != 0) {
+        throw py::error_already_set();
+      }
       py::dict modules = py::reinterpret_borrow<py::dict>(d[own_keys_[2]]);
       for (const Child& child : plan.children) {
         modules[child.name] = child.module ? py::reinterpret_borrow<py::object>(row[*child.module]) : py::none();
@@ -374,6 +384,7 @@ class ReplicaSet {
   std::vector<BucketEntry> buckets_;
   std::vector<py::list> rows_;  // rows_[j][i]: the replica of master i on target j
   py::str is_replica_key_{"_is_replica"};
+  py::str dict_key_{"__dict__"};
   py::str own_keys_[3] = {py::str("_parameters"), py::str("_buffers"), py::str("_modules")};
 };
 

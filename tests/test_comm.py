@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
@@ -924,7 +925,6 @@ def test_scatter_chunk_sizes_must_be_ints(chunk_sizes: Any, match: str) -> None:
 
 
 def test_scatter_takes_numpy_and_torch_integer_chunk_sizes() -> None:
-    np = pytest.importorskip("numpy")
     tensor = rand((8, 2))
     chunks = comm.scatter(tensor, ["cpu"] * 3, chunk_sizes=[np.int64(3), torch.tensor(5), 0])
     assert [c.shape[0] for c in chunks] == [3, 5, 0]

@@ -21,6 +21,7 @@ from collections import OrderedDict, namedtuple
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -1148,7 +1149,6 @@ def test_bad_split_arguments_are_rejected_at_construction(
 
 
 def test_numpy_and_torch_integer_chunk_sizes() -> None:
-    np = pytest.importorskip("numpy")
     module = nn.Linear(3, 2).to(F64)
     dp = dpcore.DataParallel(module, ["cpu"] * 3, chunk_sizes=[np.int64(5), torch.tensor(0), 3], gather=False)
     assert dp.chunk_sizes == [5, 0, 3] and all(type(c) is int for c in dp.chunk_sizes)

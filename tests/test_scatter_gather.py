@@ -13,10 +13,12 @@ from collections import OrderedDict, defaultdict, namedtuple
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 import dpcore
+from dpcore import comm
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._split import check_chunk_sizes, check_weights, split_sizes
 from dpcore.scatter_gather import Broadcast, gather, scatter, scatter_kwargs
@@ -76,6 +78,15 @@ def balanced(batch: int, n: int) -> list[int]:
 )
 def test_split_sizes_balanced(batch: int, n: int, expected: list[int]) -> None:
     assert split_sizes(batch, n) == expected
+
+
+def test_split_sizes_balanced_matches_comm_scatter() -> None:
+    # Python's balanced split and the C++ core's (comm.scatter without
+    # chunk_sizes) are the same rule.
+    for batch in range(0, 13):
+        for n in range(1, 6):
+            chunks = comm.scatter(torch.empty(batch, 1), ["cpu"] * n)
+            assert [c.shape[0] for c in chunks] == split_sizes(batch, n)
 
 
 def test_split_sizes_balanced_property() -> None:
@@ -203,7 +214,6 @@ def test_split_sizes_rejects_bad_weights(weights: Any, error: type[Exception], m
 
 
 def test_numpy_and_torch_integers_are_chunk_sizes() -> None:
-    np = pytest.importorskip("numpy")
     sizes = [np.int64(3), torch.tensor(2), np.int32(1), torch.tensor([2], dtype=torch.int16)]
     assert split_sizes(8, 4, chunk_sizes=sizes) == [3, 2, 1, 2]
     assert all(type(s) is int for s in check_chunk_sizes(sizes))
@@ -212,7 +222,6 @@ def test_numpy_and_torch_integers_are_chunk_sizes() -> None:
 
 
 def test_real_numbers_are_weights() -> None:
-    np = pytest.importorskip("numpy")
     weights = [np.float32(1.0), torch.tensor(1.0), Fraction(1, 2), np.int64(1), 0.5]
     assert check_weights(weights) == [1.0, 1.0, 0.5, 1.0, 0.5]
     assert split_sizes(8, 5, weights=weights) == split_sizes(8, 5, weights=[2, 2, 1, 2, 1])

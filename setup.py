@@ -110,19 +110,19 @@ def _sources(with_cuda: bool) -> list[str]:
     return sources
 
 
-def _write_build_info(with_cuda: bool, arches: str) -> None:
+def _write_build_info() -> None:
+    # The torch version alone: whether CUDA was built, and for which
+    # architectures, is dpcore._C.with_cuda and dpcore._C.cuda_arch_list.
     (ROOT / "dpcore" / "_build_info.py").write_text(
         '"""Written by setup.py at build time: what dpcore._C was built against."""\n\n'
         f"TORCH_VERSION = {torch.__version__!r}\n"
-        f"WITH_CUDA = {with_cuda!r}\n"
-        f"CUDA_ARCH_LIST = {arches!r}\n"
     )
 
 
 def _extension():
     with_cuda = _want_cuda()
     arches = _arch_list() if with_cuda else ""
-    _write_build_info(with_cuda, arches)
+    _write_build_info()
     # at::parallel_for is an inline OpenMP template: without -fopenmp the
     # kernels' parallel loops would silently run on one thread.
     cxx = ["-O3", "-fopenmp"]

@@ -16,7 +16,7 @@ from dpcore.data_parallel import DataParallel, data_parallel  # noqa: E402
 from dpcore.info import info  # noqa: E402
 from dpcore.parallel_apply import parallel_apply  # noqa: E402
 from dpcore.replicate import replicate  # noqa: E402
-from dpcore.scatter_gather import Broadcast  # noqa: E402
+from dpcore.scatter_gather import Broadcast, gather, scatter  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -25,8 +25,10 @@ __all__ = [
     "DataParallel",
     "comm",
     "data_parallel",
+    "gather",
     "info",
     "parallel_apply",
     "replicate",
+    "scatter",
     "__version__",
 ]

@@ -10,9 +10,16 @@ import torch
 DeviceLike = Union[int, str, torch.device]
 
 
+def normalize_device(device: torch.device) -> torch.device:
+    """`device` as dpcore compares devices (the rule of the C++ core's
+    normalize_device): CPU devices lose their index ("cpu:0" is "cpu"),
+    others are returned as they are."""
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
 def as_device(device: DeviceLike, arg: str) -> torch.device:
     """One device: an int is a CUDA index (as in torch.cuda.comm), a str or
-    torch.device is taken as is; CPU devices lose their index.
+    torch.device is taken as is; then normalize_device.
 
     Raises TypeError naming `arg` for anything else, ValueError for a
     negative index.
@@ -26,8 +33,7 @@ def as_device(device: DeviceLike, arg: str) -> torch.device:
         if device < 0:
             raise ValueError(f"{arg}: expected a non-negative CUDA device index, but got {device}")
         return torch.device("cuda", device)
-    result = torch.device(device)
-    return torch.device("cpu") if result.type == "cpu" else result
+    return normalize_device(torch.device(device))
 
 
 def as_devices(devices: Iterable[DeviceLike] | None, arg: str) -> list[torch.device]:

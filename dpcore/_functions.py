@@ -55,7 +55,7 @@ class Scatter(Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.dim = dim
         ctx.input_device = input.device
-        return comm.scatter(input, as_devices(devices, "devices"), [int(s) for s in chunk_sizes], dim)
+        return comm.scatter(input, as_devices(devices, "devices"), chunk_sizes, dim)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -201,9 +201,10 @@ class BroadcastBucket(Function):
     """One bucket of parameters onto the persistent buffers of cached replicas.
 
     ``BroadcastBucket.apply(replicas, *params)``, with ``replicas`` a
-    ``dpcore._C.BucketReplicas`` built for these parameters, refreshes its
-    per-device buffers (skipping the copy when nothing changed) and returns
-    fresh tensors viewing them, device by device, as BroadcastCoalesced does.
+    ``dpcore._C.BucketReplicas`` built for these parameters (one bucket of a
+    ``dpcore._C.ReplicaSet``), refreshes its per-device buffers (skipping the
+    copy when nothing changed) and returns fresh tensors viewing them, device
+    by device, as BroadcastCoalesced does.
     Each bucket is its own autograd node, so its gradients are reduced onto
     the master as soon as they all exist, while backward goes on elsewhere.
     """
@@ -214,7 +215,7 @@ class BroadcastBucket(Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.num_inputs = len(params)
         ctx.input_device = params[0].device
-        outputs = tuple(t for group in replicas.refresh(list(params)) for t in group)
+        outputs = tuple(replicas.refresh(list(params)))
         _mark_frozen(ctx, params, outputs)
         return outputs
 

@@ -29,6 +29,7 @@ import torch
 
 from dpcore import _C
 from dpcore._devices import DeviceLike, as_destination, as_devices, tensor_list
+from dpcore._split import as_int_list
 
 __all__ = [
     "broadcast",
@@ -39,6 +40,12 @@ __all__ = [
     "gather",
 ]
 
+#: Default bucket size of the coalesced collectives (10 MiB, the C++ core's
+#: kDefaultBucketBytes): torch.cuda.comm's default buffer_size, so that calls
+#: ported from torch coalesce alike. The cached replicas of DataParallel use
+#: smaller buckets on purpose (replicate.DEFAULT_BUCKET_BYTES, 4 MiB: each is
+#: an autograd node whose gradient reduction starts as soon as its gradients
+#: exist); these one-shot collectives take fewer, larger ones.
 DEFAULT_BUFFER_SIZE: int = _C.default_bucket_bytes
 
 
@@ -119,16 +126,19 @@ def scatter(
 
     Chunk sizes default to a balanced split (differing by at most one, every
     device used, empty chunks only when the dim is smaller than the device
-    count). A chunk for the tensor's own device is a view of it; memory
-    format is preserved. Dense (strided) tensors only. An ``out`` tensor
-    sharing memory with ``tensor`` or with another ``out`` raises, naming
-    both, before anything is written.
+    count); given, they are ints (TypeError naming ``chunk_sizes[i]`` for a
+    float, a str or a bool: never truncated), one per device, non-negative
+    and summing to the dim's size (RuntimeError otherwise, as torch). A
+    chunk for the tensor's own device is a view of it; memory format is
+    preserved. Dense (strided) tensors only. An ``out`` tensor sharing
+    memory with ``tensor`` or with another ``out`` raises, naming both,
+    before anything is written.
     """
     stream_list = None if streams is None else list(streams)
     if out is None:
         if devices is None:
             raise RuntimeError("scatter: expected 'devices' when 'out' is not specified")
-        sizes = None if chunk_sizes is None else [int(s) for s in chunk_sizes]
+        sizes = None if chunk_sizes is None else as_int_list(chunk_sizes, "chunk_sizes")
         return tuple(_C.scatter(tensor, as_devices(devices, "devices"), sizes, dim, stream_list))
     if devices is not None:
         raise RuntimeError(f"scatter: 'devices' must not be specified when 'out' is, but got {devices!r}")

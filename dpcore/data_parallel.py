@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
+from dpcore._split import as_int, check_split
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
-from dpcore.scatter_gather import _as_int, scatter_kwargs
+from dpcore.scatter_gather import scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -42,7 +43,7 @@ def _check_usable(device: torch.device, arg: str) -> None:
 
 def _check_bucket_bytes(value: Any) -> int:
     """`value` as a positive int (bool is not one), else TypeError/ValueError naming bucket_bytes."""
-    size = _as_int(value, "bucket_bytes")
+    size = as_int(value, "bucket_bytes")
     if size <= 0:
         raise ValueError(f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {size}")
     return size
@@ -86,8 +87,12 @@ class DataParallel(nn.Module):
             ``device_ids[0]``; -1 or "cpu" is the CPU. Checked at
             construction: the CPU or a visible CUDA device.
         dim: the batch dimension.
-        chunk_sizes: explicit split sizes, one per device (zeros allowed).
-        weights: per-device split weights (proportional split).
+        chunk_sizes: explicit split sizes, one int per device (zeros allowed).
+        weights: per-device split weights (proportional split): real numbers,
+            finite, >= 0, with a positive sum. Both are checked here, by the
+            rules of dpcore._split: a float, str or bool size (or weight) is
+            a TypeError, a negative one or a wrong count a ValueError, each
+            naming the argument, the index and the value.
         criterion: ``loss_fn(output, target)``; then ``dp(*inputs, target)``
             returns one scalar loss computed inside each replica, weighted by
             chunk size (equal to the single-device loss of the whole batch for
@@ -103,7 +108,10 @@ class DataParallel(nn.Module):
     device while the batch is at least the device count; tensors whose batch
     sizes disagree raise ValueError naming both; replicas are cached across
     steps and refreshed only where the master changed; ``state_dict()`` has
-    the bare module's keys.
+    the bare module's keys. Unlike torch, the first replica is ``module``
+    itself: ``zero_grad()`` called on it inside forward clears the master's
+    gradients (torch's replicas are copies, where it only warns; dpcore's
+    other replicas warn as torch's do).
     """
 
     # Attributes a replica of this wrapper (DataParallel nested in a model
@@ -128,8 +136,7 @@ class DataParallel(nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         self.module = module
         self.dim = dim
-        self.chunk_sizes = None if chunk_sizes is None else [int(c) for c in chunk_sizes]
-        self.weights = None if weights is None else [float(w) for w in weights]
+        self.chunk_sizes, self.weights = check_split(chunk_sizes, weights)
         self.criterion = criterion
         self.gather = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
@@ -142,12 +149,7 @@ class DataParallel(nn.Module):
                 return
         self.device_ids = as_devices(device_ids, "device_ids")
         _check_device_list(self.device_ids)
-        if self.chunk_sizes is not None and len(self.chunk_sizes) != len(self.device_ids):
-            raise ValueError(
-                f"chunk_sizes: expected one size per device ({len(self.device_ids)}), but got {len(self.chunk_sizes)}"
-            )
-        if self.weights is not None and len(self.weights) != len(self.device_ids):
-            raise ValueError(f"weights: expected one weight per device ({len(self.device_ids)}), but got {len(self.weights)}")
+        check_split(self.chunk_sizes, self.weights, len(self.device_ids))
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
         _check_usable(self.output_device, "output_device")
         check_on_device(module, self.device_ids[0], "device_ids[0]")
@@ -204,31 +206,26 @@ class DataParallel(nn.Module):
         if criterion is not None:
             if not inputs:
                 raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-            *inputs, target = inputs
-            inputs = (*inputs, target)
         if not self.device_ids:
             if criterion is None:
                 return self.module(*inputs, **kwargs)
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
 
-        args, kws, sizes = scatter_kwargs(
-            tuple(inputs), kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights
-        )
-        used = self._used_devices(sizes)
-        if used and used[0] != 0:
-            from dpcore.scatter_gather import split_sizes  # the full per-device split
-
+        args, kws, sizes, used = scatter_kwargs(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights)
+        if used[0] != 0:
             given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
-            split = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
+            split = [0] * len(self.device_ids)
+            for index, size in zip(used, sizes):
+                split[index] = size
             raise ValueError(
                 f"{given}: the first device (device_ids[0], which holds the module) must get a non-empty "
                 f"chunk, but {given}={self.chunk_sizes or self.weights} split the batch of {sum(sizes)} "
                 f"into {split}"
             )
         n = len(args)
-        replicas = self._replicas(max(used) + 1 if used else 1)
-        modules = [replicas[i] for i in (used or [0])]
-        devices = [self.device_ids[i] for i in (used or [0])]
+        replicas = self._replicas(used[-1] + 1)
+        modules = [replicas[i] for i in used]
+        devices = [self.device_ids[i] for i in used]
         if criterion is not None:
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
@@ -246,16 +243,6 @@ class DataParallel(nn.Module):
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)
-
-    def _used_devices(self, sizes: list[int]) -> list[int]:
-        """Indices into device_ids of the devices that got a chunk, in order."""
-        if self.chunk_sizes is None and self.weights is None:
-            return list(range(len(sizes)))
-        from dpcore.scatter_gather import split_sizes  # the full per-device split
-
-        full = split_sizes(sum(sizes), len(self.device_ids), self.chunk_sizes, self.weights)
-        used = [i for i, s in enumerate(full) if s > 0]
-        return used if len(used) == len(sizes) else list(range(len(sizes)))
 
 
 def _has_module_prefix(keys: list[str], module: nn.Module) -> bool:

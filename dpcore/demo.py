@@ -4,9 +4,10 @@ The data are the 1,797 8x8 images that ship inside scikit-learn
 (``sklearn.datasets.load_digits``, nothing is downloaded), split 80/20,
 stratified, with a fixed seed. The model runs on every visible GPU or, with
 none, on four CPU "devices" (``["cpu"] * 4``); the loss is computed inside
-each replica (``DataParallel(..., criterion=...)``). On a CPU device list
-torch's intra-op threads are set to cores / replicas for the run, since
-each replica already runs on a worker thread of its own.
+each replica (``DataParallel(..., criterion=...)``). torch's thread
+settings are left as they are: on a CPU device list dpcore's worker pool
+runs at most ``torch.get_num_threads()`` replicas at a time, sharing those
+intra-op threads.
 
 Before training, the first steps are run twice in float64 from the same
 initial weights, once with DataParallel and once on a single device, and the
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import parse_devices, print_table
+from dpcore.bench._common import add_devices_argument, default_devices, devices_from_args, print_table
 
 #: How many steps the float64 agreement check runs, and its tolerance on
 #: every parameter element after each step.
@@ -171,21 +172,11 @@ def accuracy(evaluator: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return (evaluator(x).argmax(dim=1) == y).double().mean().item()
 
 
-def _default_devices() -> str:
-    """Every visible GPU, else four CPU devices."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return ",".join(str(i) for i in range(torch.cuda.device_count()))
-    return "cpu:4"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--devices", default=None,
-        help="'cpu:N' (N CPU replicas) or CUDA indices such as '0,1' or '0,0'; default: every GPU, else cpu:4",
-    )
+    add_devices_argument(parser, "every GPU, else cpu:4")
     parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="training epochs (default %(default)s)")
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULTS["batch_size"],
@@ -217,12 +208,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
         parser.error(f"--seed: expected an integer in [0, 2**32), but got {args.seed}")
     if args.limit is not None and args.limit < 50:
         parser.error(f"--limit: expected at least 50 images, but got {args.limit}")
-    spec = args.devices if args.devices is not None else _default_devices()
-    try:
-        devices = parse_devices(spec)
-    except ValueError as error:
-        message = str(error)
-        parser.error(message if message.startswith("--devices") else f"--devices: {message}")
+    spec, devices = devices_from_args(parser, args.devices, default_devices(every_gpu=True))
     return args, devices, spec
 
 

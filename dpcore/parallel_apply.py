@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dpcore import _C
-from dpcore._devices import DeviceLike, as_device
+from dpcore._devices import DeviceLike, as_device, normalize_device
 
 __all__ = ["parallel_apply"]
 
@@ -16,10 +17,8 @@ __all__ = ["parallel_apply"]
 def _module_device(module: Any) -> torch.device:
     """The device of a module's first parameter or buffer; the CPU if it has none."""
     if isinstance(module, torch.nn.Module):
-        for t in module.parameters():
-            return torch.device("cpu") if t.device.type == "cpu" else t.device
-        for t in module.buffers():
-            return torch.device("cpu") if t.device.type == "cpu" else t.device
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            return normalize_device(t.device)
     return torch.device("cpu")
 
 

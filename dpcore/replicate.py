@@ -7,25 +7,38 @@ module objects and one persistent flat buffer per parameter bucket
 attribute dicts from the master's and refreshes the buffers in C++, skipping
 buckets whose master tensors did not change. Replica 0 is the master module
 itself, so its gradients, hooks and in-place buffer updates (BatchNorm
-statistics) act on the master directly.
+statistics) act on the master directly; so does ``zero_grad()`` called
+inside forward: on replica 0 it clears the master's gradients (torch's
+replicas are all copies, where it only warns), on the other replicas it warns
+as torch's do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from dpcore import _C
-from dpcore._devices import DeviceLike, as_devices
+from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastBucket
 
 __all__ = ["replicate", "check_on_device", "ReplicaCache", "DEFAULT_BUCKET_BYTES"]
 
+#: Bucket size of the replica parameter copies: smaller than
+#: comm.DEFAULT_BUFFER_SIZE (10 MiB, torch.cuda.comm's buffer size) on
+#: purpose. Each bucket is one autograd node whose gradients are reduced onto
+#: the master as soon as all of them exist, so smaller buckets let the first
+#: reductions start earlier in backward; and a bucket whose master tensors
+#: did not change is not copied, so they also skip more of a partly frozen
+#: model. comm's one-shot collectives have neither concern and take fewer,
+#: larger buckets.
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
-
 
 
 @contextlib.contextmanager
@@ -41,32 +54,29 @@ def _normal_mode() -> Iterator[None]:
         yield
 
 
-def _hook_dict_names(module: nn.Module) -> list[str]:
-    """Names of the hook registries (dicts) in a module's __dict__."""
-    return [k for k, v in module.__dict__.items() if "hook" in k and isinstance(v, dict)]
+_UNINITIALIZED = (
+    "Modules with uninitialized parameters can't be used with `DataParallel`. "
+    "Run a dummy forward pass to correctly initialize the modules"
+)
 
 
-def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Indices of `tensors` grouped by (dtype, requires_grad) into buckets of
-    about `bucket_bytes`, in order."""
-    open_: dict[tuple[torch.dtype, bool], list[int]] = {}
-    sizes: dict[tuple[torch.dtype, bool], int] = {}
-    buckets: list[list[int]] = []
-    for i, t in enumerate(tensors):
-        key = (t.dtype, t.requires_grad)
-        if key not in open_:
-            open_[key] = []
-            sizes[key] = 0
-            buckets.append(open_[key])
-        open_[key].append(i)
-        sizes[key] += t.numel() * t.element_size()
-        if sizes[key] >= bucket_bytes:
-            del open_[key]
-    return buckets
+def _check_initialized(module: nn.Module) -> None:
+    """Raises torch's RuntimeError for a module with uninitialized (lazy)
+    parameters or buffers: they have no size to copy yet."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if is_lazy(t):
+            raise RuntimeError(_UNINITIALIZED)
 
 
 class ReplicaCache:
     """Replicas of `module` for ``devices[1:]``, kept across calls.
+
+    The replica modules, the parameter buckets and their persistent buffers
+    and the per-step sync live in one C++ object (``dpcore._C.ReplicaSet``);
+    this class adds the autograd part: under grad mode each bucket whose
+    tensors require grad is copied through :class:`BroadcastBucket`, its own
+    autograd node, so that its gradients are reduced onto the master as soon
+    as they all exist.
 
     Guarantees:
 
@@ -82,61 +92,36 @@ class ReplicaCache:
       rebuilt (``valid()`` returns False until then).
     * Works under ``torch.inference_mode()``: the buffers and copies are
       normal tensors, usable by later steps outside inference mode.
+    * With more than one device, a module with uninitialized (lazy)
+      parameters raises torch's RuntimeError before anything is allocated.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.module = module
         self.devices = list(devices)
-        self.targets = self.devices[1:]
-        self.masters: list[nn.Module] = list(module.modules())
-        self._index = {id(m): i for i, m in enumerate(self.masters)}
-        self._structure = _C.StructureSignature(self.masters)
-        # Unique tensors (shared parameters appear once), and where each sits.
-        self.tensors: list[torch.Tensor] = []
-        self._slots: list[tuple[int, str, str, int]] = []  # (module index, kind, name, tensor index)
-        seen: dict[int, int] = {}
-        for mi, m in enumerate(self.masters):
-            for kind in ("_parameters", "_buffers"):
-                for name, t in m.__dict__[kind].items():
-                    if t is None:
-                        self._slots.append((mi, kind, name, -1))
-                        continue
-                    if id(t) not in seen:
-                        seen[id(t)] = len(self.tensors)
-                        self.tensors.append(t)
-                    self._slots.append((mi, kind, name, seen[id(t)]))
-        self._is_param = [False] * len(self.tensors)
-        for mi, kind, _, ti in self._slots:
-            if kind == "_parameters" and ti >= 0:
-                self._is_param[ti] = True
-        self._bucket_indices = _buckets(self.tensors, bucket_bytes) if self.targets else []
+        if len(self.devices) > 1:
+            _check_initialized(module)
         with _normal_mode():
-            self._buckets = [
-                _C.BucketReplicas([self.tensors[i] for i in b], self.targets) for b in self._bucket_indices
-            ]
-        self._hook_names = [_hook_dict_names(m) for m in self.masters]
-        # replicas[j][mi]: the replica of master module mi on targets[j].
-        self.replica_modules: list[list[nn.Module]] = []
-        for _ in self.targets:
-            mods = [m._replicate_for_data_parallel() for m in self.masters]
-            self.replica_modules.append(mods)
-        # The per-step refresh of the replica modules runs in C++.
-        self._plan = _C.ReplicaSyncPlan(
-            self.masters,
-            self._hook_names,
-            [list(getattr(m, "_replica_private_attrs", ())) for m in self.masters],
-            [
-                [(name, -1 if child is None else self._index[id(child)]) for name, child in m._modules.items()]
-                for m in self.masters
-            ],
-            [(mi, 0 if kind == "_parameters" else 1, name, ti) for mi, kind, name, ti in self._slots],
-        )
+            self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes)
+        # (BucketReplicas, master tensors, requires_grad) per bucket.
+        self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
+
+    @property
+    def buckets(self) -> list[Any]:
+        """The ``dpcore._C.BucketReplicas`` of every bucket, in order (none
+        with a single device): their ``last_refresh_copied`` and ``nbytes``."""
+        return [bucket for bucket, _, _ in self._bucket_plan]
+
+    @property
+    def replica_modules(self) -> list[list[nn.Module]]:
+        """rows[j][i]: the replica of ``list(module.modules())[i]`` on devices[j + 1]."""
+        return self._set.replica_modules
 
     def valid(self) -> bool:
         """False when the master's structure changed since the cache was built:
         a parameter, buffer or child added, removed or replaced, or a tensor's
         dtype, device, shape or requires_grad changed (checked in C++)."""
-        return self._structure.matches(self.masters)
+        return self._set.valid()
 
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas (see the class guarantees)."""
@@ -145,24 +130,13 @@ class ReplicaCache:
         if n == 1:
             return [self.module]
         grad_enabled = torch.is_grad_enabled()
-        copies: list[list[torch.Tensor | None]] = [[None] * len(self.tensors) for _ in self.targets]
         with _normal_mode():
-            for replicas, indices in zip(self._buckets, self._bucket_indices):
-                masters = [self.tensors[i] for i in indices]
-                if grad_enabled and masters[0].requires_grad:
-                    flat = BroadcastBucket.apply(replicas, *masters)
-                else:
-                    flat = [t for group in replicas.refresh(masters) for t in group]
-                k = len(indices)
-                for j in range(len(self.targets)):
-                    for pos, i in enumerate(indices):
-                        copies[j][i] = flat[j * k + pos]
-        result: list[nn.Module] = [self.module]
-        for j in range(n - 1):
-            mods = self.replica_modules[j]
-            self._plan.sync(mods, copies[j])
-            result.append(mods[0])
-        return result
+            # None: the bucket needs no autograd and is refreshed in C++.
+            outputs = [
+                BroadcastBucket.apply(bucket, *masters) if grad_enabled and requires_grad else None
+                for bucket, masters, requires_grad in self._bucket_plan
+            ]
+            return [self.module, *self._set.sync(n - 1, outputs)]
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
@@ -193,8 +167,7 @@ def check_on_device(module: nn.Module, device: torch.device, arg: str) -> None:
 
 
 def _check_tensor_device(t: torch.Tensor, device: torch.device, arg: str) -> None:
-    found = torch.device("cpu") if t.device.type == "cpu" else t.device
-    if found != device:
+    if normalize_device(t.device) != device:
         raise RuntimeError(
             f"module must have its parameters and buffers on device {device} ({arg}) "
             f"but found one of them on device: {t.device}"

@@ -81,10 +81,9 @@ def any_devices(request: pytest.FixtureRequest) -> list[DeviceLike]:
 
 def as_torch_device(device: DeviceLike) -> torch.device:
     """What dpcore makes of a device argument: an int is a CUDA index; CPU has no index."""
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    result = torch.device(device)
-    return torch.device("cpu") if result.type == "cpu" else result
+    from dpcore._devices import as_device
+
+    return as_device(device, "device")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -15,12 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
 import dpcore
 from dpcore import comm
+from dpcore._functions import Scatter
 
 from conftest import DeviceLike, as_torch_device
 
@@ -132,15 +134,22 @@ def buffer_kwargs(buffer_size: int | None) -> dict[str, int]:
 # --------------------------------------------------------------------------- broadcast
 
 
-@pytest.mark.parametrize("dtype", MIXED_DTYPES + [torch.bool, torch.complex64])
-def test_broadcast_results_on_each_device_equal_source(any_devices: list[DeviceLike], dtype: torch.dtype) -> None:
-    source = rand((3, 5), device=any_devices[0]).to(dtype)
-    results = comm.broadcast(source, any_devices)
+def check_broadcast(source: torch.Tensor, devices: list[DeviceLike]) -> list[torch.Tensor]:
+    """comm.broadcast(source, devices), checked: a list with one result per
+    device, on that device, equal to the source, the first being the source."""
+    results = comm.broadcast(source, devices)
     assert isinstance(results, list)
-    assert len(results) == len(any_devices)
-    for device, result in zip(any_devices, results):
+    assert len(results) == len(devices)
+    assert results[0] is source
+    for device, result in zip(devices, results):
         assert result.device == as_torch_device(device)
         assert_same_tensor_values(result, source)
+    return results
+
+
+@pytest.mark.parametrize("dtype", MIXED_DTYPES + [torch.bool, torch.complex64])
+def test_broadcast_results_on_each_device_equal_source(any_devices: list[DeviceLike], dtype: torch.dtype) -> None:
+    check_broadcast(rand((3, 5), device=any_devices[0]).to(dtype), any_devices)
 
 
 def test_broadcast_first_source_device_result_is_source(any_devices: list[DeviceLike]) -> None:
@@ -168,22 +177,12 @@ def test_broadcast_results_carry_no_autograd_history(any_devices: list[DeviceLik
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_broadcast_non_contiguous(any_devices: list[DeviceLike], layout: str) -> None:
-    source = non_contiguous_variants(any_devices[0])[layout]
-    results = comm.broadcast(source, any_devices)
-    assert results[0] is source
-    for device, result in zip(any_devices, results):
-        assert result.device == as_torch_device(device)
-        assert_same_tensor_values(result, source)
+    check_broadcast(non_contiguous_variants(any_devices[0])[layout], any_devices)
 
 
 def test_broadcast_sparse(any_devices: list[DeviceLike]) -> None:
     source = sparse((4, 5), device=any_devices[0])
-    results = comm.broadcast(source, any_devices)
-    assert results[0] is source
-    for device, result in zip(any_devices, results):
-        assert result.is_sparse
-        assert result.device == as_torch_device(device)
-        assert torch.equal(dense(result), dense(source))
+    results = check_broadcast(source, any_devices)
     for result in results[1:]:
         assert result._values().data_ptr() != source._values().data_ptr()
 
@@ -197,12 +196,7 @@ def test_broadcast_keeps_channels_last(any_devices: list[DeviceLike]) -> None:
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 2, 2)])
 def test_broadcast_empty_tensor(any_devices: list[DeviceLike], shape: tuple[int, ...]) -> None:
-    source = torch.empty(shape, device=as_torch_device(any_devices[0]))
-    results = comm.broadcast(source, any_devices)
-    assert results[0] is source
-    for device, result in zip(any_devices, results):
-        assert result.shape == source.shape
-        assert result.device == as_torch_device(device)
+    check_broadcast(torch.empty(shape, device=as_torch_device(any_devices[0])), any_devices)
 
 
 def test_broadcast_accepts_device_objects_and_cpu_index() -> None:
@@ -911,6 +905,30 @@ def test_scatter_errors() -> None:
         comm.scatter(tensor, cpus, dim=2)
     with pytest.raises(TypeError, match=r"devices\[2\]"):
         comm.scatter(tensor, ["cpu", "cpu", None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "chunk_sizes,match",
+    [
+        ([2.5, 2.5, 2, 2], r"chunk_sizes\[0\]: expected an int, but got float 2\.5"),
+        (["2"] * 4, r"chunk_sizes\[0\]: expected an int, but got str '2'"),
+        ([2, 2, 2, True], r"chunk_sizes\[3\]: expected an int, but got bool True"),
+        (8, r"chunk_sizes: expected a sequence of ints, one per device, but got int 8"),
+    ],
+)
+def test_scatter_chunk_sizes_must_be_ints(chunk_sizes: Any, match: str) -> None:
+    # Checked before the C++ int conversion: never truncated (torch's would be).
+    with pytest.raises(TypeError, match=match):
+        comm.scatter(rand((8, 2)), ["cpu"] * 4, chunk_sizes=chunk_sizes)
+    with pytest.raises(TypeError, match=match):
+        Scatter.apply(["cpu"] * 4, chunk_sizes, 0, rand((8, 2)))
+
+
+def test_scatter_takes_numpy_and_torch_integer_chunk_sizes() -> None:
+    tensor = rand((8, 2))
+    chunks = comm.scatter(tensor, ["cpu"] * 3, chunk_sizes=[np.int64(3), torch.tensor(5), 0])
+    assert [c.shape[0] for c in chunks] == [3, 5, 0]
+    assert torch.equal(torch.cat(chunks), tensor)
 
 
 def test_scatter_out_errors() -> None:

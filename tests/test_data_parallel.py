@@ -16,10 +16,12 @@ import io
 import pickle
 import threading
 import warnings
+import weakref
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -461,9 +463,13 @@ class ZeroGradInForward(nn.Module):
 
 
 def test_zero_grad_inside_a_replica_warns(any_devices: list[Any]) -> None:
+    # Documented difference from torch: replica 0 is the master itself, so
+    # its zero_grad() in forward clears the master's gradients (torch's
+    # replicas are all copies); the other replicas warn as torch's do.
     dev = _dev0(any_devices)
     dp = dpcore.DataParallel(ZeroGradInForward().to(dev), any_devices)
     x = _randn(4, 3, device=dev)
+    dp.module.linear.weight.grad = torch.ones_like(dp.module.linear.weight)
     if len(any_devices) > 1:
         with pytest.warns(UserWarning, match="zero_grad"), warnings.catch_warnings():
             # torch's zero_grad then reads .grad of the replica's parameters,
@@ -474,6 +480,81 @@ def test_zero_grad_inside_a_replica_warns(any_devices: list[Any]) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             dp(x)
+    assert dp.module.linear.weight.grad is None  # cleared by replica 0, the master
+
+
+def test_uninitialized_lazy_module_raises_torchs_error() -> None:
+    # torch's message, before anything is sized (not a ValueError from numel).
+    dp = dpcore.DataParallel(nn.LazyLinear(10), ["cpu"] * 4)
+    with pytest.raises(RuntimeError, match=r"Modules with uninitialized parameters can't be used with `DataParallel`"):
+        dp(torch.ones(8, 3))
+    with pytest.raises(RuntimeError, match="Run a dummy forward pass"):
+        dpcore.replicate(nn.LazyLinear(10), ["cpu"] * 2)
+    # A lazy parameter outside a lazy module too.
+    holder = nn.Module()
+    holder.weight = nn.parameter.UninitializedParameter()
+    with pytest.raises(RuntimeError, match="uninitialized parameters"):
+        dpcore.replicate(holder, ["cpu"] * 2)
+    # One device runs the bare module, which initializes itself; afterwards
+    # the module replicates.
+    lazy = nn.LazyLinear(10).to(F64)
+    dpcore.DataParallel(lazy, ["cpu"])(_randn(8, 3, device=torch.device("cpu")))
+    x = _randn(8, 3, device=torch.device("cpu"))
+    torch.testing.assert_close(dpcore.DataParallel(lazy, ["cpu"] * 4)(x), lazy(x))
+
+
+def test_frozen_and_trainable_tensors_never_share_a_bucket(any_devices: list[Any]) -> None:
+    dev = _dev0(any_devices)
+    module = nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).to(dev, F64)
+    module[1].requires_grad_(False)
+    module[2].eval()  # running statistics: the same output as one device
+    reference, dp = _pair(module, any_devices)
+    x = _randn(9, 5, device=dev)
+    dp(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_grads_equal(dp.module, reference)
+    plan = dp._cache._bucket_plan
+    if len(any_devices) == 1:
+        assert plan == []  # the master runs alone: nothing to copy
+        return
+    # Trainable float64; frozen float64 (module[1] and the running stats);
+    # frozen int64 (num_batches_tracked).
+    assert [requires_grad for _, _, requires_grad in plan] == [True, False, False]
+    for _, masters, requires_grad in plan:
+        assert all(t.requires_grad == requires_grad for t in masters)
+    # In order of each bucket's first tensor, every tensor exactly once.
+    tensors = [t for _, masters, _ in plan for t in masters]
+    assert {id(t) for t in tensors} == {id(t) for t in [*module.parameters(), *module.buffers()]}
+    assert len(tensors) == len(list(module.parameters())) + len(list(module.buffers()))
+    assert plan[0][1][0] is module[0].weight and plan[1][1][0] is module[1].weight
+    assert plan[2][1] == [module[2].num_batches_tracked]
+
+
+def test_small_buckets_are_autograd_nodes_of_their_own(any_devices: list[Any]) -> None:
+    dev = _dev0(any_devices)
+    reference, dp = _pair(_mlp(dev), any_devices, bucket_bytes=1)
+    x = _randn(9, 5, device=dev)
+    dp(x).sum().backward()
+    reference(x).sum().backward()
+    _assert_grads_equal(dp.module, reference)
+    assert len(dp._cache.buckets) == (4 if len(any_devices) > 1 else 0)  # one tensor each
+
+
+def test_reference_cycle_through_the_replica_cache_is_collected(any_devices: list[Any]) -> None:
+    # The module refers to its wrapper: the cycle passes through the C++
+    # replica set, which the garbage collector must see through.
+    dev = _dev0(any_devices)
+    module = _mlp(dev)
+    dp = dpcore.DataParallel(module, any_devices)
+    object.__setattr__(module, "owner", dp)
+    dp(_randn(7, 5, device=dev)).sum().backward()
+    assert dp._cache is not None
+    # What the C++ object reports holding (not kept: it would keep dp alive).
+    assert any(isinstance(r, list) and module in r for r in gc.get_referents(dp._cache._set))
+    alive = weakref.ref(dp)
+    del dp, module
+    gc.collect()
+    assert alive() is None
 
 
 def _garbage_description() -> str:
@@ -616,7 +697,7 @@ def test_train_mode_batchnorm_updates_master_running_stats(any_devices: list[Any
     dp = dpcore.DataParallel(bn, any_devices)
     x = _randn(8, 3, device=dev) * 2 + 5
     out = dp(x)
-    sizes = dpcore.scatter_gather.split_sizes(8, len(any_devices))
+    sizes = dpcore._split.split_sizes(8, len(any_devices))
     chunks = x.split(sizes)
     reference = nn.BatchNorm1d(3).to(dev, F64)
     expected = [nn.BatchNorm1d(3).to(dev, F64)(c) for c in chunks]
@@ -752,7 +833,7 @@ def test_hooks_registered_on_the_master_run_on_every_replica(any_devices: list[A
     module[0].register_forward_hook(lambda mod, args, out: counter.add(out.shape[0]))
     dp = dpcore.DataParallel(module, any_devices)
     dp(_randn(9, 5, device=dev))
-    assert sorted(counter.records) == sorted(dpcore.scatter_gather.split_sizes(9, len(any_devices)))
+    assert sorted(counter.records) == sorted(dpcore._split.split_sizes(9, len(any_devices)))
 
 
 # ---------------------------------------------------------------------------
@@ -1043,6 +1124,38 @@ def test_chunk_sizes_and_weights() -> None:
         dpcore.DataParallel(module, ["cpu"] * 3, chunk_sizes=[5, 5])
 
 
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"chunk_sizes": [2.5, 2.5, 2, 2]}, TypeError, r"chunk_sizes\[0\]: expected an int, but got float 2\.5"),
+        ({"chunk_sizes": ["2"] * 4}, TypeError, r"chunk_sizes\[0\]: expected an int, but got str '2'"),
+        ({"chunk_sizes": 8}, TypeError, r"chunk_sizes: expected a sequence of ints, one per device, but got int 8"),
+        ({"chunk_sizes": [4, 4, False, 0]}, TypeError, r"chunk_sizes\[2\]: expected an int, but got bool False"),
+        ({"chunk_sizes": [4, 4, 1, -1]}, ValueError, r"chunk_sizes\[3\]: expected a non-negative size, but got -1"),
+        ({"weights": [1, 1, "1", 1]}, TypeError, r"weights\[2\]: expected a real number, but got str '1'"),
+        ({"weights": [1, 1, True, 1]}, TypeError, r"weights\[2\]: expected a real number, but got bool True"),
+        ({"weights": [1, float("nan"), 1, 1]}, ValueError, r"weights\[1\]: expected a non-negative finite number"),
+        ({"weights": [0, 0, 0, 0]}, ValueError, r"weights: expected a positive sum"),
+        ({"weights": [1, 1]}, ValueError, r"weights: expected one weight per device \(4\), but got 2"),
+        ({"chunk_sizes": [2] * 4, "weights": [1] * 4}, ValueError, "at most one of 'chunk_sizes' and 'weights'"),
+    ],
+)
+def test_bad_split_arguments_are_rejected_at_construction(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    module = nn.Linear(3, 2)
+    with pytest.raises(error, match=match):
+        dpcore.DataParallel(module, ["cpu"] * 4, **options)
+
+
+def test_numpy_and_torch_integer_chunk_sizes() -> None:
+    module = nn.Linear(3, 2).to(F64)
+    dp = dpcore.DataParallel(module, ["cpu"] * 3, chunk_sizes=[np.int64(5), torch.tensor(0), 3], gather=False)
+    assert dp.chunk_sizes == [5, 0, 3] and all(type(c) is int for c in dp.chunk_sizes)
+    out = dp(_randn(8, 3, device=torch.device("cpu")))
+    assert [o.shape[0] for o in out] == [5, 3]
+
+
 class ReturnsScalarAndLeaves(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -1119,15 +1232,15 @@ def test_replica_cache_is_reused_and_unchanged_buckets_are_not_copied(any_device
     for before, after in zip(replicas, dp._cache.replica_modules):
         assert all(a is b for a, b in zip(before, after))
     if len(any_devices) == 1:
-        assert cache._buckets == []  # the master runs alone: nothing to copy
+        assert cache.buckets == []  # the master runs alone: nothing to copy
         return
-    assert all(not bucket.last_refresh_copied for bucket in cache._buckets)
+    assert all(not bucket.last_refresh_copied for bucket in cache.buckets)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     dp(x).sum().backward()
     opt.step()
     with torch.no_grad():
         out = dp(x)
-    assert cache._buckets[0].last_refresh_copied
+    assert cache.buckets[0].last_refresh_copied
     torch.testing.assert_close(out, module(x))  # the replicas see the new weights
 
 
@@ -1158,7 +1271,7 @@ def test_in_place_change_of_a_replica_copy_is_undone_next_step(any_devices: list
             # Each step starts from the master's values: the copy is refreshed.
             torch.testing.assert_close(dp(x), expected)
             if k > 1:
-                assert dp._cache._buckets[0].last_refresh_copied
+                assert dp._cache.buckets[0].last_refresh_copied
     torch.testing.assert_close(module.w, torch.zeros(3, dtype=F64, device=dev))
 
 

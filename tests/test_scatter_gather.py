@@ -1,20 +1,27 @@
 """Tests for dpcore._functions (Scatter, Gather, BroadcastTensor) and
-dpcore.scatter_gather (split_sizes, scatter_kwargs, gather, Broadcast), on
+dpcore._split (split_sizes and the checks of chunk_sizes and weights) and
+dpcore.scatter_gather (scatter_kwargs, scatter, gather, Broadcast), on
 CPU device lists ["cpu"] * k, k = 1..4 (the ``devices`` fixture)."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
+from fractions import Fraction
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
+import dpcore
+from dpcore import comm
 from dpcore._functions import BroadcastTensor, Gather, Scatter
-from dpcore.scatter_gather import Broadcast, gather, scatter_kwargs, split_sizes
+from dpcore._split import check_chunk_sizes, check_weights, split_sizes
+from dpcore.scatter_gather import Broadcast, gather, scatter, scatter_kwargs
 
 CPU = torch.device("cpu")
 
@@ -73,6 +80,15 @@ def test_split_sizes_balanced(batch: int, n: int, expected: list[int]) -> None:
     assert split_sizes(batch, n) == expected
 
 
+def test_split_sizes_balanced_matches_comm_scatter() -> None:
+    # Python's balanced split and the C++ core's (comm.scatter without
+    # chunk_sizes) are the same rule.
+    for batch in range(0, 13):
+        for n in range(1, 6):
+            chunks = comm.scatter(torch.empty(batch, 1), ["cpu"] * n)
+            assert [c.shape[0] for c in chunks] == split_sizes(batch, n)
+
+
 def test_split_sizes_balanced_property() -> None:
     for batch in range(0, 40):
         for n in range(1, 9):
@@ -95,11 +111,6 @@ def test_split_sizes_chunk_sizes() -> None:
 def test_split_sizes_chunk_sizes_errors(chunk_sizes: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         split_sizes(6, 3, chunk_sizes=chunk_sizes)
-
-
-def test_split_sizes_chunk_sizes_type_error() -> None:
-    with pytest.raises(TypeError, match=r"chunk_sizes\[0\]"):
-        split_sizes(6, 2, chunk_sizes=[3.0, 3])
 
 
 @pytest.mark.parametrize(
@@ -153,6 +164,77 @@ def test_split_sizes_bad_arguments() -> None:
         split_sizes(-1, 2)
 
 
+# The rules of chunk_sizes and weights (dpcore._split), shared by
+# DataParallel, comm.scatter and split_sizes: every bad value is named with
+# its argument, index and value; nothing is truncated or parsed.
+BAD_CHUNK_SIZES = [
+    ([2.5, 2.5, 2, 2], TypeError, r"chunk_sizes\[0\]: expected an int, but got float 2\.5"),
+    ([2, 2, 2.0, 2], TypeError, r"chunk_sizes\[2\]: expected an int, but got float 2\.0"),
+    (["2"] * 4, TypeError, r"chunk_sizes\[0\]: expected an int, but got str '2'"),
+    ([True, 3, 2, 2], TypeError, r"chunk_sizes\[0\]: expected an int, but got bool True"),
+    ([2, 2, 2, torch.tensor(True)], TypeError, r"chunk_sizes\[3\]: expected an int, but got bool"),
+    ([2, 2, torch.tensor(2.0), 2], TypeError, r"chunk_sizes\[2\]: expected an int, but got Tensor"),
+    ([2, 2, 2, None], TypeError, r"chunk_sizes\[3\]: expected an int, but got NoneType None"),
+    (8, TypeError, r"chunk_sizes: expected a sequence of ints, one per device, but got int 8"),
+    ("2222", TypeError, r"chunk_sizes: expected a sequence of ints, one per device, but got str '2222'"),
+    ([2, 2, 5, -1], ValueError, r"chunk_sizes\[3\]: expected a non-negative size, but got -1"),
+    ([4, 4], ValueError, r"chunk_sizes: expected one size per device \(4\), but got 2"),
+]
+
+BAD_WEIGHTS = [
+    ([1, True], TypeError, r"weights\[1\]: expected a real number, but got bool True"),
+    ([1, "1"], TypeError, r"weights\[1\]: expected a real number, but got str '1'"),
+    ([1j, 1], TypeError, r"weights\[0\]: expected a real number, but got complex 1j"),
+    ([None, 1], TypeError, r"weights\[0\]: expected a real number, but got NoneType None"),
+    ([1, torch.tensor(True)], TypeError, r"weights\[1\]: expected a real number, but got Tensor"),
+    ([1, torch.ones(2)], TypeError, r"weights\[1\]: expected a real number, but got Tensor"),
+    (3, TypeError, r"weights: expected a sequence of numbers, one per device, but got int 3"),
+    ([1, -0.5], ValueError, r"weights\[1\]: expected a non-negative finite number, but got -0\.5"),
+    ([float("nan"), 1], ValueError, r"weights\[0\]: expected a non-negative finite number, but got nan"),
+    ([1, float("inf")], ValueError, r"weights\[1\]: expected a non-negative finite number, but got inf"),
+    ([0, 0.0], ValueError, r"weights: expected a positive sum, but got \[0\.0, 0\.0\]"),
+    ([1, 1, 1], ValueError, r"weights: expected one weight per device \(2\), but got 3"),
+]
+
+
+@pytest.mark.parametrize("chunk_sizes,error,match", BAD_CHUNK_SIZES)
+def test_split_sizes_rejects_bad_chunk_sizes(chunk_sizes: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        split_sizes(8, 4, chunk_sizes=chunk_sizes)
+    with pytest.raises(error, match=match):
+        check_chunk_sizes(chunk_sizes, 4)
+
+
+@pytest.mark.parametrize("weights,error,match", BAD_WEIGHTS)
+def test_split_sizes_rejects_bad_weights(weights: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        split_sizes(8, 2, weights=weights)
+    with pytest.raises(error, match=match):
+        check_weights(weights, 2)
+
+
+def test_numpy_and_torch_integers_are_chunk_sizes() -> None:
+    sizes = [np.int64(3), torch.tensor(2), np.int32(1), torch.tensor([2], dtype=torch.int16)]
+    assert split_sizes(8, 4, chunk_sizes=sizes) == [3, 2, 1, 2]
+    assert all(type(s) is int for s in check_chunk_sizes(sizes))
+    assert check_chunk_sizes(np.array([1, 2, 5])) == [1, 2, 5]
+    assert check_chunk_sizes(torch.tensor([1, 2, 5])) == [1, 2, 5]
+
+
+def test_real_numbers_are_weights() -> None:
+    weights = [np.float32(1.0), torch.tensor(1.0), Fraction(1, 2), np.int64(1), 0.5]
+    assert check_weights(weights) == [1.0, 1.0, 0.5, 1.0, 0.5]
+    assert split_sizes(8, 5, weights=weights) == split_sizes(8, 5, weights=[2, 2, 1, 2, 1])
+
+
+def test_scatter_kwargs_checks_the_split_arguments_without_tensors() -> None:
+    # The values are checked even when nothing is split.
+    with pytest.raises(TypeError, match=r"chunk_sizes\[1\]: expected an int, but got float 0\.5"):
+        scatter_kwargs((), {"flag": True}, ["cpu"] * 2, chunk_sizes=[0, 0.5])
+    with pytest.raises(ValueError, match=r"weights: expected one weight per device \(2\), but got 1"):
+        scatter_kwargs((), None, ["cpu"] * 2, weights=[1])
+
+
 # ---------------------------------------------------------------------------
 # scatter_kwargs: splitting
 # ---------------------------------------------------------------------------
@@ -162,7 +244,7 @@ def test_scatter_balanced_uses_every_device(devices: list[str]) -> None:
     n = len(devices)
     batch = 2 * n + 1
     x = rows(batch, 3)
-    args, kwargs, sizes = scatter_kwargs((x,), None, devices)
+    args, kwargs, sizes, _ = scatter_kwargs((x,), None, devices)
     assert sizes == balanced(batch, n)
     assert len(args) == len(kwargs) == n
     start = 0
@@ -175,15 +257,16 @@ def test_scatter_balanced_uses_every_device(devices: list[str]) -> None:
 
 
 def test_scatter_nine_over_four() -> None:
-    args, kwargs, sizes = scatter_kwargs((rows(9),), {}, ["cpu"] * 4)
+    args, kwargs, sizes, _ = scatter_kwargs((rows(9),), {}, ["cpu"] * 4)
     assert sizes == [3, 2, 2, 2]
     assert [a[0].tolist() for a in args] == [[0, 1, 2], [3, 4], [5, 6], [7, 8]]
     assert len(kwargs) == 4
 
 
 def test_scatter_fewer_rows_than_devices() -> None:
-    args, kwargs, sizes = scatter_kwargs((rows(3),), {"y": rows(3)}, ["cpu"] * 4)
+    args, kwargs, sizes, used = scatter_kwargs((rows(3),), {"y": rows(3)}, ["cpu"] * 4)
     assert sizes == [1, 1, 1]
+    assert used == [0, 1, 2]
     assert len(args) == len(kwargs) == 3
     assert [a[0].item() for a in args] == [0, 1, 2]
     assert [k["y"].item() for k in kwargs] == [0, 1, 2]
@@ -191,7 +274,7 @@ def test_scatter_fewer_rows_than_devices() -> None:
 
 def test_scatter_chunks_are_views_on_source_device(devices: list[str]) -> None:
     x = rows(8, 2)
-    args, _, _ = scatter_kwargs((x,), None, devices)
+    args, _, _, _ = scatter_kwargs((x,), None, devices)
     for (chunk,) in args:
         assert chunk._base is x
         assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
@@ -199,8 +282,9 @@ def test_scatter_chunks_are_views_on_source_device(devices: list[str]) -> None:
 
 def test_scatter_chunk_sizes_drops_empty_replicas() -> None:
     x = rows(5)
-    args, kwargs, sizes = scatter_kwargs((x,), None, ["cpu"] * 3, chunk_sizes=[2, 0, 3])
+    args, kwargs, sizes, used = scatter_kwargs((x,), None, ["cpu"] * 3, chunk_sizes=[2, 0, 3])
     assert sizes == [2, 3]
+    assert used == [0, 2]  # the devices that got rows
     assert len(args) == len(kwargs) == 2
     assert args[0][0].tolist() == [0, 1] and args[1][0].tolist() == [2, 3, 4]
 
@@ -213,8 +297,9 @@ def test_scatter_chunk_sizes_error_names_argument() -> None:
 
 
 def test_scatter_weights() -> None:
-    args, _, sizes = scatter_kwargs((rows(10),), None, ["cpu"] * 3, weights=[1, 0, 4])
+    args, _, sizes, used = scatter_kwargs((rows(10),), None, ["cpu"] * 3, weights=[1, 0, 4])
     assert sizes == [2, 8]
+    assert used == [0, 2]
     assert args[0][0].tolist() == [0, 1] and args[1][0].tolist() == list(range(2, 10))
 
 
@@ -222,12 +307,12 @@ def test_scatter_dim1_and_negative(devices: list[str]) -> None:
     n = len(devices)
     x = torch.arange(3 * (n + 2) * 2, dtype=torch.float32).reshape(3, n + 2, 2)
     for dim in (1, -2):
-        args, _, sizes = scatter_kwargs((x,), None, devices, dim=dim)
+        args, _, sizes, _ = scatter_kwargs((x,), None, devices, dim=dim)
         assert sizes == balanced(n + 2, n)
         assert torch.equal(torch.cat([a[0] for a in args], dim=1), x)
         assert all(a[0].shape[0] == 3 and a[0].shape[2] == 2 for a in args)
     y = torch.arange(2 * (n + 1), dtype=torch.float32).reshape(2, n + 1)
-    args, _, sizes = scatter_kwargs((y,), None, devices, dim=-1)
+    args, _, sizes, _ = scatter_kwargs((y,), None, devices, dim=-1)
     assert sizes == balanced(n + 1, n)
     assert [a[0].shape[1] for a in args] == sizes
     assert torch.equal(gather([a[0] for a in args], "cpu", dim=-1), y)
@@ -235,7 +320,7 @@ def test_scatter_dim1_and_negative(devices: list[str]) -> None:
 
 def test_scatter_zero_rows_gives_one_replica(devices: list[str]) -> None:
     x = torch.zeros(0, 3)
-    args, kwargs, sizes = scatter_kwargs((x,), {"s": "k"}, devices)
+    args, kwargs, sizes, _ = scatter_kwargs((x,), {"s": "k"}, devices)
     assert sizes == [0] and len(args) == len(kwargs) == 1
     assert args[0][0].shape == (0, 3) and kwargs[0] == {"s": "k"}
 
@@ -259,7 +344,7 @@ def test_scatter_nested_types_are_kept(devices: list[str]) -> None:
         dc,
         Frozen(rows(batch), 4),
     )
-    args, kwargs, sizes = scatter_kwargs(inputs, {"dd": dd}, devices)
+    args, kwargs, sizes, _ = scatter_kwargs(inputs, {"dd": dd}, devices)
     assert len(args) == len(sizes) == len(devices)
     start = 0
     for a, kw, size in zip(args, kwargs, sizes):
@@ -294,7 +379,7 @@ def test_scatter_then_gather_round_trip(devices: list[str]) -> None:
         "dc": Batch(rows(batch)),
         "od": OrderedDict(b=rows(batch), a=rows(batch)),
     }
-    args, _, _ = scatter_kwargs((tree,), None, devices)
+    args, _, _, _ = scatter_kwargs((tree,), None, devices)
     out = gather([a[0] for a in args], "cpu")
     assert type(out) is dict and list(out) == list(tree)
     assert type(out["list"]) is list and torch.equal(out["list"][0], tree["list"][0])
@@ -307,7 +392,7 @@ def test_scatter_then_gather_round_trip(devices: list[str]) -> None:
 
 def test_scatter_kwargs_only(devices: list[str]) -> None:
     x = rows(5, 2)
-    args, kwargs, sizes = scatter_kwargs((), {"x": x, "flag": True}, devices)
+    args, kwargs, sizes, _ = scatter_kwargs((), {"x": x, "flag": True}, devices)
     assert len(args) == len(kwargs) == len(sizes) == min(5, len(devices))
     assert all(a == () for a in args)
     assert torch.equal(torch.cat([k["x"] for k in kwargs]), x)
@@ -316,7 +401,7 @@ def test_scatter_kwargs_only(devices: list[str]) -> None:
 
 def test_scatter_empty_container_kwargs_survive(devices: list[str]) -> None:
     for inputs in [(), (rows(4),)]:
-        args, kwargs, sizes = scatter_kwargs(inputs, {"l": [], "d": {}, "t": (), "od": OrderedDict()}, devices)
+        args, kwargs, sizes, _ = scatter_kwargs(inputs, {"l": [], "d": {}, "t": (), "od": OrderedDict()}, devices)
         assert len(args) == len(kwargs) == len(sizes) >= 1
         for kw in kwargs:
             assert kw["l"] == [] and type(kw["l"]) is list
@@ -326,10 +411,10 @@ def test_scatter_empty_container_kwargs_survive(devices: list[str]) -> None:
 
 
 def test_scatter_no_inputs_gives_one_replica(devices: list[str]) -> None:
-    assert scatter_kwargs((), None, devices) == ([()], [{}], [0])
-    assert scatter_kwargs(None, {}, devices) == ([()], [{}], [0])
+    assert scatter_kwargs((), None, devices) == ([()], [{}], [0], [0])
+    assert scatter_kwargs(None, {}, devices) == ([()], [{}], [0], [0])
     marker = object()
-    args, kwargs, sizes = scatter_kwargs((marker, [1, 2]), {"k": "v"}, devices)
+    args, kwargs, sizes, _ = scatter_kwargs((marker, [1, 2]), {"k": "v"}, devices)
     assert len(args) == 1 and args[0][0] is marker and args[0][1] == [1, 2] and kwargs == [{"k": "v"}]
 
 
@@ -338,7 +423,7 @@ def test_scatter_non_tensor_leaves_by_reference(devices: list[str]) -> None:
         pass
 
     config, text, number = Config(), "a string", 12345678901234567890
-    args, kwargs, _ = scatter_kwargs((rows(8), config, [text]), {"n": number, "c": config}, devices)
+    args, kwargs, _, _ = scatter_kwargs((rows(8), config, [text]), {"n": number, "c": config}, devices)
     assert len(args) == len(devices)
     for a, kw in zip(args, kwargs):
         assert a[1] is config and a[2][0] is text
@@ -347,15 +432,15 @@ def test_scatter_non_tensor_leaves_by_reference(devices: list[str]) -> None:
 
 def test_scatter_same_tensor_twice_shares_chunks(devices: list[str]) -> None:
     x = rows(6)
-    args, kwargs, _ = scatter_kwargs((x, x), {"x": x}, devices)
+    args, kwargs, _, _ = scatter_kwargs((x, x), {"x": x}, devices)
     for a, kw in zip(args, kwargs):
         assert a[0] is a[1] is kw["x"]
 
 
 def test_scatter_single_non_tuple_argument() -> None:
-    args, _, sizes = scatter_kwargs(rows(4), None, ["cpu"] * 2)
+    args, _, sizes, _ = scatter_kwargs(rows(4), None, ["cpu"] * 2)
     assert sizes == [2, 2] and args[1][0].tolist() == [2, 3]
-    args, _, _ = scatter_kwargs(Pair(rows(4), "b"), None, ["cpu"] * 2)
+    args, _, _, _ = scatter_kwargs(Pair(rows(4), "b"), None, ["cpu"] * 2)
     assert type(args[0][0]) is Pair and args[0][0].a.tolist() == [0, 1]
 
 
@@ -367,7 +452,7 @@ def test_scatter_single_non_tuple_argument() -> None:
 def test_broadcast_tensor(devices: list[str]) -> None:
     x = rows(8)
     table = torch.randn(3, 5)
-    args, kwargs, _ = scatter_kwargs((x, Broadcast(table)), {"t": Broadcast(table)}, devices)
+    args, kwargs, _, _ = scatter_kwargs((x, Broadcast(table)), {"t": Broadcast(table)}, devices)
     assert len(args) == len(devices)
     assert args[0][1] is table
     for i, (a, kw) in enumerate(zip(args, kwargs)):
@@ -378,7 +463,7 @@ def test_broadcast_tensor(devices: list[str]) -> None:
 
 def test_broadcast_non_tensor_by_reference(devices: list[str]) -> None:
     config = {"vocab": ["a", "b"], "depth": 3}
-    args, kwargs, _ = scatter_kwargs((rows(8), Broadcast(config)), {"c": Broadcast(config)}, devices)
+    args, kwargs, _, _ = scatter_kwargs((rows(8), Broadcast(config)), {"c": Broadcast(config)}, devices)
     assert len(args) == len(devices)
     assert all(a[1] is config and kw["c"] is config for a, kw in zip(args, kwargs))
 
@@ -386,21 +471,21 @@ def test_broadcast_non_tensor_by_reference(devices: list[str]) -> None:
 def test_broadcast_container_of_tensors(devices: list[str]) -> None:
     w = torch.randn(4)
     label = "keep"
-    args, _, _ = scatter_kwargs((rows(8), Broadcast([w, label])), None, devices)
+    args, _, _, _ = scatter_kwargs((rows(8), Broadcast([w, label])), None, devices)
     for a in args:
         assert type(a[1]) is list and torch.equal(a[1][0], w) and a[1][1] is label
     assert args[0][1][0] is w
 
 
 def test_broadcast_tensor_is_excluded_from_batch_check(devices: list[str]) -> None:
-    args, _, sizes = scatter_kwargs((rows(8), Broadcast(torch.ones(3))), None, devices)
+    args, _, sizes, _ = scatter_kwargs((rows(8), Broadcast(torch.ones(3))), None, devices)
     assert sum(sizes) == 8 and all(a[1].shape == (3,) for a in args)
 
 
 def test_broadcast_tensor_gradient_sums_over_replicas(devices: list[str]) -> None:
     x = torch.randn(7, 3, dtype=torch.float64)
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    args, _, _ = scatter_kwargs((x, Broadcast(w)), None, devices)
+    args, _, _, _ = scatter_kwargs((x, Broadcast(w)), None, devices)
     loss = sum(((a[0] * a[1]) ** 2).sum() for a in args)
     (grad,) = torch.autograd.grad(loss, w)
     (expected,) = torch.autograd.grad(((x * w) ** 2).sum(), w)
@@ -447,7 +532,7 @@ def test_zero_dim_tensor_to_scatter_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"inputs\[1\] is a 0-dim tensor.*Broadcast"):
         scatter_kwargs((rows(4), torch.tensor(1.0)), None, ["cpu"] * 2)
     # Wrapped in Broadcast it is fine.
-    args, _, _ = scatter_kwargs((rows(4), Broadcast(torch.tensor(1.0))), None, ["cpu"] * 2)
+    args, _, _, _ = scatter_kwargs((rows(4), Broadcast(torch.tensor(1.0))), None, ["cpu"] * 2)
     assert all(a[1].item() == 1.0 for a in args)
 
 
@@ -541,7 +626,7 @@ class WithInitVar:
 
 def test_dataclass_with_initvar_is_not_reinitialised() -> None:
     obj = WithInitVar(rows(4), scale=10.0)
-    args, _, _ = scatter_kwargs((obj,), None, ["cpu"] * 2)
+    args, _, _, _ = scatter_kwargs((obj,), None, ["cpu"] * 2)
     assert [type(a[0]) for a in args] == [WithInitVar, WithInitVar]
     assert args[0][0].x.tolist() == [0, 10] and args[1][0].x.tolist() == [20, 30]
     out = gather([a[0] for a in args], "cpu")
@@ -593,6 +678,56 @@ def test_gather_requires_outputs() -> None:
 
 
 # ---------------------------------------------------------------------------
+# dpcore.scatter / dpcore.gather: torch.nn.parallel's top-level functions
+# ---------------------------------------------------------------------------
+
+
+def test_top_level_scatter_and_gather_have_torchs_arguments() -> None:
+    assert {"scatter", "gather"} <= set(dpcore.__all__)
+    assert dpcore.scatter is scatter and dpcore.gather is gather
+    for ours, theirs in ((dpcore.scatter, torch.nn.parallel.scatter), (dpcore.gather, torch.nn.parallel.gather)):
+        ours_params = inspect.signature(ours).parameters
+        their_params = inspect.signature(theirs).parameters
+        assert list(ours_params) == list(their_params)
+        assert [p.default for p in ours_params.values()] == [p.default for p in their_params.values()]
+
+
+def test_scatter_a_tensor_gives_a_tuple_of_chunks(devices: list[str]) -> None:
+    n = len(devices)
+    x = rows(2 * n + 1, 3)
+    chunks = dpcore.scatter(x, devices)
+    assert type(chunks) is tuple and [c.shape[0] for c in chunks] == balanced(2 * n + 1, n)
+    assert torch.equal(dpcore.gather(list(chunks), "cpu"), x)
+    assert torch.equal(dpcore.gather(list(chunks), target_device="cpu", dim=0), x)
+
+
+def test_scatter_a_pytree_gives_a_list_per_device(devices: list[str]) -> None:
+    n = len(devices)
+    tree = ({"x": rows(n + 2), "tag": "t"}, [rows(n + 2, 2)])
+    values = dpcore.scatter(tree, devices)
+    assert type(values) is list and len(values) == n
+    for value in values:
+        assert type(value) is tuple and value[0]["tag"] == "t" and type(value[1]) is list
+    assert torch.equal(torch.cat([v[1][0] for v in values]), tree[1][0])
+    # dim, and gradients through both.
+    y = torch.randn(3, n + 1, dtype=torch.float64, requires_grad=True)
+    out = dpcore.gather([c * 2 for c in dpcore.scatter(y, devices, dim=1)], "cpu", dim=1)
+    out.sum().backward()
+    torch.testing.assert_close(y.grad, torch.full_like(y, 2.0))
+
+
+def test_scatter_fewer_rows_or_no_tensor() -> None:
+    # torch's zip truncates to the rows; with no tensor every device gets the value.
+    assert len(dpcore.scatter(rows(2), ["cpu"] * 4)) == 2
+    assert dpcore.scatter("text", ["cpu"] * 3) == ["text"] * 3
+    assert dpcore.scatter((1, [2]), ["cpu"] * 2) == [(1, [2]), (1, [2])]
+    with pytest.raises(ValueError, match=r"inputs\[1\] has size 3 along dim 0 but inputs\[0\] has size 4"):
+        dpcore.scatter((rows(4), rows(3)), ["cpu"] * 2)
+    with pytest.raises(ValueError, match="target_gpus: expected at least one device"):
+        dpcore.scatter(rows(4), [])
+
+
+# ---------------------------------------------------------------------------
 # Scatter / Gather Functions and gradients
 # ---------------------------------------------------------------------------
 
@@ -621,7 +756,7 @@ def test_scatter_function_empty_chunks() -> None:
 
 def test_gradient_flows_through_scatter_kwargs_and_gather(devices: list[str]) -> None:
     x = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
-    args, kwargs, _ = scatter_kwargs(({"x": x},), {"y": x}, devices)
+    args, kwargs, _, _ = scatter_kwargs(({"x": x},), {"y": x}, devices)
     outs = [a[0]["x"].sin() * kw["y"] for a, kw in zip(args, kwargs)]
     gathered = gather(outs, "cpu")
     (grad,) = torch.autograd.grad(gathered.sum(), x)
@@ -635,7 +770,7 @@ def test_scatter_gather_gradcheck_and_gradgradcheck(devices: list[str], dim: int
     x = torch.randn(n + 1, n + 2, dtype=torch.float64, requires_grad=True)
 
     def f(t: torch.Tensor) -> torch.Tensor:
-        args, _, _ = scatter_kwargs((t,), None, devices, dim=dim)
+        args, _, _, _ = scatter_kwargs((t,), None, devices, dim=dim)
         outs = [(a[0] ** 3) * (i + 1) for i, a in enumerate(args)]
         return gather(outs, "cpu", dim=dim)
 

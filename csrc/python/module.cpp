@@ -12,7 +12,6 @@
 #include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
-#include "dpcore/replica_buffers.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -143,7 +142,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         dpcore::gather_out(tensors, out, dim);
       },
       py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
-  m.def("balanced_chunk_sizes", &dpcore::balanced_chunk_sizes, py::arg("total"), py::arg("parts"));
 
   m.def(
       "flatten",
@@ -193,20 +191,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "where the hardware allows it.");
 
   // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (csrc/dpcore/ops.cpp).
-
-  py::class_<dpcore::BucketReplicas>(m, "BucketReplicas")
-      .def(
-          py::init([](const Tensors& like, const Devices& targets) {
-            return std::make_unique<dpcore::BucketReplicas>(like, targets);
-          }),
-          py::arg("like"), py::arg("targets"))
-      .def(
-          "refresh",
-          [](dpcore::BucketReplicas& self, const Tensors& tensors) { return self.refresh(tensors); },
-          py::arg("tensors"), NoGil())
-      .def_property_readonly("last_refresh_copied", &dpcore::BucketReplicas::last_refresh_copied)
-      .def_property_readonly("nbytes", &dpcore::BucketReplicas::nbytes)
-      .def_property_readonly("targets", &dpcore::BucketReplicas::targets);
 
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);

@@ -1,15 +1,22 @@
-// The per-step refresh of cached replica modules, over Python module objects
-// (the reason it lives in csrc/python/): re-sync each replica's attribute
-// dict from its master's and set its parameter and buffer slots, and check
-// cheaply whether the master's structure still matches the cache.
+// The cached replicas of one module, over Python module objects (the reason
+// it lives in csrc/python/): the replica module objects, one
+// dpcore::BucketReplicas (persistent per-device buffers) per bucket of the
+// master's parameters and buffers, and the per-step refresh that re-syncs
+// each replica's attribute dicts from its master's and points its parameter
+// and buffer slots at fresh views of the buffers.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
-#include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "dpcore/flatten.h"
+#include "dpcore/replica_buffers.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -18,10 +25,13 @@ namespace dpcore {
 namespace python {
 namespace {
 
-const char* const kOwnDicts[] = {"_parameters", "_buffers", "_modules"};
-
+// module.__dict__, read directly (no attribute lookup through the type).
 py::dict instance_dict(const py::handle& module) {
-  return py::reinterpret_borrow<py::dict>(py::getattr(module, "__dict__"));
+  PyObject* d = PyObject_GenericGetDict(module.ptr(), nullptr);
+  if (d == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::dict>(d);
 }
 
 // What the cache's structure depends on: for every master module, the
@@ -29,6 +39,7 @@ py::dict instance_dict(const py::handle& module) {
 // dtype, device, shape and requires_grad (`module.double()` keeps the
 // Parameter objects but swaps their data).
 std::vector<int64_t> structure_of(const py::list& masters) {
+  static const char* const kOwnDicts[] = {"_parameters", "_buffers", "_modules"};
   std::vector<int64_t> out;
   out.reserve(masters.size() * 16);
   for (const py::handle& module : masters) {
@@ -63,67 +74,267 @@ std::vector<int64_t> structure_of(const py::list& masters) {
   return out;
 }
 
-class StructureSignature {
- public:
-  explicit StructureSignature(const py::list& masters) : value_(structure_of(masters)) {}
-  bool matches(const py::list& masters) const { return structure_of(masters) == value_; }
-
- private:
-  std::vector<int64_t> value_;
+// One entry of a master module's _parameters or _buffers dict.
+struct Slot {
+  size_t module;                 // index into the master modules
+  bool parameter;                // in _parameters, else in _buffers
+  py::str name;
+  std::optional<size_t> tensor;  // index into the unique tensors; none for a None entry
 };
 
-// How one row of replicas (one per master module, on one device) is
-// refreshed; built once per cache.
-class ReplicaSyncPlan {
+// One entry of a master module's _modules dict.
+struct Child {
+  py::str name;
+  std::optional<size_t> module;  // index into the master modules; none for a None entry
+};
+
+// What the replicas of one master module need besides their tensors.
+struct ModulePlan {
+  std::vector<py::str> hooks;     // names of the hook dicts in the master's __dict__
+  std::vector<py::str> privates;  // attributes its replicas keep for themselves
+  std::vector<Child> children;
+};
+
+// One bucket: its persistent buffers and its master tensors, in bucket order.
+struct BucketEntry {
+  std::shared_ptr<BucketReplicas> replicas;
+  std::vector<at::Tensor> tensors;
+  py::list objects;  // the same tensors as the Python objects (Parameters stay Parameters)
+  bool requires_grad = false;
+};
+
+// Where the copies of one unique tensor are: bucket, position in it.
+struct Place {
+  size_t bucket = 0;
+  size_t position = 0;
+};
+
+// Buckets of `tensors` as dpcore::make_buckets cuts them, with tensors that
+// require grad never sharing a bucket with ones that do not (a frozen
+// tensor's copies need no gradient reduction), in the order of each bucket's
+// first tensor.
+std::vector<std::vector<size_t>> buckets_by_grad(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes) {
+  std::vector<std::vector<size_t>> result;
+  for (const bool requires_grad : {true, false}) {
+    std::vector<size_t> indices;
+    std::vector<at::Tensor> group;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].requires_grad() == requires_grad) {
+        indices.push_back(i);
+        group.push_back(tensors[i]);
+      }
+    }
+    for (const Bucket& bucket : make_buckets(group, bucket_bytes)) {
+      std::vector<size_t> members;
+      members.reserve(bucket.indices.size());
+      for (size_t k : bucket.indices) {
+        members.push_back(indices[k]);
+      }
+      result.push_back(std::move(members));
+    }
+  }
+  std::sort(result.begin(), result.end(), [](const auto& a, const auto& b) { return a.front() < b.front(); });
+  return result;
+}
+
+class ReplicaSet {
  public:
-  // hooks[i]: names of module i's hook dicts; privates[i]: attributes module
-  // i's replicas keep for themselves; children[i]: (name, index of the child
-  // in the module list, or -1 for None); slots: (module index, 0 for a
-  // parameter or 1 for a buffer, name, index into the row's copies or -1).
-  ReplicaSyncPlan(
-      py::list masters,
-      std::vector<std::vector<py::str>> hooks,
-      std::vector<std::vector<py::str>> privates,
-      std::vector<std::vector<std::pair<py::str, int64_t>>> children,
-      std::vector<std::tuple<int64_t, int64_t, py::str, int64_t>> slots)
-      : masters_(std::move(masters)),
-        hooks_(std::move(hooks)),
-        privates_(std::move(privates)),
-        children_(std::move(children)),
-        slots_(std::move(slots)) {
-    TORCH_CHECK_VALUE(
-        hooks_.size() == masters_.size() && privates_.size() == masters_.size() &&
-            children_.size() == masters_.size(),
-        "ReplicaSyncPlan: expected one entry of hooks, privates and children per master module (",
-        masters_.size(), ")");
+  // The replicas of `module` on `targets` (one row of replica modules per
+  // target, one replica per module of module.modules()), and the buffers of
+  // its unique parameters and buffers in buckets of about `bucket_bytes`.
+  ReplicaSet(const py::object& module, const std::vector<c10::Device>& targets, int64_t bucket_bytes)
+      : masters_(module.attr("modules")()) {
+    std::unordered_map<PyObject*, size_t> module_index;
+    for (size_t i = 0; i < masters_.size(); ++i) {
+      module_index.emplace(masters_[i].ptr(), i);
+    }
+    std::unordered_map<PyObject*, size_t> tensor_index;
+    std::vector<at::Tensor> tensors;
+    py::list tensor_objects;
+    plans_.reserve(masters_.size());
+    for (size_t mi = 0; mi < masters_.size(); ++mi) {
+      const py::handle master = masters_[mi];
+      const py::dict d = instance_dict(master);
+      for (const bool parameter : {true, false}) {
+        const py::dict entries = d[parameter ? "_parameters" : "_buffers"];
+        for (const auto& [key, value] : entries) {
+          Slot slot{mi, parameter, py::reinterpret_borrow<py::str>(key), std::nullopt};
+          if (!value.is_none()) {
+            TORCH_CHECK_TYPE(
+                THPVariable_Check(value.ptr()), "ReplicaSet: expected ", parameter ? "parameter" : "buffer",
+                " '", std::string(py::str(key)), "' of module ", mi, " to be a tensor or None, but got ",
+                std::string(py::str(py::type::handle_of(value).attr("__name__"))));
+            auto [it, added] = tensor_index.emplace(value.ptr(), tensors.size());
+            if (added) {
+              tensors.push_back(THPVariable_Unpack(value.ptr()));
+              tensor_objects.append(value);
+            }
+            slot.tensor = it->second;
+          }
+          slots_.push_back(std::move(slot));
+        }
+      }
+      ModulePlan plan;
+      for (const auto& [key, value] : d) {
+        if (PyUnicode_Check(key.ptr()) && PyDict_Check(value.ptr()) &&
+            std::string(py::str(key)).find("hook") != std::string::npos) {
+          plan.hooks.push_back(py::reinterpret_borrow<py::str>(key));
+        }
+      }
+      for (const py::handle name : py::iter(py::getattr(master, "_replica_private_attrs", py::tuple()))) {
+        plan.privates.push_back(py::reinterpret_borrow<py::str>(name));
+      }
+      const py::dict children = d["_modules"];
+      for (const auto& [key, value] : children) {
+        Child child{py::reinterpret_borrow<py::str>(key), std::nullopt};
+        if (!value.is_none()) {
+          child.module = module_index.at(value.ptr());
+        }
+        plan.children.push_back(std::move(child));
+      }
+      plans_.push_back(std::move(plan));
+    }
+    signature_ = structure_of(masters_);
+    if (targets.empty()) {
+      return;
+    }
+    // Replica modules first: a module that cannot be replicated (a lazy
+    // module not yet initialized) raises its own error before any sizing.
+    rows_.reserve(targets.size());
+    for (size_t j = 0; j < targets.size(); ++j) {
+      py::list row;
+      for (const py::handle master : masters_) {
+        row.append(master.attr("_replicate_for_data_parallel")());
+      }
+      rows_.push_back(std::move(row));
+    }
+    places_.resize(tensors.size());
+    for (const std::vector<size_t>& members : buckets_by_grad(tensors, bucket_bytes)) {
+      BucketEntry entry;
+      for (size_t position = 0; position < members.size(); ++position) {
+        const size_t i = members[position];
+        places_[i] = Place{buckets_.size(), position};
+        entry.tensors.push_back(tensors[i]);
+        entry.objects.append(tensor_objects[i]);
+      }
+      entry.requires_grad = entry.tensors.front().requires_grad();
+      entry.replicas = std::make_shared<BucketReplicas>(entry.tensors, targets);
+      buckets_.push_back(std::move(entry));
+    }
   }
 
-  // Each replica's __dict__ becomes a copy of its master's, except: its own
-  // _parameters/_buffers/_modules dicts (children pointing at this row's
-  // replicas) and private attributes; hook dicts copied (a replica's hooks
-  // never reach the master or another replica; an empty one is reused when
-  // the replica's is still empty); _is_replica set. Then every parameter and
-  // buffer slot is set from `copies`.
-  void sync(const py::list& row, const py::list& copies) const {
+  // Whether the masters' structure is still the one the set was built for.
+  bool valid() const { return structure_of(masters_) == signature_; }
+
+  // Refreshes rows 0..rows-1 and returns their root replica modules.
+  // outputs[b] holds bucket b's copies, device-major (copy of position p for
+  // target j at j * size + p), as BroadcastBucket returns them; None has the
+  // bucket refreshed here, without autograd history. Each replica's __dict__
+  // becomes a copy of its master's, except: its own _parameters, _buffers
+  // and _modules dicts (children pointing at its row's replicas) and private
+  // attributes; hook dicts copied (a replica's hooks never reach the master
+  // or another replica; an empty one is reused while the replica's is still
+  // empty); _is_replica set. Then every parameter and buffer slot is set to
+  // its copy.
+  py::list sync(size_t rows, const py::sequence& outputs) {
     TORCH_CHECK_VALUE(
-        row.size() == masters_.size(), "ReplicaSyncPlan.sync: expected ", masters_.size(),
-        " replica modules, but got ", row.size());
-    const py::str& kIsReplica = is_replica_key_;
-    const auto& kOwn = own_keys_;
+        rows <= rows_.size(), "ReplicaSet.sync: expected at most ", rows_.size(), " rows, but got ", rows);
+    TORCH_CHECK_VALUE(
+        outputs.size() == buckets_.size(), "ReplicaSet.sync: expected one entry of outputs per bucket (",
+        buckets_.size(), "), but got ", outputs.size());
+    std::vector<py::tuple> copies;
+    copies.reserve(buckets_.size());
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      copies.push_back(bucket_copies(b, outputs[b], rows));
+    }
+    py::list roots;
+    for (size_t j = 0; j < rows; ++j) {
+      sync_row(j, copies);
+      roots.append(rows_[j][0]);
+    }
+    return roots;
+  }
+
+  py::list buckets() const {
+    py::list result;
+    for (const BucketEntry& entry : buckets_) {
+      result.append(py::make_tuple(entry.replicas, entry.objects, entry.requires_grad));
+    }
+    return result;
+  }
+
+  py::list replica_modules() const {
+    py::list result;
+    for (const py::list& row : rows_) {
+      result.append(py::list(row));
+    }
+    return result;
+  }
+
+  // Garbage-collector support: every Python object the set holds.
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(masters_.ptr());
+    for (const py::list& row : rows_) {
+      Py_VISIT(row.ptr());
+    }
+    for (const BucketEntry& entry : buckets_) {
+      Py_VISIT(entry.objects.ptr());
+    }
+    return 0;
+  }
+
+  void clear() {
+    masters_ = py::list();
+    rows_.clear();
+    buckets_.clear();
+    slots_.clear();
+    plans_.clear();
+  }
+
+ private:
+  // Bucket b's copies for the first `rows` targets, device-major.
+  py::tuple bucket_copies(size_t b, const py::handle& given, size_t rows) {
+    const BucketEntry& entry = buckets_[b];
+    const size_t size = entry.tensors.size();
+    if (given.is_none()) {
+      TensorList2D fresh;
+      {
+        py::gil_scoped_release no_gil;
+        fresh = entry.replicas->refresh(entry.tensors);
+      }
+      py::tuple result(rows * size);
+      for (size_t j = 0; j < rows; ++j) {
+        for (size_t p = 0; p < size; ++p) {
+          result[j * size + p] = py::cast(std::move(fresh[j][p]));
+        }
+      }
+      return result;
+    }
+    py::tuple result = py::tuple(py::reinterpret_borrow<py::object>(given));
+    TORCH_CHECK_VALUE(
+        result.size() == size * rows_.size(), "ReplicaSet.sync: expected outputs[", b, "] to hold ",
+        size * rows_.size(), " copies (", size, " tensors on ", rows_.size(), " targets), but got ",
+        result.size());
+    return result;
+  }
+
+  void sync_row(size_t j, const std::vector<py::tuple>& copies) const {
+    const py::list& row = rows_[j];
     std::vector<py::dict> own_params(row.size());
     std::vector<py::dict> own_buffers(row.size());
     for (size_t i = 0; i < row.size(); ++i) {
+      const ModulePlan& plan = plans_[i];
       const py::dict master = instance_dict(masters_[i]);
       const py::dict current = instance_dict(row[i]);
       py::dict d = py::reinterpret_steal<py::dict>(PyDict_Copy(master.ptr()));
-      for (const py::str& key : kOwn) {
+      for (const py::str& key : own_keys_) {
         d[key] = current[key];
       }
-      for (const py::str& key : privates_[i]) {
+      for (const py::str& key : plan.privates) {
         PyObject* value = PyDict_GetItem(current.ptr(), key.ptr());
         d[key] = value ? py::reinterpret_borrow<py::object>(value) : py::none();
       }
-      for (const py::str& key : hooks_[i]) {
+      for (const py::str& key : plan.hooks) {
         PyObject* hooks = PyDict_GetItem(d.ptr(), key.ptr());
         if (hooks == nullptr || !PyDict_Check(hooks)) {
           continue;
@@ -139,45 +350,98 @@ class ReplicaSyncPlan {
           d[key] = py::reinterpret_borrow<py::object>(hooks).attr("copy")();
         }
       }
-      d[kIsReplica] = py::bool_(true);
-      py::setattr(row[i], "__dict__", d);
-      py::dict modules = py::reinterpret_borrow<py::dict>(d[kOwn[2]]);
-      for (const auto& [name, index] : children_[i]) {
-        modules[name] = index >= 0 ? py::reinterpret_borrow<py::object>(row[index]) : py::none();
+      d[is_replica_key_] = py::bool_(true);
+      // object.__setattr__, not the module's: nn.Module.__setattr__ is
+      // Python code that only passes "__dict__" on, and costs several times
+      // the rest of this loop.
+      if (PyObject_GenericSetAttr(row[i].ptr(), dict_key_.ptr(), d.ptr()) != 0) {
+        throw py::error_already_set();
       }
-      own_params[i] = py::reinterpret_borrow<py::dict>(d[kOwn[0]]);
-      own_buffers[i] = py::reinterpret_borrow<py::dict>(d[kOwn[1]]);
+      py::dict modules = py::reinterpret_borrow<py::dict>(d[own_keys_[2]]);
+      for (const Child& child : plan.children) {
+        modules[child.name] = child.module ? py::reinterpret_borrow<py::object>(row[*child.module]) : py::none();
+      }
+      own_params[i] = py::reinterpret_borrow<py::dict>(d[own_keys_[0]]);
+      own_buffers[i] = py::reinterpret_borrow<py::dict>(d[own_keys_[1]]);
     }
-    for (const auto& [module, kind, name, index] : slots_) {
-      py::dict& target = kind == 0 ? own_params[module] : own_buffers[module];
-      target[name] = index >= 0 ? py::reinterpret_borrow<py::object>(copies[index]) : py::none();
+    for (const Slot& slot : slots_) {
+      py::dict& target = slot.parameter ? own_params[slot.module] : own_buffers[slot.module];
+      if (!slot.tensor) {
+        target[slot.name] = py::none();
+        continue;
+      }
+      const Place& place = places_[*slot.tensor];
+      const size_t size = buckets_[place.bucket].tensors.size();
+      target[slot.name] = copies[place.bucket][j * size + place.position];
     }
   }
 
- private:
   py::list masters_;
-  std::vector<std::vector<py::str>> hooks_;
-  std::vector<std::vector<py::str>> privates_;
-  std::vector<std::vector<std::pair<py::str, int64_t>>> children_;
-  std::vector<std::tuple<int64_t, int64_t, py::str, int64_t>> slots_;
+  std::vector<int64_t> signature_;
+  std::vector<ModulePlan> plans_;
+  std::vector<Slot> slots_;
+  std::vector<Place> places_;  // per unique tensor
+  std::vector<BucketEntry> buckets_;
+  std::vector<py::list> rows_;  // rows_[j][i]: the replica of master i on target j
   py::str is_replica_key_{"_is_replica"};
+  py::str dict_key_{"__dict__"};
   py::str own_keys_[3] = {py::str("_parameters"), py::str("_buffers"), py::str("_modules")};
 };
+
+// Lets the garbage collector see (and break) reference cycles that pass
+// through a ReplicaSet: a module that refers back to its wrapper.
+void enable_gc(PyHeapTypeObject* heap_type) {
+  PyTypeObject* type = &heap_type->ht_type;
+  type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+  type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+    Py_VISIT(Py_TYPE(self));
+    if (py::detail::is_holder_constructed(self)) {
+      return py::cast<const ReplicaSet&>(py::handle(self)).traverse(visit, arg);
+    }
+    return 0;
+  };
+  type->tp_clear = [](PyObject* self) {
+    if (py::detail::is_holder_constructed(self)) {
+      py::cast<ReplicaSet&>(py::handle(self)).clear();
+    }
+    return 0;
+  };
+}
 
 } // namespace
 
 void bind_replica_sync(py::module_& m) {
-  py::class_<StructureSignature>(m, "StructureSignature")
-      .def(py::init<const py::list&>(), py::arg("masters"))
-      .def("matches", &StructureSignature::matches, py::arg("masters"));
-  py::class_<ReplicaSyncPlan>(m, "ReplicaSyncPlan")
+  py::class_<BucketReplicas, std::shared_ptr<BucketReplicas>>(
+      m, "BucketReplicas", "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
       .def(
-          py::init<
-              py::list, std::vector<std::vector<py::str>>, std::vector<std::vector<py::str>>,
-              std::vector<std::vector<std::pair<py::str, int64_t>>>,
-              std::vector<std::tuple<int64_t, int64_t, py::str, int64_t>>>(),
-          py::arg("masters"), py::arg("hooks"), py::arg("privates"), py::arg("children"), py::arg("slots"))
-      .def("sync", &ReplicaSyncPlan::sync, py::arg("row"), py::arg("copies"));
+          "refresh",
+          [](BucketReplicas& self, const std::vector<at::Tensor>& tensors) {
+            std::vector<at::Tensor> flat;
+            for (std::vector<at::Tensor>& row : self.refresh(tensors)) {
+              for (at::Tensor& t : row) {
+                flat.push_back(std::move(t));
+              }
+            }
+            return flat;
+          },
+          py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+          "Brings the buffers up to date with `tensors` and returns fresh views of them, "
+          "device-major: tensors[i] on targets[d] at d * len(tensors) + i.")
+      .def_property_readonly("last_refresh_copied", &BucketReplicas::last_refresh_copied)
+      .def_property_readonly("nbytes", &BucketReplicas::nbytes)
+      .def_property_readonly("targets", &BucketReplicas::targets);
+
+  py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))
+      .def(
+          py::init<const py::object&, const std::vector<c10::Device>&, int64_t>(), py::arg("module"),
+          py::arg("targets"), py::arg("bucket_bytes"))
+      .def("valid", &ReplicaSet::valid)
+      .def("sync", &ReplicaSet::sync, py::arg("rows"), py::arg("outputs"))
+      .def_property_readonly(
+          "buckets", &ReplicaSet::buckets,
+          "(BucketReplicas, master tensors, requires_grad) for every bucket, in order")
+      .def_property_readonly(
+          "replica_modules", &ReplicaSet::replica_modules, "rows[j][i]: the replica of module i on targets[j]");
 }
 
 } // namespace python

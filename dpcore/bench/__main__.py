@@ -28,11 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from dpcore.bench import comm as bench_comm
 from dpcore.bench import step as bench_step
-from dpcore.bench._common import parse_devices, print_table, write_json
+from dpcore.bench._common import add_devices_argument, default_devices, devices_from_args, print_table, write_json
 
 PLOT_NAME = "comm_bandwidth.png"
 _UNITS = {"": 1, "B": 1, "K": 1024, "KIB": 1024, "M": 1024**2, "MIB": 1024**2, "G": 1024**3, "GIB": 1024**3}
@@ -102,10 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dpcore.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--devices", default=None,
-        help="'cpu:N' or CUDA indices such as '0,0,0,0' or '0,1'; default: 0,0,0,0 with a GPU, else cpu:4",
-    )
+    add_devices_argument(parser, "0,0,0,0 with a GPU, else cpu:4")
     parser.add_argument(
         "--out", default="bench-results", help="folder for the JSON files and the plot (default %(default)s/)"
     )
@@ -132,9 +128,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats: expected at least 1, but got {args.repeats}")
-    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
+    spec, devices = devices_from_args(parser, args.devices, default_devices())
     try:
-        devices = parse_devices(spec)
         sizes = parse_sizes(args.sizes) if args.sizes else None
     except ValueError as error:
         parser.error(str(error))

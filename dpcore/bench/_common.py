@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -37,6 +38,38 @@ def parse_devices(spec: str) -> list[torch.device]:
         if not 0 <= index < count:
             raise ValueError(f"--devices: CUDA device {index} is not visible ({count} visible)")
     return [torch.device("cuda", i) for i in indices]
+
+
+def default_devices(every_gpu: bool = False) -> str:
+    """The --devices spec used when none is given: 'cpu:4' without a GPU;
+    with one, GPU 0 four times ('0,0,0,0'), or every visible GPU where
+    `every_gpu` ('0,1,...')."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return "cpu:4"
+    if every_gpu:
+        return ",".join(str(i) for i in range(torch.cuda.device_count()))
+    return "0,0,0,0"
+
+
+def add_devices_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """Adds the --devices option every command line here shares; `default`
+    says in words what its default is."""
+    parser.add_argument(
+        "--devices", default=None,
+        help=f"'cpu:N' (N CPU replicas) or CUDA indices such as '0,0,0,0' or '0,1'; default: {default}",
+    )
+
+
+def devices_from_args(parser: argparse.ArgumentParser, spec: str | None, default: str) -> tuple[str, list[torch.device]]:
+    """(the spec used, its devices) for the --devices value `spec` (`default`
+    when None); a bad spec exits with status 2 through ``parser.error``,
+    naming --devices."""
+    spec = spec if spec is not None else default
+    try:
+        return spec, parse_devices(spec)
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # parser.error exits
 
 
 def synchronize(devices: Sequence[torch.device]) -> None:
@@ -132,40 +165,40 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def bench_main(
+def bench_command(
     name: str,
     doc: str | None,
     run: Callable[..., dict[str, Any]],
     columns: Sequence[tuple[str, str, str]],
-    argv: Sequence[str] | None = None,
-    add_options: Callable[[Any], None] | None = None,
-) -> dict[str, Any]:
-    """The command line every benchmark shares: --devices, --quick,
-    --repeats, --json; runs `run(devices, quick=, repeats=)`, prints the
-    table of its rows and writes the JSON. Bad --devices exit 2 naming it.
+,
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> Callable[[Sequence[str] | None], dict[str, Any]]:
+    """The ``main(argv=None)`` of a benchmark, with the command line every
+    benchmark shares: --devices, --quick, --repeats, --json. It runs
+    `run(devices, quick=, repeats=)`, prints the table of its rows, writes
+    the JSON and returns the result. Bad --devices exit 2 naming it.
     `add_options(parser)` adds a benchmark's own options; their values are
     passed to `run` as keyword arguments too."""
-    import argparse
 
-    parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", default=None, help="'cpu:4' (default without GPUs) or CUDA indices '0,0,0,0'")
-    parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
-    shared = {action.dest for action in parser._actions}
-    if add_options is not None:
-        add_options(parser)
-    args = parser.parse_args(argv)
-    extra = {key: value for key, value in vars(args).items() if key not in shared}
-    spec = args.devices or ("0,0,0,0" if torch.cuda.is_available() else "cpu:4")
-    try:
-        devices = parse_devices(spec)
-    except ValueError as error:
-        parser.error(str(error))
-    print(f"{name} on {spec}")
-    result = run(devices, quick=args.quick, repeats=args.repeats, **extra)
-    print()
-    print_table(result["rows"], columns)
-    if args.json:
-        print(f"\nwrote {write_json(args.json, result)}")
-    return result
+    def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+        parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_devices_argument(parser, "0,0,0,0 with a GPU, else cpu:4")
+        parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
+        parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
+        parser.add_argument("--json", default=None, help="write the results here as JSON")
+        shared = {action.dest for action in parser._actions}
+        if add_options is not None:
+            add_options(parser)
+        args = parser.parse_args(argv)
+        extra = {key: value for key, value in vars(args).items() if key not in shared}
+        spec, devices = devices_from_args(parser, args.devices, default_devices())
+        print(f"{name} on {spec}")
+        result = run(devices, quick=args.quick, repeats=args.repeats, **extra)
+        print()
+        print_table(result["rows"], columns)
+        if args.json:
+            print(f"\nwrote {write_json(args.json, result)}")
+        return result
+
+    main.__doc__ = f"Command line of {name}: see its module docstring."
+    return main

@@ -22,7 +22,7 @@ import torch.cuda.comm  # the baselines; not an attribute of torch.cuda until im
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpcore import comm
-from dpcore.bench._common import bench_main, environment, measure, measure_against
+from dpcore.bench._common import bench_command, environment, measure, measure_against
 
 MiB = 1024 * 1024
 
@@ -244,9 +244,8 @@ SWEEP_COLUMNS = [
 ]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Command line: see the module docstring."""
-    return bench_main("bench_comm", __doc__, run, COLUMNS, argv)
+main = bench_command("bench_comm", __doc__, run, COLUMNS)
+
 
 if __name__ == "__main__":
     main()

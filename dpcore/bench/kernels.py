@@ -23,7 +23,7 @@ import torch.cuda.comm  # the baselines; not an attribute of torch.cuda until im
 
 import dpcore  # noqa: F401  (registers torch.ops.dpcore)
 from dpcore import comm
-from dpcore.bench._common import bench_main, environment, measure, measure_against
+from dpcore.bench._common import bench_command, environment, measure, measure_against
 
 MiB = 1024 * 1024
 
@@ -119,9 +119,8 @@ COLUMNS = [
 ]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Command line: see the module docstring."""
-    return bench_main("bench_kernels", __doc__, run, COLUMNS, argv)
+main = bench_command("bench_kernels", __doc__, run, COLUMNS)
+
 
 if __name__ == "__main__":
     main()

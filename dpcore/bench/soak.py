@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import bench_main, environment, synchronize
+from dpcore.bench._common import bench_command, environment, synchronize
 
 DEFAULT_STEPS = 10_000
 QUICK_STEPS = 500
@@ -219,7 +219,7 @@ def _add_options(parser: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Command line: see the module docstring. Exits 1 when a check fails."""
-    result = bench_main("soak", __doc__, run, COLUMNS, argv, add_options=_add_options)
+    result = bench_command("soak", __doc__, run, COLUMNS, add_options=_add_options)(argv)
     print(json.dumps(result["summary"], indent=2))
     if not result["summary"]["ok"]:
         print("soak: FAILED: " + "; ".join(result["summary"]["problems"]), file=sys.stderr)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import bench_main, environment, measure, measure_against
+from dpcore.bench._common import bench_command, environment, measure, measure_against
 
 
 def mlp(depth: int = 50, width: int = 64) -> nn.Module:
@@ -153,9 +153,8 @@ COLUMNS = [
 ]
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Command line: see the module docstring."""
-    return bench_main("bench_step", __doc__, run, COLUMNS, argv)
+main = bench_command("bench_step", __doc__, run, COLUMNS)
+
 
 if __name__ == "__main__":
     main()

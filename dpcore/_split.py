@@ -1,0 +1,176 @@
+"""How many rows of a batch each device gets, and the checks of the split
+arguments (private).
+
+The one place for the rules of ``chunk_sizes`` and ``weights``:
+DataParallel checks them at construction (:func:`check_split`),
+``comm.scatter`` converts its chunk sizes with :func:`as_int_list` before
+anything reaches C++, and :func:`split_sizes` applies them at each call.
+
+* An int is an ``int`` or anything ``operator.index`` takes (numpy and torch
+  integers, one-element integer tensors), never a ``bool`` (nor a torch bool
+  tensor): ``2.5``, ``2.0`` and ``"2"`` are errors, not truncated or parsed.
+* A weight is a real number (``numbers.Real``, or a one-element real torch
+  tensor), not a bool, finite and ``>= 0``; the weights sum to more than 0.
+* Every error names the argument, and the index and value of the entry.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+__all__ = ["as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes"]
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
+def as_int(value: Any, arg: str) -> int:
+    """`value` as an int; TypeError naming `arg` and the value otherwise (see the module doc)."""
+    if _is_bool(value):
+        raise TypeError(f"{arg}: expected an int, but got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg}: expected an int, but got {type(value).__name__} {value!r}") from None
+
+
+def _as_list(values: Any, arg: str, what: str) -> list[Any]:
+    if isinstance(values, (str, bytes, Mapping)):
+        raise TypeError(f"{arg}: expected a sequence of {what}, one per device, but got {type(values).__name__} {values!r}")
+    try:
+        return list(values)
+    except TypeError:
+        raise TypeError(
+            f"{arg}: expected a sequence of {what}, one per device, but got {type(values).__name__} {values!r}"
+        ) from None
+
+
+def _check_count(values: list[Any], count: int | None, arg: str, what: str) -> None:
+    if count is not None and len(values) != count:
+        raise ValueError(f"{arg}: expected one {what} per device ({count}), but got {len(values)}: {values}")
+
+
+def as_int_list(values: Any, arg: str = "chunk_sizes") -> list[int]:
+    """`values` (any sequence) as a list of ints, entry i checked as ``arg[i]``;
+    TypeError for anything else. Sizes are not checked (see check_chunk_sizes)."""
+    return [as_int(v, f"{arg}[{i}]") for i, v in enumerate(_as_list(values, arg, "ints"))]
+
+
+def check_chunk_sizes(chunk_sizes: Any, count: int | None = None, arg: str = "chunk_sizes") -> list[int]:
+    """`chunk_sizes` as a list of non-negative ints, ``count`` of them where
+    given. TypeError for a value that is not an int, ValueError for a
+    negative one or a wrong count, each naming ``arg[i]`` and the value."""
+    sizes = as_int_list(chunk_sizes, arg)
+    for i, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"{arg}[{i}]: expected a non-negative size, but got {s}")
+    _check_count(sizes, count, arg, "size")
+    return sizes
+
+
+def _as_weight(value: Any, arg: str) -> float:
+    number: Any = value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not _is_bool(value):
+        number = value.item()
+    if _is_bool(number) or not isinstance(number, numbers.Real):
+        raise TypeError(f"{arg}: expected a real number, but got {type(value).__name__} {value!r}")
+    result = float(number)
+    if not math.isfinite(result) or result < 0:
+        raise ValueError(f"{arg}: expected a non-negative finite number, but got {value!r}")
+    return result
+
+
+def check_weights(weights: Any, count: int | None = None, arg: str = "weights") -> list[float]:
+    """`weights` as a list of floats, ``count`` of them where given, with a
+    positive sum. TypeError for a value that is not a real number (or is a
+    bool), ValueError for a negative or non-finite one, a wrong count or a
+    sum of 0, each naming ``arg[i]`` and the value."""
+    result = [_as_weight(w, f"{arg}[{i}]") for i, w in enumerate(_as_list(weights, arg, "numbers"))]
+    _check_count(result, count, arg, "weight")
+    if sum(result) <= 0:
+        raise ValueError(f"{arg}: expected a positive sum, but got {result}")
+    return result
+
+
+def check_split(
+    chunk_sizes: Any = None, weights: Any = None, count: int | None = None
+) -> tuple[list[int] | None, list[float] | None]:
+    """The checked ``(chunk_sizes, weights)`` of a split over ``count``
+    devices (any count when None): at most one of them given (ValueError
+    otherwise), each as check_chunk_sizes and check_weights make it."""
+    if chunk_sizes is not None and weights is not None:
+        raise ValueError("give at most one of 'chunk_sizes' and 'weights', but got both")
+    return (
+        None if chunk_sizes is None else check_chunk_sizes(chunk_sizes, count),
+        None if weights is None else check_weights(weights, count),
+    )
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes differing by at most one, the larger
+    first (10 into 4: 3, 3, 2, 2). The same as the C++ core's
+    balanced_chunk_sizes, which comm.scatter uses without chunk sizes."""
+    quotient, remainder = divmod(total, parts)
+    return [quotient + 1] * remainder + [quotient] * (parts - remainder)
+
+
+def _proportional(total: int, weights: Sequence[float]) -> list[int]:
+    """`total` split in proportion to `weights` by the largest-remainder
+    method, ties to the lower index; computed exactly (fractions)."""
+    fractions = [Fraction(w) for w in weights]
+    whole = sum(fractions, Fraction(0))
+    quotas = [total * f / whole for f in fractions]
+    sizes = [math.floor(q) for q in quotas]
+    order = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
+    for i in order[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def split_sizes(
+    batch: int,
+    n_devices: int,
+    chunk_sizes: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
+) -> list[int]:
+    """How many of ``batch`` rows each of ``n_devices`` devices gets.
+
+    Returns ``n_devices`` non-negative ints summing to ``batch``:
+
+    * by default balanced: sizes differ by at most one, larger first, so every
+      device gets rows while ``batch >= n_devices``; with fewer rows than
+      devices the trailing entries are 0 (the caller runs fewer replicas);
+    * ``chunk_sizes``: used as given, after checking (check_split) there is
+      one non-negative int per device, and that they sum to ``batch``;
+    * ``weights``: one non-negative finite number per device with a positive
+      sum; device i gets ``batch * weights[i] / sum(weights)`` rows rounded by
+      the largest-remainder method (ties to the lower index); a zero weight
+      gets no rows.
+
+    Raises ValueError (TypeError for a wrong kind of value) naming the
+    argument; giving both ``chunk_sizes`` and ``weights`` is an error.
+    """
+    batch = as_int(batch, "batch")
+    n_devices = as_int(n_devices, "n_devices")
+    if batch < 0:
+        raise ValueError(f"batch: expected a non-negative size, but got {batch}")
+    if n_devices < 1:
+        raise ValueError(f"n_devices: expected at least one device, but got {n_devices}")
+    sizes, ws = check_split(chunk_sizes, weights, n_devices)
+    if sizes is not None:
+        if sum(sizes) != batch:
+            raise ValueError(
+                f"chunk_sizes: expected sizes summing to the batch size {batch}, but {sizes} sum to {sum(sizes)}"
+            )
+        return sizes
+    if ws is not None:
+        return _proportional(batch, ws)
+    return balanced(batch, n_devices)

@@ -170,7 +170,6 @@ def bench_command(
     doc: str | None,
     run: Callable[..., dict[str, Any]],
     columns: Sequence[tuple[str, str, str]],
-,
     add_options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> Callable[[Sequence[str] | None], dict[str, Any]]:
     """The ``main(argv=None)`` of a benchmark, with the command line every

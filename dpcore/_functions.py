@@ -201,7 +201,7 @@ class BroadcastBucket(Function):
     """One bucket of parameters onto the persistent buffers of cached replicas.
 
     ``BroadcastBucket.apply(replicas, *params)``, with ``replicas`` a
-    ``dpcore._C.BucketReplicas`` built for these parameters, refreshes its
+    ``dpcore._C.ReplicaBuffers`` built for these parameters, refreshes its
     per-device buffers (skipping the copy when nothing changed) and returns
     fresh tensors viewing them, device by device, as BroadcastCoalesced does.
     Each bucket is its own autograd node, so its gradients are reduced onto

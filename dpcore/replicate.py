@@ -3,7 +3,7 @@
 torch.nn.DataParallel rebuilds every replica module and allocates fresh
 parameter copies every step, in Python. dpcore keeps, per device, the replica
 module objects and one persistent flat buffer per parameter bucket
-(``dpcore._C.BucketReplicas``): each step only re-syncs the replicas'
+(``dpcore._C.ReplicaBuffers``): each step only re-syncs the replicas'
 attribute dicts from the master's and refreshes the buffers in C++, skipping
 buckets whose master tensors did not change. Replica 0 is the master module
 itself, so its gradients, hooks and in-place buffer updates (BatchNorm
@@ -112,7 +112,7 @@ class ReplicaCache:
         self._bucket_indices = _buckets(self.tensors, bucket_bytes) if self.targets else []
         with _normal_mode():
             self._buckets = [
-                _C.BucketReplicas([self.tensors[i] for i in b], self.targets) for b in self._bucket_indices
+                _C.ReplicaBuffers([self.tensors[i] for i in b], self.targets) for b in self._bucket_indices
             ]
         self._hook_names = [_hook_dict_names(m) for m in self.masters]
         # replicas[j][mi]: the replica of master module mi on targets[j].

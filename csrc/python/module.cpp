@@ -10,7 +10,6 @@
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
-#include "dpcore/kernels.h"
 #include "dpcore/replica_buffers.h"
 #include "python/bindings.h"
 
@@ -127,12 +126,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("balanced_chunk_sizes", &dpcore::balanced_chunk_sizes, py::arg("total"), py::arg("parts"));
 
   m.def(
-      "flatten",
-      [](const Tensors& tensors) {
-        return dpcore::flatten(tensors, dpcore::FlatLayout::of(tensors));
-      },
-      py::arg("tensors"), NoGil());
-  m.def(
       "unflatten",
       [](const at::Tensor& flat, const Tensors& like) {
         return dpcore::FlatLayout::of(like).unflatten(flat);
@@ -173,21 +166,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "directly}, for every ordered pair of distinct `devices`; asking enables access "
       "where the hardware allows it.");
 
-  // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (csrc/dpcore/ops.cpp).
+  // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (schema in
+  // csrc/dpcore/ops.cpp, implementations registered by kernels/ and cuda/).
 
-  py::class_<dpcore::BucketReplicas>(m, "BucketReplicas")
+  py::class_<dpcore::ReplicaBuffers>(m, "ReplicaBuffers")
       .def(
           py::init([](const Tensors& like, const Devices& targets) {
-            return std::make_unique<dpcore::BucketReplicas>(like, targets);
+            return std::make_unique<dpcore::ReplicaBuffers>(like, targets);
           }),
           py::arg("like"), py::arg("targets"))
       .def(
           "refresh",
-          [](dpcore::BucketReplicas& self, const Tensors& tensors) { return self.refresh(tensors); },
+          [](dpcore::ReplicaBuffers& self, const Tensors& tensors) { return self.refresh(tensors); },
           py::arg("tensors"), NoGil())
-      .def_property_readonly("last_refresh_copied", &dpcore::BucketReplicas::last_refresh_copied)
-      .def_property_readonly("nbytes", &dpcore::BucketReplicas::nbytes)
-      .def_property_readonly("targets", &dpcore::BucketReplicas::targets);
+      .def_property_readonly("last_refresh_copied", &dpcore::ReplicaBuffers::last_refresh_copied);
 
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);

@@ -6,8 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include "dpcore/comm.h"
+#include "dpcore/common.h"
 #include "dpcore/device.h"
-#include "dpcore/host_allocator.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
 #endif

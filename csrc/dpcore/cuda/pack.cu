@@ -2,11 +2,13 @@
 // launches. Every block copies one chunk of one tensor; the (tensor, chunk)
 // of each block travels in the kernel arguments, as in PyTorch's
 // multi_tensor_apply. 16-byte vector copies where both sides are aligned.
+// Registers the CUDA implementations of torch.ops.dpcore.pack / .unpack.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
 
 #include <cstdint>
 #include <vector>
@@ -135,3 +137,8 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 
 } // namespace cuda
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
+  m.impl("pack", &dpcore::detail::pack_op<&dpcore::cuda::pack>);
+  m.impl("unpack", &dpcore::detail::unpack_op<&dpcore::cuda::unpack>);
+}

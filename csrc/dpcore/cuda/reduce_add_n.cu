@@ -1,12 +1,14 @@
 // reduce_add_n on CUDA: out (+)= the sum of K same-device buffers in one
 // pass (K reads, one write), 16-byte vector loads where every pointer is
-// aligned, accumulation in float for half types.
+// aligned, accumulation in float for half types. Registers the CUDA
+// implementation of torch.ops.dpcore.reduce_add_n.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -145,3 +147,7 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
 
 } // namespace cuda
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
+  m.impl("reduce_add_n", &dpcore::detail::reduce_add_n_op<&dpcore::cuda::reduce_add_n>);
+}

@@ -39,12 +39,6 @@ FlatLayout FlatLayout::of(at::TensorList tensors) {
   return layout;
 }
 
-int64_t FlatLayout::nbytes() const {
-  return dtype == c10::ScalarType::Undefined
-      ? 0
-      : numel * static_cast<int64_t>(c10::elementSize(dtype));
-}
-
 bool FlatLayout::matches(size_t i, const at::Tensor& t) const {
   return t.sizes().equals(sizes[i]) && t.strides().equals(strides[i]) && is_plain_dense(t);
 }

@@ -30,7 +30,6 @@ struct FlatLayout {
   static FlatLayout of(at::TensorList tensors);
 
   size_t size() const { return offsets.size(); }
-  int64_t nbytes() const;
   // Whether tensor `t` is already laid out as entry i (same strides, dense):
   // then its bytes can be copied as one block.
   bool matches(size_t i, const at::Tensor& t) const;

@@ -201,7 +201,7 @@ class BroadcastBucket(Function):
     """One bucket of parameters onto the persistent buffers of cached replicas.
 
     ``BroadcastBucket.apply(replicas, *params)``, with ``replicas`` a
-    ``dpcore._C.BucketReplicas`` built for these parameters (one bucket of a
+    ``dpcore._C.ReplicaBuffers`` built for these parameters (one bucket of a
     ``dpcore._C.ReplicaSet``), refreshes its per-device buffers (skipping the
     copy when nothing changed) and returns fresh tensors viewing them, device
     by device, as BroadcastCoalesced does.

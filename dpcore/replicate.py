@@ -3,7 +3,7 @@
 torch.nn.DataParallel rebuilds every replica module and allocates fresh
 parameter copies every step, in Python. dpcore keeps, per device, the replica
 module objects and one persistent flat buffer per parameter bucket
-(``dpcore._C.BucketReplicas``): each step only re-syncs the replicas'
+(``dpcore._C.ReplicaBuffers``): each step only re-syncs the replicas'
 attribute dicts from the master's and refreshes the buffers in C++, skipping
 buckets whose master tensors did not change. Replica 0 is the master module
 itself, so its gradients, hooks and in-place buffer updates (BatchNorm
@@ -103,13 +103,13 @@ class ReplicaCache:
             _check_initialized(module)
         with _normal_mode():
             self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes)
-        # (BucketReplicas, master tensors, requires_grad) per bucket.
+        # (ReplicaBuffers, master tensors, requires_grad) per bucket.
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
 
     @property
     def buckets(self) -> list[Any]:
-        """The ``dpcore._C.BucketReplicas`` of every bucket, in order (none
-        with a single device): their ``last_refresh_copied`` and ``nbytes``."""
+        """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order (none
+        with a single device): their ``last_refresh_copied``."""
         return [bucket for bucket, _, _ in self._bucket_plan]
 
     @property

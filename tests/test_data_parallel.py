@@ -336,7 +336,7 @@ def test_buffers_requiring_grad_are_differentiable(any_devices: list[Any]) -> No
 
 _DATA_WRITES = (
     "writes through `.data` (p.data.clamp_(), gradcheck's perturbations) do not bump the master's "
-    "version counter, so BucketReplicas.refresh skips the copy and replicas 1.. keep stale values"
+    "version counter, so ReplicaBuffers.refresh skips the copy and replicas 1.. keep stale values"
 )
 
 

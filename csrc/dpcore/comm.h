@@ -24,11 +24,10 @@
 #include <optional>
 #include <vector>
 
+#include "dpcore/common.h"
 #include "dpcore/flatten.h"
 
 namespace dpcore {
-
-using StreamList = std::vector<std::optional<c10::Stream>>;
 
 constexpr int64_t kDefaultBucketBytes = 10 * 1024 * 1024;
 

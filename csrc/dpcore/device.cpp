@@ -4,12 +4,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
-#include <sstream>
-
-#ifdef DPCORE_WITH_CUDA
-#include "dpcore/cuda/peer_access.h"
-#endif
-
 namespace dpcore {
 
 c10::Device normalize_device(c10::Device device) {
@@ -103,12 +97,6 @@ void order_after(c10::Device consumer, c10::Device producer) {
 
 bool supports_events(c10::DeviceType type) {
   return type != c10::kCPU && type != c10::kMeta;
-}
-
-std::string sizes_str(c10::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << sizes;
-  return out.str();
 }
 
 } // namespace dpcore

@@ -8,7 +8,6 @@
 #include <c10/util/ArrayRef.h>
 
 #include <optional>
-#include <string>
 #include <vector>
 
 namespace dpcore {
@@ -58,7 +57,15 @@ inline bool may_copy_async(c10::Device destination) {
 // Whether `type` supports c10::Event (CPU does not; its copies are synchronous).
 bool supports_events(c10::DeviceType type);
 
-// "[2, 3]" for error messages.
-std::string sizes_str(c10::IntArrayRef sizes);
+#ifdef DPCORE_WITH_CUDA
+namespace cuda {
+// Implemented by the CUDA backend (cuda/peer_access.cpp); callers use
+// can_access_directly. Whether kernels on device `reader` may read memory on
+// device `owner` directly; on the first ask for a pair, checks
+// cudaDeviceCanAccessPeer and enables access. `reader` != `owner`, both
+// visible.
+bool peer_access(c10::DeviceIndex reader, c10::DeviceIndex owner);
+} // namespace cuda
+#endif
 
 } // namespace dpcore

@@ -7,9 +7,6 @@
 #include <map>
 #include <utility>
 
-#include "dpcore/host_allocator.h"
-#include "dpcore/kernels.h"
-
 namespace dpcore {
 
 FlatLayout FlatLayout::of(at::TensorList tensors) {
@@ -40,17 +37,6 @@ FlatLayout FlatLayout::of(at::TensorList tensors) {
     layout.numel += t.numel();
   }
   return layout;
-}
-
-int64_t FlatLayout::nbytes() const {
-  return dtype == c10::ScalarType::Undefined
-      ? 0
-      : numel * static_cast<int64_t>(c10::elementSize(dtype));
-}
-
-bool is_plain_dense(const at::Tensor& t) {
-  return t.layout() == c10::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() &&
-      !t.is_neg();
 }
 
 bool FlatLayout::matches(size_t i, const at::Tensor& t) const {
@@ -116,10 +102,10 @@ std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes) {
   return closed;
 }
 
-std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket) {
+std::vector<at::Tensor> Bucket::members(at::TensorList list) const {
   std::vector<at::Tensor> result;
-  result.reserve(bucket.indices.size());
-  for (size_t index : bucket.indices) {
+  result.reserve(indices.size());
+  for (size_t index : indices) {
     result.push_back(list[index]);
   }
   return result;
@@ -130,13 +116,6 @@ at::Tensor flat_alias(const at::Tensor& tensor, const FlatLayout& layout) {
     return at::Tensor();
   }
   return tensor.as_strided({tensor.numel()}, {1}, tensor.storage_offset());
-}
-
-at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
-  TORCH_CHECK(!tensors.empty(), "flatten: expected at least one tensor");
-  at::Tensor flat = empty_flat(tensors[0], tensors[0].device(), layout.numel);
-  pack(tensors, layout, flat);
-  return flat;
 }
 
 } // namespace dpcore

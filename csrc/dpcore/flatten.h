@@ -1,6 +1,8 @@
 // Coalescing: how a list of tensors is laid out in one flat buffer, and how a
 // list is cut into buckets of one dtype each. Used by broadcast_coalesced,
-// reduce_add_coalesced and the replica parameter buffers.
+// reduce_add_coalesced and the replica parameter buffers. Layouts only: the
+// kernels that copy into and out of flat buffers (pack, unpack, flatten) are
+// in kernels.h, which builds on this header.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,15 +11,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "dpcore/common.h"
+
 namespace dpcore {
-
-using TensorList2D = std::vector<std::vector<at::Tensor>>;
-
-// Whether `t`'s values are exactly the bytes of one dense block of memory
-// starting at its data pointer: strided, non-overlapping and dense, and with
-// no lazy conjugate or negative bit (which make its values differ from its
-// bytes). Byte-level copies and raw-pointer kernels take only such tensors.
-bool is_plain_dense(const at::Tensor& t);
 
 // Where each tensor of a list lives inside one flat, contiguous 1-D buffer.
 // A tensor whose elements are dense in memory (contiguous, channels_last, any
@@ -34,7 +30,6 @@ struct FlatLayout {
   static FlatLayout of(at::TensorList tensors);
 
   size_t size() const { return offsets.size(); }
-  int64_t nbytes() const;
   // Whether tensor `t` is already laid out as entry i (same strides, dense):
   // then its bytes can be copied as one block.
   bool matches(size_t i, const at::Tensor& t) const;
@@ -51,6 +46,10 @@ struct Bucket {
   std::vector<size_t> indices;
   int64_t nbytes = 0;
   bool sparse = false;
+
+  // The bucket's tensors: those of `list` (the list it was cut from, or one
+  // of the same length) at `indices`.
+  std::vector<at::Tensor> members(at::TensorList list) const;
 };
 
 // Cuts `tensors` into buckets: dense tensors are grouped by dtype in input
@@ -59,16 +58,9 @@ struct Bucket {
 // is a bucket of its own. Every index appears in exactly one bucket.
 std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes);
 
-// The tensors of `list` at `bucket.indices`.
-std::vector<at::Tensor> select(at::TensorList list, const Bucket& bucket);
-
 // `tensor`'s elements as a 1-D view of its own memory when `layout` is its
 // layout alone and it is dense (a copy would only reproduce its bytes);
 // undefined otherwise.
 at::Tensor flat_alias(const at::Tensor& tensor, const FlatLayout& layout);
-
-// A fresh flat buffer holding `tensors` (all on one device) laid out as
-// `layout`, on `tensors`' device. Uses dpcore::pack.
-at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout);
 
 } // namespace dpcore

@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include <sys/mman.h>
@@ -127,37 +126,14 @@ class HostCache final : public c10::Allocator {
   int64_t misses_ = 0;
 };
 
-bool use_cache(c10::Device device, int64_t nbytes) {
-  return device.is_cpu() && nbytes >= kMinCachedBytes;
-}
-
 } // namespace
 
-at::Tensor empty_like_layout(
-    const at::Tensor& like,
-    c10::Device device,
+at::Tensor host_cache_empty_strided(
     c10::IntArrayRef sizes,
-    c10::IntArrayRef strides) {
-  const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(like.element_size());
-  if (use_cache(device, nbytes)) {
-    return at::detail::empty_strided_generic(
-        sizes, strides, &HostCache::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-        like.scalar_type());
-  }
-  c10::DeviceGuard guard(device);
-  return at::empty_strided(sizes, strides, like.options().device(device));
-}
-
-at::Tensor empty_preserving(const at::Tensor& like, c10::Device device) {
-  if (like.is_non_overlapping_and_dense()) {
-    return empty_like_layout(like, device, like.sizes(), like.strides());
-  }
-  const auto strides = c10::contiguous_strides(like.sizes());
-  return empty_like_layout(like, device, like.sizes(), strides);
-}
-
-at::Tensor empty_flat(const at::Tensor& like, c10::Device device, int64_t numel) {
-  return empty_like_layout(like, device, {numel}, {1});
+    c10::IntArrayRef strides,
+    c10::ScalarType dtype) {
+  return at::detail::empty_strided_generic(
+      sizes, strides, &HostCache::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype);
 }
 
 HostCacheStats host_cache_stats() {

@@ -11,7 +11,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 
@@ -25,21 +26,13 @@ struct HostCacheStats {
   int64_t misses = 0;        // allocations that went to the system
 };
 
-// An uninitialised tensor on `device` of `sizes` and `strides` (dense: a
-// permutation of contiguous strides) with `like`'s dtype: from the cache for
-// a large CPU tensor, from ATen otherwise.
-at::Tensor empty_like_layout(
-    const at::Tensor& like,
-    c10::Device device,
+// An uninitialised CPU tensor of `sizes`, `strides` (dense) and `dtype` whose
+// memory comes from the cache. Callers go through the empty_* allocators of
+// common.h, which take this path for CPU tensors of at least kMinCachedBytes.
+at::Tensor host_cache_empty_strided(
     c10::IntArrayRef sizes,
-    c10::IntArrayRef strides);
-
-// An uninitialised tensor on `device` shaped like `like`, keeping its strides
-// where it is dense (channels_last stays channels_last), contiguous otherwise.
-at::Tensor empty_preserving(const at::Tensor& like, c10::Device device);
-
-// A 1-D uninitialised buffer of `numel` elements of `like`'s dtype on `device`.
-at::Tensor empty_flat(const at::Tensor& like, c10::Device device, int64_t numel);
+    c10::IntArrayRef strides,
+    c10::ScalarType dtype);
 
 HostCacheStats host_cache_stats();
 

@@ -1,10 +1,15 @@
 // The data-moving kernels under the collectives. Each has a CPU implementation
-// (the reference, always built) and, in a CUDA build, a CUDA one; the entry
-// points below check their arguments and dispatch on the device.
+// (the reference, always built; kernels/) and, in a CUDA build, a CUDA one
+// (cuda/); the entry points below check their arguments and dispatch on the
+// device. The same kernels are PyTorch operators (torch.ops.dpcore.pack,
+// .unpack, .reduce_add_n): the schema and the Meta implementations are in
+// ops.cpp, and each backend registers its implementation at the bottom of its
+// own file (TORCH_LIBRARY_IMPL(dpcore, CPU/CUDA, m)).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include "dpcore/common.h"
 #include "dpcore/flatten.h"
 
 namespace dpcore {
@@ -16,6 +21,10 @@ void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& fl
 
 // The reverse of pack: copies each entry of `flat` into tensors[i].
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);
+
+// A fresh flat buffer holding `tensors` (all on one device) laid out as
+// `layout`, on `tensors`' device: pack into a new buffer.
+at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout);
 
 // out = sum(sources), or out += sum(sources) when `accumulate`, in one pass
 // over memory. Every source has out's shape and dtype and lives on out's
@@ -36,14 +45,48 @@ namespace detail {
 constexpr int64_t kLargeTensorBytes = 256 * 1024;
 // Smallest group of small tensors handed to one intra-op thread.
 constexpr int64_t kTensorsPerTask = 16;
+// The argument checks of pack / unpack (`op` names which in the messages)
+// and of reduce_add_n, shared by the entry points above and by every
+// backend's operator implementation.
+void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op);
+void check_reduce_add_n_args(at::TensorList sources, const at::Tensor& out);
 // Whether every source covers one dense block of memory with out's strides,
 // so that element j of each sits at the same offset from its data pointer.
 bool same_dense_layout(at::TensorList sources, const at::Tensor& out);
 // reduce_add_n with ATen ops, for any layout and device; half types are
 // accumulated in float.
 void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate);
+
+using PackFn = void (*)(at::TensorList, const FlatLayout&, const at::Tensor&);
+using UnpackFn = void (*)(const at::Tensor&, const FlatLayout&, at::TensorList);
+using ReduceAddNFn = void (*)(at::TensorList, const at::Tensor&, bool);
+
+// The operators over one backend's implementation: the layout of `tensors`
+// and the checks of the entry points, then the backend. Each backend
+// registers them for its dispatch key, e.g.
+//   m.impl("pack", &detail::pack_op<&cpu::pack>);
+template <PackFn kImpl>
+void pack_op(at::TensorList tensors, const at::Tensor& flat) {
+  const FlatLayout layout = FlatLayout::of(tensors);
+  check_pack_args(tensors, layout, flat, "pack");
+  kImpl(tensors, layout, flat);
+}
+
+template <UnpackFn kImpl>
+void unpack_op(const at::Tensor& flat, at::TensorList tensors) {
+  const FlatLayout layout = FlatLayout::of(tensors);
+  check_pack_args(tensors, layout, flat, "unpack");
+  kImpl(flat, layout, tensors);
+}
+
+template <ReduceAddNFn kImpl>
+void reduce_add_n_op(at::TensorList sources, const at::Tensor& out, bool accumulate) {
+  check_reduce_add_n_args(sources, out);
+  kImpl(sources, out, accumulate);
+}
 } // namespace detail
 
+// The backends' implementations: arguments already checked.
 namespace cpu {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat);
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);

@@ -1,27 +1,15 @@
 // The kernels as PyTorch operators: torch.ops.dpcore.pack, .unpack and
-// .reduce_add_n, with CPU, CUDA (in a CUDA build) and Meta implementations;
-// the Meta ones check shapes and dtypes only, so the ops trace under
-// torch.compile (fake tensors). No Python here: torch/library.h is libtorch.
+// .reduce_add_n. Here: their schema, the Meta implementations (which check
+// shapes and dtypes only, so the ops trace under torch.compile with fake
+// tensors) and the Conjugate/Negative fallthroughs. The backends register
+// their implementations at the bottom of their own files: CPU in
+// kernels/pack.cpp and kernels/reduce_add_n.cpp, CUDA in cuda/pack.cu and
+// cuda/reduce_add_n.cu. No Python here: torch/library.h is libtorch.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "dpcore/flatten.h"
-#include "dpcore/kernels.h"
-
 namespace dpcore {
 namespace {
-
-void pack_op(at::TensorList tensors, const at::Tensor& flat) {
-  pack(tensors, FlatLayout::of(tensors), flat);
-}
-
-void unpack_op(const at::Tensor& flat, at::TensorList tensors) {
-  unpack(flat, FlatLayout::of(tensors), tensors);
-}
-
-void reduce_add_n_op(at::TensorList sources, const at::Tensor& out, bool accumulate) {
-  reduce_add_n(sources, out, accumulate);
-}
 
 // Meta (fake) implementations: checks that hold for symbolic shapes too,
 // so the ops trace under torch.compile with dynamic shapes.
@@ -70,20 +58,6 @@ TORCH_LIBRARY(dpcore, m) {
   m.def("unpack(Tensor flat, Tensor(a!)[] tensors) -> ()");
   m.def("reduce_add_n(Tensor[] sources, Tensor(a!) out, bool accumulate=False) -> ()");
 }
-
-TORCH_LIBRARY_IMPL(dpcore, CPU, m) {
-  m.impl("pack", &dpcore::pack_op);
-  m.impl("unpack", &dpcore::unpack_op);
-  m.impl("reduce_add_n", &dpcore::reduce_add_n_op);
-}
-
-#ifdef DPCORE_WITH_CUDA
-TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
-  m.impl("pack", &dpcore::pack_op);
-  m.impl("unpack", &dpcore::unpack_op);
-  m.impl("reduce_add_n", &dpcore::reduce_add_n_op);
-}
-#endif
 
 // Tensors with a lazy conjugate or negative bit reach the implementations
 // as they are (their byte-level fast paths take only plain tensors, and ATen

@@ -10,14 +10,14 @@
 
 namespace dpcore {
 
-BucketReplicas::BucketReplicas(at::TensorList like, std::vector<c10::Device> targets)
+ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> targets)
     : layout_(FlatLayout::of(like)),
       source_(like.empty() ? c10::Device(c10::kCPU) : normalize_device(like[0].device())),
-      targets_(targets.empty() ? std::vector<c10::Device>{} : check_devices(targets, "BucketReplicas", "targets")) {
-  TORCH_CHECK(!like.empty(), "BucketReplicas: expected at least one tensor in the bucket");
+      targets_(targets.empty() ? std::vector<c10::Device>{} : check_devices(targets, "ReplicaBuffers", "targets")) {
+  TORCH_CHECK(!like.empty(), "ReplicaBuffers: expected at least one tensor in the bucket");
   for (size_t i = 0; i < like.size(); ++i) {
     TORCH_CHECK(
-        normalize_device(like[i].device()) == source_, "BucketReplicas: expected all tensors on ",
+        normalize_device(like[i].device()) == source_, "ReplicaBuffers: expected all tensors on ",
         source_, " (the device of tensor 0), but tensor ", i, " is on ", like[i].device());
   }
   flats_.reserve(targets_.size());
@@ -27,7 +27,7 @@ BucketReplicas::BucketReplicas(at::TensorList like, std::vector<c10::Device> tar
   }
 }
 
-bool BucketReplicas::up_to_date(at::TensorList tensors) const {
+bool ReplicaBuffers::up_to_date(at::TensorList tensors) const {
   if (master_ptrs_.size() != tensors.size()) {
     return false;
   }
@@ -46,15 +46,15 @@ bool BucketReplicas::up_to_date(at::TensorList tensors) const {
   return true;
 }
 
-TensorList2D BucketReplicas::refresh(at::TensorList tensors) {
+TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
   TORCH_CHECK(
-      tensors.size() == layout_.size(), "BucketReplicas.refresh: expected ", layout_.size(),
+      tensors.size() == layout_.size(), "ReplicaBuffers.refresh: expected ", layout_.size(),
       " tensors (the bucket's), but got ", tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK(
         tensors[i].sizes().equals(layout_.sizes[i]) && tensors[i].scalar_type() == layout_.dtype &&
             normalize_device(tensors[i].device()) == source_,
-        "BucketReplicas.refresh: tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(),
+        "ReplicaBuffers.refresh: tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(),
         " on ", tensors[i].device(), ", but the bucket was built for ", layout_.dtype,
         c10::IntArrayRef(layout_.sizes[i]), " on ", source_);
   }

@@ -12,12 +12,12 @@
 
 namespace dpcore {
 
-class BucketReplicas {
+class ReplicaBuffers {
  public:
   // `like`: the master tensors of the bucket (dense, one dtype, all on one
   // device); `targets`: the devices to hold copies on (may repeat the
   // master's device: each entry gets its own buffer).
-  BucketReplicas(at::TensorList like, std::vector<c10::Device> targets);
+  ReplicaBuffers(at::TensorList like, std::vector<c10::Device> targets);
 
   // Brings every target's buffer up to date with `tensors` (shapes and dtype
   // as at construction) and returns result[d][i], tensors[i] on targets[d]:
@@ -31,8 +31,6 @@ class BucketReplicas {
 
   // Whether the last refresh copied (false: it found nothing changed).
   bool last_refresh_copied() const { return copied_; }
-  const std::vector<c10::Device>& targets() const { return targets_; }
-  int64_t nbytes() const { return layout_.nbytes(); }
 
  private:
   bool up_to_date(at::TensorList tensors) const;

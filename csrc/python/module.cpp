@@ -144,12 +144,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
 
   m.def(
-      "flatten",
-      [](const Tensors& tensors) {
-        return dpcore::flatten(tensors, dpcore::FlatLayout::of(tensors));
-      },
-      py::arg("tensors"), NoGil());
-  m.def(
       "unflatten",
       [](const at::Tensor& flat, const Tensors& like) {
         return dpcore::FlatLayout::of(like).unflatten(flat);
@@ -190,7 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "directly}, for every ordered pair of distinct `devices`; asking enables access "
       "where the hardware allows it.");
 
-  // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (csrc/dpcore/ops.cpp).
+  // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (schema in
+  // csrc/dpcore/ops.cpp, implementations registered by kernels/ and cuda/).
 
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);

@@ -1,6 +1,6 @@
 // The cached replicas of one module, over Python module objects (the reason
 // it lives in csrc/python/): the replica module objects, one
-// dpcore::BucketReplicas (persistent per-device buffers) per bucket of the
+// dpcore::ReplicaBuffers (persistent per-device buffers) per bucket of the
 // master's parameters and buffers, and the per-step refresh that re-syncs
 // each replica's attribute dicts from its master's and points its parameter
 // and buffer slots at fresh views of the buffers.
@@ -97,7 +97,7 @@ struct ModulePlan {
 
 // One bucket: its persistent buffers and its master tensors, in bucket order.
 struct BucketEntry {
-  std::shared_ptr<BucketReplicas> replicas;
+  std::shared_ptr<ReplicaBuffers> replicas;
   std::vector<at::Tensor> tensors;
   py::list objects;  // the same tensors as the Python objects (Parameters stay Parameters)
   bool requires_grad = false;
@@ -218,7 +218,7 @@ class ReplicaSet {
         entry.objects.append(tensor_objects[i]);
       }
       entry.requires_grad = entry.tensors.front().requires_grad();
-      entry.replicas = std::make_shared<BucketReplicas>(entry.tensors, targets);
+      entry.replicas = std::make_shared<ReplicaBuffers>(entry.tensors, targets);
       buckets_.push_back(std::move(entry));
     }
   }
@@ -411,11 +411,11 @@ void enable_gc(PyHeapTypeObject* heap_type) {
 } // namespace
 
 void bind_replica_sync(py::module_& m) {
-  py::class_<BucketReplicas, std::shared_ptr<BucketReplicas>>(
-      m, "BucketReplicas", "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
+  py::class_<ReplicaBuffers, std::shared_ptr<ReplicaBuffers>>(
+      m, "ReplicaBuffers", "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
       .def(
           "refresh",
-          [](BucketReplicas& self, const std::vector<at::Tensor>& tensors) {
+          [](ReplicaBuffers& self, const std::vector<at::Tensor>& tensors) {
             std::vector<at::Tensor> flat;
             for (std::vector<at::Tensor>& row : self.refresh(tensors)) {
               for (at::Tensor& t : row) {
@@ -427,9 +427,7 @@ void bind_replica_sync(py::module_& m) {
           py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
           "Brings the buffers up to date with `tensors` and returns fresh views of them, "
           "device-major: tensors[i] on targets[d] at d * len(tensors) + i.")
-      .def_property_readonly("last_refresh_copied", &BucketReplicas::last_refresh_copied)
-      .def_property_readonly("nbytes", &BucketReplicas::nbytes)
-      .def_property_readonly("targets", &BucketReplicas::targets);
+      .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied);
 
   py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))
       .def(
@@ -439,7 +437,7 @@ void bind_replica_sync(py::module_& m) {
       .def("sync", &ReplicaSet::sync, py::arg("rows"), py::arg("outputs"))
       .def_property_readonly(
           "buckets", &ReplicaSet::buckets,
-          "(BucketReplicas, master tensors, requires_grad) for every bucket, in order")
+          "(ReplicaBuffers, master tensors, requires_grad) for every bucket, in order")
       .def_property_readonly(
           "replica_modules", &ReplicaSet::replica_modules, "rows[j][i]: the replica of module i on targets[j]");
 }

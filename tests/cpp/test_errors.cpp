@@ -305,20 +305,20 @@ TEST(Errors, ReduceAddCoalesced) {
       "inputs[0][1] is on meta",
       dpcore::reduce_add_coalesced({{a, meta_tensor({4}, at::kLong)}, {a, b}}, std::nullopt));
   EXPECT_C10_ERROR(
-      "reduce_add_coalesced: expected all tensors to have the shape [4] of inputs[*][1][0], but "
-      "inputs[*][1][1] has shape [5]",
+      "reduce_add_coalesced: expected all tensors to have the shape [4] of inputs[0][1], but "
+      "inputs[1][1] has shape [5]",
       dpcore::reduce_add_coalesced({{a, b}, {a, values({5}, at::kLong)}}, std::nullopt));
   EXPECT_C10_ERROR(
-      "expected all tensors to have the dtype Float of inputs[*][0][0], but inputs[*][0][2] has dtype "
+      "expected all tensors to have the dtype Float of inputs[0][0], but inputs[2][0] has dtype "
       "Double",
       dpcore::reduce_add_coalesced({{a, b}, {a, b}, {a.to(at::kDouble), b}}, std::nullopt));
   EXPECT_C10_ERROR(
-      "expected all tensors to have the layout Strided of inputs[*][0][0], but inputs[*][0][1] has "
+      "expected all tensors to have the layout Strided of inputs[0][0], but inputs[1][0] has "
       "layout Sparse",
       dpcore::reduce_add_coalesced({{a, b}, {a.to_sparse(), b}}, std::nullopt));
   EXPECT_C10_ERROR(
-      "reduce_add_coalesced: expected all tensors on devices of one type, but inputs[*][0][0] is on cpu "
-      "and inputs[*][0][1] is on meta",
+      "reduce_add_coalesced: expected all tensors on devices of one type, but inputs[0][0] is on cpu "
+      "and inputs[1][0] is on meta",
       dpcore::reduce_add_coalesced({{a, b}, {meta_tensor({2, 3}), meta_tensor({4}, at::kLong)}},
                                    std::nullopt));
   EXPECT_C10_ERROR(
@@ -332,7 +332,7 @@ TEST(Errors, ReduceAddCoalesced) {
                    dpcore::reduce_add_coalesced({{a, b}, {a, b}}, std::nullopt, 0));
   EXPECT_C10_ERROR("to be positive, but got -1",
                    dpcore::reduce_add_coalesced({{a, b}, {a, b}}, std::nullopt, -1));
-  EXPECT_C10_ERROR("reduce_add_coalesced: expected dense or sparse COO tensors, but inputs[*][1][0] has layout "
+  EXPECT_C10_ERROR("reduce_add_coalesced: expected dense or sparse COO tensors, but inputs[0][1] has layout "
                    "SparseCsr",
                    dpcore::reduce_add_coalesced({{a, csr()}, {a, csr()}}, std::nullopt));
 }

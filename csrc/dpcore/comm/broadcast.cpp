@@ -5,9 +5,9 @@
 #include <c10/util/Exception.h>
 
 #include "dpcore/comm.h"
+#include "dpcore/common.h"
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
-#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
@@ -122,7 +122,7 @@ TensorList2D broadcast_coalesced(
       }
       continue;
     }
-    const std::vector<at::Tensor> members = select(tensors, bucket);
+    const std::vector<at::Tensor> members = bucket.members(tensors);
     const FlatLayout layout = FlatLayout::of(members);
     std::vector<at::Tensor> flats;
     flats.reserve(devices.size() - 1);

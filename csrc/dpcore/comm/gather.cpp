@@ -8,9 +8,9 @@
 #include <string>
 
 #include "dpcore/comm.h"
+#include "dpcore/common.h"
 #include "dpcore/comm/checks.h"
 #include "dpcore/device.h"
-#include "dpcore/host_allocator.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
 #endif

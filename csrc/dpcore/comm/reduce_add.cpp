@@ -3,40 +3,53 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <optional>
+#include <vector>
 
 #include "dpcore/comm.h"
+#include "dpcore/common.h"
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
-#include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 
 namespace dpcore {
 namespace {
 
 // Checks that `tensors` can be summed elementwise; returns their device type.
-c10::DeviceType check_summable(at::TensorList tensors, const char* op, const char* what) {
+// The messages name tensors[k] what[k], or what[k][column] when the tensors
+// are one column of a list of lists (reduce_add_coalesced's inputs[k][i]).
+c10::DeviceType check_summable(
+    at::TensorList tensors,
+    const char* op,
+    const char* what,
+    std::optional<size_t> column = std::nullopt) {
   TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor to reduce, but got none");
+  // Only evaluated for a message, when a check fails.
+  const auto name = [&](size_t k) {
+    return column ? c10::str(what, "[", k, "][", *column, "]") : c10::str(what, "[", k, "]");
+  };
   const at::Tensor& first = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.defined(), op, ": ", what, "[", i, "] is undefined");
+    TORCH_CHECK(t.defined(), op, ": ", name(i), " is undefined");
     TORCH_CHECK(
         t.layout() == c10::kStrided || t.is_sparse(), op,
-        ": expected dense or sparse COO tensors, but ", what, "[", i, "] has layout ", t.layout());
+        ": expected dense or sparse COO tensors, but ", name(i), " has layout ", t.layout());
     TORCH_CHECK(
         t.sizes().equals(first.sizes()), op, ": expected all tensors to have the shape ",
-        first.sizes(), " of ", what, "[0], but ", what, "[", i, "] has shape ", t.sizes());
+        first.sizes(), " of ", name(0), ", but ", name(i), " has shape ", t.sizes());
     TORCH_CHECK(
         t.scalar_type() == first.scalar_type(), op, ": expected all tensors to have the dtype ",
-        first.scalar_type(), " of ", what, "[0], but ", what, "[", i, "] has dtype ",
-        t.scalar_type());
+        first.scalar_type(), " of ", name(0), ", but ", name(i), " has dtype ", t.scalar_type());
     TORCH_CHECK(
         t.layout() == first.layout(), op, ": expected all tensors to have the layout ",
-        first.layout(), " of ", what, "[0], but ", what, "[", i, "] has layout ", t.layout());
+        first.layout(), " of ", name(0), ", but ", name(i), " has layout ", t.layout());
     TORCH_CHECK(
         t.device().type() == first.device().type(), op,
-        ": expected all tensors on devices of one type, but ", what, "[0] is on ",
-        first.device(), " and ", what, "[", i, "] is on ", t.device());
+        ": expected all tensors on devices of one type, but ", name(0), " is on ",
+        first.device(), " and ", name(i), " is on ", t.device());
   }
   return first.device().type();
 }
@@ -88,31 +101,10 @@ at::Tensor sum_sparse(at::TensorList tensors, c10::Device destination) {
   return result;
 }
 
-} // namespace
-
-at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destination) {
-  const c10::DeviceType type = check_summable(tensors, "reduce_add", "inputs");
-  const c10::Device dest = resolve_destination(destination, type);
-  check_devices({dest}, "reduce_add", "destination");
-  c10::NoGradGuard no_grad;
-  c10::DeviceGuard guard(dest);
-  if (tensors[0].is_sparse()) {
-    return sum_sparse(tensors, dest);
-  }
-  std::vector<at::Tensor> sources;
-  sources.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    sources.push_back(readable_on(t, dest));
-  }
-  at::Tensor out = empty_preserving(sources[0], dest);
-  reduce_add_n(sources, out, /*accumulate=*/false);
-  return out;
-}
-
-std::vector<at::Tensor> reduce_add_coalesced(
-    const TensorList2D& inputs,
-    std::optional<c10::Device> destination,
-    int64_t bucket_bytes) {
+// Checks reduce_add_coalesced's `inputs` (one list per device, each list on
+// one device, all of one length, every column summable) and `bucket_bytes`;
+// returns the device of each list, or nothing when the lists are empty.
+std::vector<c10::Device> check_coalesced_inputs(const TensorList2D& inputs, int64_t bucket_bytes) {
   TORCH_CHECK(
       !inputs.empty(), "reduce_add_coalesced: expected at least one list of tensors in 'inputs'");
   TORCH_CHECK(
@@ -139,66 +131,114 @@ std::vector<at::Tensor> reduce_add_coalesced(
   if (count == 0) {
     return {};
   }
-  std::vector<at::Tensor> column(inputs.size());
+  std::vector<at::Tensor> column;
   for (size_t i = 0; i < count; ++i) {
-    for (size_t k = 0; k < inputs.size(); ++k) {
-      column[k] = inputs[k][i];
-    }
-    check_summable(column, "reduce_add_coalesced", ("inputs[*][" + std::to_string(i) + "]").c_str());
+    take_column(inputs, i, column);
+    check_summable(column, "reduce_add_coalesced", "inputs", i);
   }
-  check_devices(list_devices, "reduce_add_coalesced", "the devices of inputs");
+  return check_devices(list_devices, "reduce_add_coalesced", "the devices of inputs");
+}
+
+// The CUDA path of one dense bucket: flat = the sum over k of inputs[k]'s
+// members laid out as `layout`. One pack launch per device and one
+// reduce_add_n launch reading every device's flat buffer in place (peer
+// access) beat a launch per tensor.
+void reduce_bucket_cuda(
+    const TensorList2D& inputs,
+    const Bucket& bucket,
+    const FlatLayout& layout,
+    c10::ArrayRef<c10::Device> list_devices,
+    c10::Device dest,
+    const at::Tensor& flat) {
+  std::vector<at::Tensor> flats;
+  flats.reserve(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    flats.push_back(flat_source(bucket.members(inputs[k]), layout, list_devices[k], dest));
+  }
+  reduce_add_n(flats, flat, /*accumulate=*/false);
+}
+
+// The CPU path of one dense bucket (any destination but CUDA): results[j] =
+// the sum over k of inputs[k]'s j-th member, by reduce_add_lists. Lists on
+// the destination are read in place; the others are flattened on their
+// device and the flat buffer copied over.
+void reduce_bucket_cpu(
+    const TensorList2D& inputs,
+    const Bucket& bucket,
+    const FlatLayout& layout,
+    c10::ArrayRef<c10::Device> list_devices,
+    c10::Device dest,
+    at::TensorList results) {
+  TensorList2D sources;
+  sources.reserve(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    std::vector<at::Tensor> members = bucket.members(inputs[k]);
+    if (list_devices[k] == dest) {
+      sources.push_back(std::move(members));
+      continue;
+    }
+    c10::DeviceGuard source_guard(list_devices[k]);
+    at::Tensor staged = flatten(members, layout).to(dest, may_copy_async(dest));
+    std::vector<at::Tensor> views;
+    views.reserve(layout.size());
+    for (size_t j = 0; j < layout.size(); ++j) {
+      views.push_back(layout.view(staged, j));
+    }
+    sources.push_back(std::move(views));
+  }
+  reduce_add_lists(sources, results, /*accumulate=*/false);
+}
+
+} // namespace
+
+at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destination) {
+  const c10::DeviceType type = check_summable(tensors, "reduce_add", "inputs");
+  const c10::Device dest = resolve_destination(destination, type);
+  check_devices({dest}, "reduce_add", "destination");
+  c10::NoGradGuard no_grad;
+  c10::DeviceGuard guard(dest);
+  if (tensors[0].is_sparse()) {
+    return sum_sparse(tensors, dest);
+  }
+  std::vector<at::Tensor> sources;
+  sources.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    sources.push_back(readable_on(t, dest));
+  }
+  at::Tensor out = empty_preserving(sources[0], dest);
+  reduce_add_n(sources, out, /*accumulate=*/false);
+  return out;
+}
+
+std::vector<at::Tensor> reduce_add_coalesced(
+    const TensorList2D& inputs,
+    std::optional<c10::Device> destination,
+    int64_t bucket_bytes) {
+  const std::vector<c10::Device> list_devices = check_coalesced_inputs(inputs, bucket_bytes);
+  if (list_devices.empty()) {
+    return {};
+  }
   const c10::Device dest = resolve_destination(destination, list_devices[0].type());
   check_devices({dest}, "reduce_add_coalesced", "destination");
 
   c10::NoGradGuard no_grad;
   c10::DeviceGuard guard(dest);
-  std::vector<at::Tensor> outputs(count);
+  std::vector<at::Tensor> outputs(inputs[0].size());
+  std::vector<at::Tensor> column;
   for (const Bucket& bucket : make_buckets(inputs[0], bucket_bytes)) {
     if (bucket.sparse) {
-      const size_t i = bucket.indices[0];
-      for (size_t k = 0; k < inputs.size(); ++k) {
-        column[k] = inputs[k][i];
-      }
-      outputs[i] = sum_sparse(column, dest);
+      take_column(inputs, bucket.indices[0], column);
+      outputs[bucket.indices[0]] = sum_sparse(column, dest);
       continue;
     }
-    const FlatLayout layout = FlatLayout::of(select(inputs[0], bucket));
+    const FlatLayout layout = FlatLayout::of(bucket.members(inputs[0]));
     at::Tensor flat = empty_flat(inputs[0][bucket.indices[0]], dest, layout.numel);
     std::vector<at::Tensor> results = layout.unflatten(flat);
     if (dest.is_cuda()) {
-      // One pack launch per device and one reduce launch reading every
-      // device's flat buffer in place (peer access) beat a launch per tensor.
-      std::vector<at::Tensor> flats;
-      flats.reserve(inputs.size());
-      for (size_t k = 0; k < inputs.size(); ++k) {
-        flats.push_back(flat_source(select(inputs[k], bucket), layout, list_devices[k], dest));
-      }
-      reduce_add_n(flats, flat, /*accumulate=*/false);
-      for (size_t j = 0; j < results.size(); ++j) {
-        outputs[bucket.indices[j]] = std::move(results[j]);
-      }
-      continue;
+      reduce_bucket_cuda(inputs, bucket, layout, list_devices, dest, flat);
+    } else {
+      reduce_bucket_cpu(inputs, bucket, layout, list_devices, dest, results);
     }
-    // Sources on the destination are read in place; the others are
-    // flattened on their device and the flat buffer copied over.
-    TensorList2D sources;
-    sources.reserve(inputs.size());
-    for (size_t k = 0; k < inputs.size(); ++k) {
-      std::vector<at::Tensor> members = select(inputs[k], bucket);
-      if (list_devices[k] == dest) {
-        sources.push_back(std::move(members));
-      } else {
-        c10::DeviceGuard source_guard(list_devices[k]);
-        at::Tensor staged = flatten(members, layout).to(dest, may_copy_async(dest));
-        std::vector<at::Tensor> views;
-        views.reserve(layout.size());
-        for (size_t j = 0; j < layout.size(); ++j) {
-          views.push_back(layout.view(staged, j));
-        }
-        sources.push_back(std::move(views));
-      }
-    }
-    reduce_add_lists(sources, results, /*accumulate=*/false);
     for (size_t j = 0; j < results.size(); ++j) {
       outputs[bucket.indices[j]] = std::move(results[j]);
     }

@@ -15,10 +15,9 @@
 #include <optional>
 #include <utility>
 
+#include "dpcore/common.h"
 #include "dpcore/device.h"
 #include "dpcore/env.h"
-#include "dpcore/flatten.h"
-#include "dpcore/host_allocator.h"
 
 namespace dpcore {
 namespace cuda {

@@ -24,9 +24,10 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
-#include "dpcore/comm.h"
+#include "dpcore/common.h"
 
 namespace dpcore {
 namespace cuda {

@@ -6,11 +6,13 @@
 // one asynchronous copy on the same stream, and a single grid-stride launch
 // finds each chunk's range by binary search. 16-byte vector copies where both
 // sides are aligned.
+// Registers the CUDA implementations of torch.ops.dpcore.pack / .unpack.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -219,3 +221,8 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 
 } // namespace cuda
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
+  m.impl("pack", &dpcore::detail::pack_op<&dpcore::cuda::pack>);
+  m.impl("unpack", &dpcore::detail::unpack_op<&dpcore::cuda::unpack>);
+}

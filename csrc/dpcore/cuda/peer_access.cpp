@@ -1,4 +1,6 @@
-#include "dpcore/cuda/peer_access.h"
+// Peer access between CUDA devices (CUDA builds only): cuda::peer_access,
+// declared in device.h, behind dpcore::can_access_directly.
+#include "dpcore/device.h"
 
 #include <ATen/cuda/PeerToPeerAccess.h>
 

@@ -3,12 +3,14 @@
 // aligned. All K sources are summed in one pass, so half types accumulate in
 // float across all of them and are rounded once, as the CPU kernel does (the
 // same float additions in the same order).
+// Registers the CUDA implementation of torch.ops.dpcore.reduce_add_n.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -166,3 +168,7 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
 
 } // namespace cuda
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CUDA, m) {
+  m.impl("reduce_add_n", &dpcore::detail::reduce_add_n_op<&dpcore::cuda::reduce_add_n>);
+}

@@ -1,9 +1,11 @@
 // pack / unpack: a list of tensors to and from one flat buffer.
-// CPU implementation (the reference) and the device dispatch.
+// CPU implementation (the reference), the device dispatch, and the CPU
+// registration of the operators torch.ops.dpcore.pack / .unpack.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <cstring>
 
@@ -14,38 +16,6 @@ namespace {
 
 using detail::kLargeTensorBytes;
 using detail::kTensorsPerTask;
-
-void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op) {
-  TORCH_CHECK(
-      layout.size() == count, op, ": expected ", layout.size(),
-      " tensors (the layout's entries), but got ", count);
-  TORCH_CHECK(
-      flat.dim() == 1 && flat.is_contiguous(), op,
-      ": expected 'flat' to be a contiguous 1-D tensor, but it has sizes ",
-      flat.sizes(), " and strides ", flat.strides());
-  TORCH_CHECK(
-      flat.numel() == layout.numel, op, ": expected 'flat' to have ", layout.numel,
-      " elements, but it has ", flat.numel());
-  TORCH_CHECK(
-      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected 'flat' of dtype ",
-      layout.dtype, ", but it is ", flat.scalar_type());
-}
-
-void check_entries(
-    at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(
-        t.device() == flat.device(), op, ": expected tensor ", i, " on ", flat.device(),
-        " (the device of 'flat'), but it is on ", t.device());
-    TORCH_CHECK(
-        t.scalar_type() == layout.dtype, op, ": expected tensor ", i, " of dtype ",
-        layout.dtype, ", but it is ", t.scalar_type());
-    TORCH_CHECK(
-        t.sizes().equals(layout.sizes[i]), op, ": expected tensor ", i, " of shape ",
-        c10::IntArrayRef(layout.sizes[i]), ", but it has shape ", t.sizes());
-  }
-}
 
 // Copies between each tensor and its entry in `flat`: kToFlat packs, else unpacks.
 template <bool kToFlat>
@@ -102,6 +72,39 @@ void copy_entries_generic(at::TensorList tensors, const FlatLayout& layout, cons
 
 } // namespace
 
+namespace detail {
+
+void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
+  const size_t count = tensors.size();
+  TORCH_CHECK(
+      layout.size() == count, op, ": expected ", layout.size(),
+      " tensors (the layout's entries), but got ", count);
+  TORCH_CHECK(
+      flat.dim() == 1 && flat.is_contiguous(), op,
+      ": expected 'flat' to be a contiguous 1-D tensor, but it has sizes ",
+      flat.sizes(), " and strides ", flat.strides());
+  TORCH_CHECK(
+      flat.numel() == layout.numel, op, ": expected 'flat' to have ", layout.numel,
+      " elements, but it has ", flat.numel());
+  TORCH_CHECK(
+      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected 'flat' of dtype ",
+      layout.dtype, ", but it is ", flat.scalar_type());
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(
+        t.device() == flat.device(), op, ": expected tensor ", i, " on ", flat.device(),
+        " (the device of 'flat'), but it is on ", t.device());
+    TORCH_CHECK(
+        t.scalar_type() == layout.dtype, op, ": expected tensor ", i, " of dtype ",
+        layout.dtype, ", but it is ", t.scalar_type());
+    TORCH_CHECK(
+        t.sizes().equals(layout.sizes[i]), op, ": expected tensor ", i, " of shape ",
+        c10::IntArrayRef(layout.sizes[i]), ", but it has shape ", t.sizes());
+  }
+}
+
+} // namespace detail
+
 namespace cpu {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
   copy_entries_cpu<true>(tensors, layout, flat);
@@ -112,8 +115,7 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 } // namespace cpu
 
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
-  check_flat(flat, layout, tensors.size(), "pack");
-  check_entries(tensors, layout, flat, "pack");
+  detail::check_pack_args(tensors, layout, flat, "pack");
   if (flat.is_cpu()) {
     cpu::pack(tensors, layout, flat);
 #ifdef DPCORE_WITH_CUDA
@@ -126,8 +128,7 @@ void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& fl
 }
 
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors) {
-  check_flat(flat, layout, tensors.size(), "unpack");
-  check_entries(tensors, layout, flat, "unpack");
+  detail::check_pack_args(tensors, layout, flat, "unpack");
   if (flat.is_cpu()) {
     cpu::unpack(flat, layout, tensors);
 #ifdef DPCORE_WITH_CUDA
@@ -139,4 +140,16 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
   }
 }
 
+at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
+  TORCH_CHECK(!tensors.empty(), "flatten: expected at least one tensor");
+  at::Tensor flat = empty_flat(tensors[0], tensors[0].device(), layout.numel);
+  pack(tensors, layout, flat);
+  return flat;
+}
+
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CPU, m) {
+  m.impl("pack", &dpcore::detail::pack_op<&dpcore::cpu::pack>);
+  m.impl("unpack", &dpcore::detail::unpack_op<&dpcore::cpu::unpack>);
+}

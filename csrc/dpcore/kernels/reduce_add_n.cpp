@@ -1,11 +1,13 @@
 // reduce_add_n: out (+)= the sum of K equally shaped tensors, in one pass.
-// CPU implementation (the reference) and the device dispatch.
+// CPU implementation (the reference), the device dispatch, and the CPU
+// registration of the operator torch.ops.dpcore.reduce_add_n.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <memory>
@@ -134,7 +136,11 @@ bool entry_is_dense(const TensorList2D& sources, const at::Tensor& out, size_t i
   });
 }
 
-void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
+} // namespace
+
+namespace detail {
+
+void check_reduce_add_n_args(at::TensorList sources, const at::Tensor& out) {
   TORCH_CHECK(
       !sources.empty(), "reduce_add_n: expected at least one source tensor, but got none");
   TORCH_CHECK(out.defined(), "reduce_add_n: expected a defined 'out' tensor");
@@ -159,10 +165,6 @@ void check_reduce_args(at::TensorList sources, const at::Tensor& out) {
         "] has layout ", s.layout());
   }
 }
-
-} // namespace
-
-namespace detail {
 
 bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
   if (!is_plain_dense(out)) {
@@ -228,7 +230,7 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
   const at::ScalarType dtype = outs[0].scalar_type();
   std::vector<size_t> small;
   small.reserve(outs.size());
-  std::vector<at::Tensor> column(count);
+  std::vector<at::Tensor> column;
   for (size_t i = 0; i < outs.size(); ++i) {
     const int64_t nbytes = static_cast<int64_t>(outs[i].numel() * outs[i].element_size());
     if (nbytes == 0) {
@@ -238,9 +240,7 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
       small.push_back(i);
       continue;
     }
-    for (size_t k = 0; k < count; ++k) {
-      column[k] = sources[k][i];
-    }
+    take_column(sources, i, column);
     reduce_add_n(column, outs[i], accumulate);
   }
   if (small.empty()) {
@@ -277,14 +277,12 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
         sources[k].size() == outs.size(), "reduce_add_lists: expected sources[", k, "] to hold ",
         outs.size(), " tensors (one per output), but it holds ", sources[k].size());
   }
-  std::vector<at::Tensor> column(sources.size());
+  std::vector<at::Tensor> column;
   bool all_cpu = true;
   for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t k = 0; k < sources.size(); ++k) {
-      column[k] = sources[k][i];
-    }
+    take_column(sources, i, column);
     // Argument checks of the single-output form, without running it.
-    check_reduce_args(column, outs[i]);
+    detail::check_reduce_add_n_args(column, outs[i]);
     all_cpu = all_cpu && outs[i].is_cpu();
   }
   if (all_cpu) {
@@ -292,15 +290,13 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
     return;
   }
   for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t k = 0; k < sources.size(); ++k) {
-      column[k] = sources[k][i];
-    }
+    take_column(sources, i, column);
     reduce_add_n(column, outs[i], accumulate);
   }
 }
 
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate) {
-  check_reduce_args(sources, out);
+  detail::check_reduce_add_n_args(sources, out);
   if (out.is_cpu()) {
     cpu::reduce_add_n(sources, out, accumulate);
 #ifdef DPCORE_WITH_CUDA
@@ -313,3 +309,7 @@ void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate
 }
 
 } // namespace dpcore
+
+TORCH_LIBRARY_IMPL(dpcore, CPU, m) {
+  m.impl("reduce_add_n", &dpcore::detail::reduce_add_n_op<&dpcore::cpu::reduce_add_n>);
+}

@@ -13,6 +13,7 @@ statistics) act on the master directly.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -82,10 +83,16 @@ class ReplicaCache:
       rebuilt (``valid()`` returns False until then).
     * Works under ``torch.inference_mode()``: the buffers and copies are
       normal tensors, usable by later steps outside inference mode.
+    * ``replicas()`` may be called from several threads: calls are
+      serialized, and each returns a consistent set. The replica modules are
+      shared by every call, though: a caller that runs them while another
+      thread calls ``replicas()`` must serialize the two (DataParallel does:
+      it holds its own lock from ``replicas()`` until its replicas return).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.module = module
+        self._lock = threading.Lock()
         self.devices = list(devices)
         self.targets = self.devices[1:]
         self.masters: list[nn.Module] = list(module.modules())
@@ -140,6 +147,10 @@ class ReplicaCache:
 
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas (see the class guarantees)."""
+        with self._lock:
+            return self._refresh(n)
+
+    def _refresh(self, n: int) -> list[nn.Module]:
         if n < 1 or n > len(self.devices):
             raise ValueError(f"replicas: expected 1 <= n <= {len(self.devices)}, but got {n}")
         if n == 1:

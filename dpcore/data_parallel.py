@@ -76,14 +76,14 @@ class DataParallel(nn.Module):
     calls are serialized: one call at a time refreshes the replicas, runs
     them and collects their outputs (so the replicas of concurrent calls
     never see each other's refresh), and each call's results equal those of
-    the same call made alone. Backward passes of different calls may run at
-    once (the master's ``.grad`` accumulates, as for any module shared by
-    threads); a graph that saved replica parameters whose values a later
-    call's refresh changed (the master was updated in between) raises
-    autograd's "modified by an inplace operation" error rather than reading
-    the new values. A replica of this wrapper (nested in a replicated model)
-    serializes its own calls, independently. Calls that do not touch one
-    another's modules still run in parallel on the worker pool.
+    the same call made alone (while no thread changes the master). Backward
+    passes of different calls may run at once (the master's ``.grad``
+    accumulates, as for any module shared by threads); a graph that saved
+    replica parameters whose values a later call's refresh changed (the
+    master was updated in between) raises autograd's "modified by an
+    inplace operation" error rather than reading the new values. A replica
+    of this wrapper (nested in a replicated model) serializes its own calls;
+    different wrappers are not serialized against one another.
 
     Signals: Ctrl-C (or any signal handler's exception) during a call is
     raised in the calling thread within about 50 ms, however long the

@@ -290,11 +290,11 @@ void prepare(Run& run) {
 TaskRun submit_tasks(std::vector<Task> tasks) {
   auto run = std::make_shared<Run>();  // captures the caller's thread-local state
   run->tasks = std::move(tasks);
-  prepare(*run);
   if (run->tasks.empty()) {
     run->completion->done = true;
     return TaskRun(std::move(run));
   }
+  prepare(*run);
   WorkerPool* pool = registry().acquire();
   try {
     pool->start(run);

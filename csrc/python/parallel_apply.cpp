@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -90,10 +91,14 @@ struct ApplyCall {
 // running Python code while it shuts down.
 class AbandonedRuns {
  public:
+  // Keeps `run`, and lets go of those done since (freed after the lock is
+  // released: freeing Python objects can run any Python code).
   void add(const TaskRun& run) {
+    std::vector<TaskRun> finished;
     std::lock_guard<std::mutex> lock(mutex_);
-    runs_.erase(
-        std::remove_if(runs_.begin(), runs_.end(), [](const TaskRun& r) { return r.done(); }), runs_.end());
+    auto split = std::stable_partition(runs_.begin(), runs_.end(), [](const TaskRun& r) { return !r.done(); });
+    finished.assign(std::make_move_iterator(split), std::make_move_iterator(runs_.end()));
+    runs_.erase(split, runs_.end());
     runs_.push_back(run);
   }
 

@@ -92,7 +92,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def threads_one_wrapper(mode: str, threads: int = 6, calls: int = 120) -> str:
+def threads_one_wrapper(mode: str, threads: int = 6, calls: int = 80) -> str:
     """`threads` threads x `calls` calls of one DataParallel in `mode`:
     forward, backward (into the master's .grad), grad (torch.autograd.grad),
     no_grad, inference, or mixed (thread t uses the mode t % 5)."""
@@ -160,7 +160,7 @@ class RaisesOnMarker(nn.Module):
         return self.linear(x)
 
 
-def threads_with_a_raising_replica(threads: int = 6, calls: int = 120) -> str:
+def threads_with_a_raising_replica(threads: int = 6, calls: int = 90) -> str:
     """Every third call of each thread has one replica (chosen by the thread)
     raise; the others are forward+autograd.grad calls checked against the
     single-device results."""
@@ -419,7 +419,7 @@ SCENARIOS: dict[str, Callable[[], str]] = {
     "grad": lambda: threads_one_wrapper("grad"),
     "no_grad": lambda: threads_one_wrapper("no_grad"),
     "inference": lambda: threads_one_wrapper("inference"),
-    "mixed": lambda: threads_one_wrapper("mixed", threads=8, calls=90),
+    "mixed": lambda: threads_one_wrapper("mixed", threads=8, calls=60),
     "raising": threads_with_a_raising_replica,
     "nested": threads_nested_wrappers,
     "replica_cache": threads_replica_cache,

@@ -57,7 +57,7 @@ def _expect_ok(scenario: str) -> str:
 
 @pytest.mark.parametrize("scenario", ["forward", "backward", "grad", "no_grad", "inference", "mixed"])
 def test_threads_share_one_data_parallel(scenario: str) -> None:
-    # 6 threads x 120 calls (mixed: 8 x 90, thread t in the t % 5-th mode) on
+    # 6 threads x 80 calls (mixed: 8 x 60, thread t in the t % 5-th mode) on
     # ["cpu"] * 4; every output (and gradient) equals the single-device one;
     # after concurrent backward passes the master's .grad is the sum of all.
     _expect_ok(scenario)

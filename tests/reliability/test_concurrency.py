@@ -86,18 +86,24 @@ def test_threads_refresh_one_bucket_in_cpp() -> None:
 
 def test_graph_of_an_earlier_call_refuses_parameters_refreshed_since() -> None:
     # Calls A and B share the replicas' buffers; the master changes, C's
-    # refresh writes the new values. A's backward (whose graph saved the old
-    # values, two calls ago) must raise, not silently use the new ones.
+    # refresh writes the new values. The replica copies A's graph saved (two
+    # calls ago) must be marked modified, so that A's backward raises rather
+    # than silently using the new values.
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     dp = dpcore.DataParallel(module, ["cpu"] * 2)
     x = torch.randn(4, 4, dtype=torch.float64)
     a = dp(x).sum()
+    copies_a = list(dp._cache.replica_modules[0][0].parameters())  # replica 1's parameters in call A
+    versions_a = [t._version for t in copies_a]
     b = dp(x).sum()
     b.backward()  # nothing changed between A and B: B is fine
+    assert [t._version for t in copies_a] == versions_a
     with torch.no_grad():
         module[2].weight.add_(1.0)
     dp(x)
+    changed = [t._version > v for t, v in zip(copies_a, versions_a)]
+    assert changed == [False, False, True, False], changed  # only module[2].weight changed
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         a.backward()
 

@@ -4,6 +4,7 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._split import as_int, check_split
-from dpcore.parallel_apply import parallel_apply
+from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
@@ -112,11 +113,31 @@ class DataParallel(nn.Module):
     itself: ``zero_grad()`` called on it inside forward clears the master's
     gradients (torch's replicas are copies, where it only warns; dpcore's
     other replicas warn as torch's do).
+
+    Threads: one wrapper may be called from several threads at once. Its
+    calls are serialized: one call at a time refreshes the replicas, runs
+    them and collects their outputs (so the replicas of concurrent calls
+    never see each other's refresh), and each call's results equal those of
+    the same call made alone (while no thread changes the master). Backward
+    passes of different calls may run at once (the master's ``.grad``
+    accumulates, as for any module shared by threads); a graph that saved
+    replica parameters whose values a later call's refresh changed (the
+    master was updated in between) raises autograd's "modified by an
+    inplace operation" error rather than reading the new values. A replica
+    of this wrapper (nested in a replicated model) serializes its own calls;
+    different wrappers are not serialized against one another.
+
+    Signals: Ctrl-C (or any signal handler's exception) during a call is
+    raised in the calling thread within about 50 ms, however long the
+    replicas take; replicas not yet started are skipped, running ones finish
+    in the background, and the next call of this wrapper waits for them
+    before it touches the replicas.
     """
 
     # Attributes a replica of this wrapper (DataParallel nested in a model
-    # that is itself replicated) keeps for itself: its own replica cache.
-    _replica_private_attrs = ("_cache",)
+    # that is itself replicated) keeps for itself: its own replica cache and
+    # its own call serialization.
+    _replica_private_attrs = ("_cache", "_calls")
 
     def __init__(
         self,
@@ -132,6 +153,7 @@ class DataParallel(nn.Module):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super().__init__()
+        self._calls = _CallGuard()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         self.module = module
@@ -161,7 +183,7 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "_cache"):
+            if name in ("module", "_cache", "_calls"):
                 raise
             return getattr(self.module, name)
 
@@ -191,7 +213,20 @@ class DataParallel(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = None
+        state["_calls"] = None  # a lock cannot be pickled; each copy gets its own
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._calls = _CallGuard()
+
+    def _replicate_for_data_parallel(self) -> DataParallel:
+        # A replica of this wrapper (nested in a replicated model) runs its
+        # own replicas, concurrently with the master's: never share them.
+        replica = super()._replicate_for_data_parallel()
+        replica._cache = None
+        replica._calls = _CallGuard()
+        return replica
 
     # -- forward --------------------------------------------------------------
 
@@ -202,6 +237,19 @@ class DataParallel(nn.Module):
         return self._cache.replicas(n)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return self._forward(*inputs, **kwargs)
+
+    def _parallel_apply(self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any) -> list[Any]:
+        run = start_parallel_apply(fns, args, kws, devices)
+        try:
+            return run.result()
+        except BaseException:
+            if not run.done:  # interrupted: its running replicas finish in the background
+                self._calls.abandoned = run
+            raise
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         criterion = self.criterion
         if criterion is not None:
             if not inputs:
@@ -229,7 +277,7 @@ class DataParallel(nn.Module):
         if criterion is not None:
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
-            losses = parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
+            losses = self._parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
             _check_losses(losses, devices)
             if total == 0:
                 return losses[0]
@@ -239,10 +287,35 @@ class DataParallel(nn.Module):
         if n == 1:
             outputs = [modules[0](*args[0], **kws[0])]
         else:
-            outputs = parallel_apply(modules, args, kws, devices)
+            outputs = self._parallel_apply(modules, args, kws, devices)
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)
+
+
+class _CallGuard:
+    """Serializes the calls of one DataParallel (``with guard:`` around a
+    call), and holds the run of a call interrupted while its replicas were
+    still running: the next call waits for those replicas first
+    (interruptibly), since they use the same replica modules."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned: Any = None  # a dpcore._C.ParallelRun, or None
+
+    def __enter__(self) -> _CallGuard:
+        self.lock.acquire()
+        try:
+            if self.abandoned is not None:
+                self.abandoned.join()
+                self.abandoned = None
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _has_module_prefix(keys: list[str], module: nn.Module) -> bool:

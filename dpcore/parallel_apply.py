@@ -11,7 +11,7 @@ import torch
 from dpcore import _C
 from dpcore._devices import DeviceLike, as_device, normalize_device
 
-__all__ = ["parallel_apply"]
+__all__ = ["parallel_apply", "start_parallel_apply"]
 
 
 def _module_device(module: Any) -> torch.device:
@@ -45,6 +45,30 @@ def parallel_apply(
     calls run at most ``torch.get_num_threads()`` at a time, sharing those
     intra-op threads (more would only contend for the cores and the GIL), so
     a call must not wait for another call of the same parallel_apply.
+
+    Signals: Python's signal handlers keep running while the caller waits
+    (it wakes every 50 ms), so Ctrl-C raises KeyboardInterrupt in the caller
+    within about that long, however long the calls take. The calls not yet
+    started are then skipped; those running finish in the background on
+    threads no other call is given meanwhile (the interpreter waits for them
+    at exit). Use :func:`start_parallel_apply` to wait for them.
+    """
+    return start_parallel_apply(modules, inputs, kwargs_tup, devices).result()
+
+
+def start_parallel_apply(
+    modules: Sequence[Callable[..., Any]],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[DeviceLike | None] | None = None,
+) -> Any:
+    """Starts :func:`parallel_apply`'s calls and returns at once a
+    ``dpcore._C.ParallelRun``: ``result()`` waits and returns (or raises)
+    what parallel_apply would; ``join(timeout=None)`` waits until every call
+    has returned or been skipped, without raising their errors, and returns
+    whether they have; ``cancel()`` skips the calls not yet started; ``done``
+    says whether all have finished. Both waits are interruptible as
+    parallel_apply's; a run interrupted in ``result()`` can still be joined.
     """
     n = len(modules)
     if len(inputs) != n:
@@ -61,4 +85,4 @@ def parallel_apply(
         _module_device(m) if d is None else as_device(d, f"devices[{i}]") for i, (m, d) in enumerate(zip(modules, devices))
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
-    return _C.parallel_apply(list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved)
+    return _C.start_parallel_apply(list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -94,10 +95,16 @@ class ReplicaCache:
       normal tensors, usable by later steps outside inference mode.
     * With more than one device, a module with uninitialized (lazy)
       parameters raises torch's RuntimeError before anything is allocated.
+    * ``replicas()`` may be called from several threads: calls are
+      serialized, and each returns a consistent set. The replica modules are
+      shared by every call, though: a caller that runs them while another
+      thread calls ``replicas()`` must serialize the two (DataParallel does:
+      it holds its own lock from ``replicas()`` until its replicas return).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.module = module
+        self._lock = threading.Lock()
         self.devices = list(devices)
         if len(self.devices) > 1:
             _check_initialized(module)
@@ -125,6 +132,10 @@ class ReplicaCache:
 
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas (see the class guarantees)."""
+        with self._lock:
+            return self._refresh(n)
+
+    def _refresh(self, n: int) -> list[nn.Module]:
         if n < 1 or n > len(self.devices):
             raise ValueError(f"replicas: expected 1 <= n <= {len(self.devices)}, but got {n}")
         if n == 1:

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include "dpcore/comm.h"
@@ -20,30 +21,16 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
         normalize_device(like[i].device()) == source_, "ReplicaBuffers: expected all tensors on ",
         source_, " (the device of tensor 0), but tensor ", i, " is on ", like[i].device());
   }
+  // Normal tensors (with version counters) even when built in inference mode.
+  c10::InferenceMode normal_mode(false);
   flats_.reserve(targets_.size());
+  anchors_.reserve(targets_.size());
   for (const c10::Device& device : targets_) {
     c10::DeviceGuard guard(device);
     flats_.push_back(at::empty({layout_.numel}, like[0].options().device(device)));
+    anchors_.push_back(layout_.unflatten(flats_.back()));
+    anchor_versions_.emplace_back(layout_.size(), -1);
   }
-}
-
-bool ReplicaBuffers::up_to_date(at::TensorList tensors) const {
-  if (master_ptrs_.size() != tensors.size()) {
-    return false;
-  }
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].data_ptr() != master_ptrs_[i] || tensors[i]._version() != master_versions_[i]) {
-      return false;
-    }
-  }
-  for (size_t d = 0; d < returned_.size(); ++d) {
-    for (size_t i = 0; i < returned_[d].size(); ++i) {
-      if (returned_[d][i]._version() != returned_versions_[d][i]) {
-        return false;
-      }
-    }
-  }
-  return true;
 }
 
 TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
@@ -58,34 +45,56 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
         " on ", tensors[i].device(), ", but the bucket was built for ", layout_.dtype,
         c10::IntArrayRef(layout_.sizes[i]), " on ", source_);
   }
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::InferenceMode normal_mode(false);
   c10::NoGradGuard no_grad;
-  copied_ = !up_to_date(tensors);
-  if (copied_) {
+  // Entry i is stale on every device when its master changed, entry (d, i)
+  // when a copy of it was changed in place.
+  const size_t n = tensors.size();
+  const bool first = master_ptrs_.size() != n;
+  std::vector<char> master_changed(n, 0);
+  bool any = first;
+  for (size_t i = 0; i < n; ++i) {
+    master_changed[i] =
+        first || tensors[i].data_ptr() != master_ptrs_[i] || tensors[i]._version() != master_versions_[i];
+    any = any || master_changed[i];
+  }
+  for (size_t d = 0; d < anchors_.size() && !any; ++d) {
+    for (size_t i = 0; i < n && !any; ++i) {
+      any = anchors_[d][i]._version() != anchor_versions_[d][i];
+    }
+  }
+  copied_.store(any);
+  if (any) {
     broadcast_flat_into(tensors, layout_, flats_);
-    for (auto& views : returned_) {
-      for (auto& view : views) {
-        view.unsafeGetTensorImpl()->bump_version();
+    // Only entries whose bytes changed are marked: the copy rewrote the
+    // others with the bytes they held.
+    for (size_t d = 0; d < anchors_.size(); ++d) {
+      for (size_t i = 0; i < n; ++i) {
+        at::Tensor& anchor = anchors_[d][i];
+        if (master_changed[i] || anchor._version() != anchor_versions_[d][i]) {
+          anchor.unsafeGetTensorImpl()->bump_version();
+        }
+        anchor_versions_[d][i] = anchor._version();
       }
     }
-    master_ptrs_.clear();
-    master_versions_.clear();
-    for (const at::Tensor& t : tensors) {
-      master_ptrs_.push_back(t.data_ptr());
-      master_versions_.push_back(t._version());
+    master_ptrs_.resize(n);
+    master_versions_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      master_ptrs_[i] = tensors[i].data_ptr();
+      master_versions_[i] = tensors[i]._version();
     }
   }
-  returned_.clear();
-  returned_versions_.clear();
-  for (const at::Tensor& flat : flats_) {
-    returned_.push_back(layout_.unflatten(flat));
-    std::vector<int64_t> versions;
-    versions.reserve(returned_.back().size());
-    for (const at::Tensor& view : returned_.back()) {
-      versions.push_back(view._version());
+  TensorList2D result;
+  result.reserve(flats_.size());
+  for (size_t d = 0; d < flats_.size(); ++d) {
+    result.push_back(layout_.unflatten(flats_[d]));
+    for (size_t i = 0; i < n; ++i) {
+      result.back()[i].unsafeGetTensorImpl()->set_version_counter(
+          anchors_[d][i].unsafeGetTensorImpl()->version_counter());
     }
-    returned_versions_.push_back(std::move(versions));
   }
-  return returned_;
+  return result;
 }
 
 } // namespace dpcore

@@ -5,7 +5,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "dpcore/flatten.h"
@@ -21,29 +23,36 @@ class ReplicaBuffers {
 
   // Brings every target's buffer up to date with `tensors` (shapes and dtype
   // as at construction) and returns result[d][i], tensors[i] on targets[d]:
-  // fresh tensors (own version counters, no autograd history) viewing the
-  // persistent buffers. The copy is skipped when no master tensor changed
-  // (same storage, same version) and no previously returned copy was changed
-  // in place since. When a copy overwrites the buffers, the tensors returned
-  // before are marked modified (version bumped), so that autograd refuses a
-  // stale graph that saved them rather than silently reading new values.
+  // fresh tensors (no autograd history) viewing the persistent buffers. All
+  // copies of entry (d, i) ever returned share one version counter (and only
+  // they: entries are independent, so an in-place update of one buffer never
+  // invalidates another). The copy is skipped when no master tensor changed
+  // (same storage, same version) and no returned copy was changed in place
+  // since. When a copy changes the bytes of an entry, that entry's version is
+  // bumped, so that autograd refuses every graph that saved one of its copies
+  // before (of any earlier call) rather than silently reading new values.
+  //
+  // Safe to call from several threads at once: calls are serialized, and one
+  // call's result is never mixed with another's. Runs outside inference mode
+  // whatever the caller's mode (the copies must have version counters).
   TensorList2D refresh(at::TensorList tensors);
 
   // Whether the last refresh copied (false: it found nothing changed).
-  bool last_refresh_copied() const { return copied_; }
+  bool last_refresh_copied() const { return copied_.load(); }
 
  private:
-  bool up_to_date(at::TensorList tensors) const;
-
   FlatLayout layout_;
   c10::Device source_;
   std::vector<c10::Device> targets_;
   std::vector<at::Tensor> flats_;
+  // anchors_[d][i]: the tensor whose version counter every returned copy of
+  // entry (d, i) shares; anchor_versions_: its version after the last refresh.
+  TensorList2D anchors_;
+  std::vector<std::vector<int64_t>> anchor_versions_;
   std::vector<const void*> master_ptrs_;
   std::vector<int64_t> master_versions_;
-  TensorList2D returned_;
-  std::vector<std::vector<int64_t>> returned_versions_;
-  bool copied_ = false;
+  std::atomic<bool> copied_{false};
+  std::mutex mutex_;  // held by refresh
 };
 
 } // namespace dpcore

@@ -6,22 +6,26 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
+
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace dpcore {
-namespace {
-
-std::atomic<size_t> g_threads{0};
+namespace detail {
 
 // What every task of one run inherits from the caller.
 struct CallerState {
@@ -35,9 +39,45 @@ struct CallerState {
   int intra_op_threads = 0;
 };
 
+// How far a run has got. Separate from the run so that the workers can let
+// go of the run (and of what its tasks own) before it counts as done: then
+// the handles' owner, not a worker thread, frees it (unless it was abandoned).
+struct Completion {
+  std::mutex mutex;
+  std::condition_variable finished;
+  size_t remaining = 0;  // lanes still holding the run
+  bool done = false;     // every lane let go and the pool is back in service
+};
+
+// One submitted run, shared by its TaskRun handles and the workers running
+// it. Worker `lane` runs tasks lane, lane + lanes, ...
+struct Run {
+  std::vector<Task> tasks;
+  CallerState state;
+  size_t lanes = 0;
+  std::atomic<bool> cancelled{false};
+  std::mutex mutex;
+  std::vector<std::exception_ptr> errors;  // under `mutex`
+  std::shared_ptr<Completion> completion = std::make_shared<Completion>();
+};
+
+} // namespace detail
+
+namespace {
+
+using detail::CallerState;
+using detail::Completion;
+using detail::Run;
+
+std::atomic<size_t> g_threads{0};
+std::atomic<size_t> g_pools{0};
+
+class WorkerPool;
+void release_pool(WorkerPool* pool);
+
 class WorkerPool {
  public:
-  WorkerPool() = default;
+  WorkerPool() { g_pools.fetch_add(1); }
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
@@ -52,63 +92,32 @@ class WorkerPool {
     }
   }
 
-  std::vector<std::exception_ptr> run(const std::vector<Task>& tasks) {
-    std::vector<std::exception_ptr> errors(tasks.size());
-    if (tasks.empty()) {
-      return errors;
-    }
-    CallerState state;
-    // On the CPU, replicas share the caller's intra-op thread budget: at most
-    // that many run at once (more would only contend for cores and the GIL),
-    // each with its share of intra-op threads. Accelerator tasks all run at once.
-    const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
-    size_t lanes = tasks.size();
-    if (all_cpu) {
-      const int budget = std::max(1, at::get_num_threads());
-      lanes = std::min(tasks.size(), static_cast<size_t>(budget));
-      state.intra_op_threads = std::max(1, budget / static_cast<int>(lanes));
-    }
-    state.streams.reserve(tasks.size());
-    for (const Task& task : tasks) {
-      if (task.device.is_cpu()) {
-        state.streams.emplace_back(std::nullopt);
-      } else {
-        state.streams.emplace_back(c10::impl::getDeviceGuardImpl(task.device.type())->getStream(task.device));
-      }
-    }
-    // Only run() changes generation_, and one call uses a pool at a time, so
-    // reading it here is race-free; a new worker starts as having seen it.
-    while (threads_.size() < lanes) {
+  // Hands `run` to this pool's workers (the caller holds the pool's lease,
+  // which the run's last lane gives back).
+  void start(std::shared_ptr<Run> run) {
+    // Only start() changes generation_, and one run leases a pool at a time,
+    // so reading it here is race-free; a new worker starts as having seen it.
+    while (threads_.size() < run->lanes) {
       const size_t index = threads_.size();
       const uint64_t start = generation_;
       threads_.emplace_back([this, index, start] { loop(index, start); });
       g_threads.fetch_add(1);
     }
-    std::unique_lock<std::mutex> lock(mutex_);
-    tasks_ = &tasks;
-    lanes_ = lanes;
-    errors_ = &errors;
-    state_ = &state;
-    remaining_ = lanes;
-    ++generation_;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      run_ = std::move(run);
+      ++generation_;
+    }
     work_ready_.notify_all();
-    all_done_.wait(lock, [this] { return remaining_ == 0; });
-    tasks_ = nullptr;
-    errors_ = nullptr;
-    state_ = nullptr;
-    return errors;
   }
 
  private:
-  // Worker `index`: in every generation with more than `index` lanes, runs
-  // tasks index, index + lanes, ... A worker without work in a generation
-  // touches only lanes_, which stays valid after run() returns (tasks_ does
-  // not).
+  // Worker `index`: in every generation whose run has more than `index`
+  // lanes, works its lane of that run. A worker without work in a generation
+  // (or waking after the run finished) touches only run_, under the mutex.
   void loop(size_t index, uint64_t seen) {
     for (;;) {
-      const std::vector<Task>* tasks = nullptr;
-      const CallerState* state = nullptr;
-      size_t lanes = 0;
+      std::shared_ptr<Run> run;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         work_ready_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -116,27 +125,61 @@ class WorkerPool {
           return;
         }
         seen = generation_;
-        if (index >= lanes_) {
+        // A lane of a run always sees its run here: the next generation
+        // cannot start before every lane of this one has finished.
+        if (!run_ || index >= run_->lanes) {
           continue;
         }
-        tasks = tasks_;
-        state = state_;
-        lanes = lanes_;
+        run = run_;
       }
-      std::vector<std::pair<size_t, std::exception_ptr>> failures;
-      for (size_t i = index; i < tasks->size(); i += lanes) {
-        if (auto error = run_one((*tasks)[i], *state, i)) {
-          failures.emplace_back(i, std::move(error));
-        }
+      work_lane(std::move(run), index);
+    }
+  }
+
+  // Runs lane `lane` of `run`, lets go of the run, and, as its last lane,
+  // puts this pool back into service and marks the run done.
+  void work_lane(std::shared_ptr<Run> run, size_t lane) {
+    std::vector<std::pair<size_t, std::exception_ptr>> failures;
+    for (size_t i = lane; i < run->tasks.size(); i += run->lanes) {
+      if (run->cancelled.load()) {
+        failures.emplace_back(
+            i, std::make_exception_ptr(TaskCancelled(
+                   "task " + std::to_string(i) + " was skipped: its run was cancelled before it started")));
+        continue;
       }
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (auto& [i, error] : failures) {
-        (*errors_)[i] = std::move(error);
-      }
-      if (--remaining_ == 0) {
-        all_done_.notify_all();
+      if (auto error = run_one(run->tasks[i], run->state, i)) {
+        failures.emplace_back(i, std::move(error));
       }
     }
+    {
+      std::lock_guard<std::mutex> lock(run->mutex);
+      for (auto& [i, error] : failures) {
+        run->errors[i] = std::move(error);
+      }
+    }
+    const std::shared_ptr<Completion> completion = run->completion;
+    run.reset();  // freed here only if every handle is gone (abandoned)
+    {
+      std::lock_guard<std::mutex> lock(completion->mutex);
+      if (--completion->remaining != 0) {
+        return;
+      }
+    }
+    // The last lane: the pool lets go of the run, and goes back into service
+    // before the run counts as done, so that a caller woken by it finds this
+    // pool idle (no new pool, no new threads).
+    std::shared_ptr<Run> last;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      last = std::move(run_);
+    }
+    last.reset();
+    release_pool(this);
+    {
+      std::lock_guard<std::mutex> lock(completion->mutex);
+      completion->done = true;
+    }
+    completion->finished.notify_all();
   }
 
   // Runs one task under the caller's state; returns its exception, if any.
@@ -162,6 +205,10 @@ class WorkerPool {
         throw;
       }
       at::autocast::set_autocast_cache_enabled(cache);
+#if defined(__GLIBCXX__)
+    } catch (const abi::__forced_unwind&) {
+      throw;  // the thread is being ended (pthread_exit): never swallow that
+#endif
     } catch (...) {
       return std::current_exception();
     }
@@ -170,18 +217,13 @@ class WorkerPool {
 
   std::mutex mutex_;
   std::condition_variable work_ready_;
-  std::condition_variable all_done_;
   std::vector<std::thread> threads_;
-  const std::vector<Task>* tasks_ = nullptr;
-  std::vector<std::exception_ptr>* errors_ = nullptr;
-  const CallerState* state_ = nullptr;
-  size_t lanes_ = 0;
-  size_t remaining_ = 0;
+  std::shared_ptr<Run> run_;  // the run of the current generation, until it finishes
   uint64_t generation_ = 0;
   bool stop_ = false;
 };
 
-// Every pool ever made, and those not in use by a call.
+// Every pool ever made, and those not leased by a run.
 class PoolRegistry {
  public:
   WorkerPool* acquire() {
@@ -201,9 +243,11 @@ class PoolRegistry {
   }
 
  private:
+  // Destroyed in reverse order: pools_ first (joining their threads, whose
+  // last run may still hand its pool back), then idle_ and the mutex.
   std::mutex mutex_;
-  std::vector<std::unique_ptr<WorkerPool>> pools_;
   std::vector<WorkerPool*> idle_;
+  std::vector<std::unique_ptr<WorkerPool>> pools_;
 };
 
 PoolRegistry& registry() {
@@ -211,28 +255,119 @@ PoolRegistry& registry() {
   return instance;
 }
 
-// Holds a pool for the duration of one call.
-class PoolLease {
- public:
-  PoolLease() : pool_(registry().acquire()) {}
-  ~PoolLease() { registry().release(pool_); }
-  PoolLease(const PoolLease&) = delete;
-  PoolLease& operator=(const PoolLease&) = delete;
-  WorkerPool& operator*() const { return *pool_; }
+void release_pool(WorkerPool* pool) {
+  registry().release(pool);
+}
 
- private:
-  WorkerPool* pool_;
-};
+// The caller's state for `run`, and how many lanes it gets.
+void prepare(Run& run) {
+  const std::vector<Task>& tasks = run.tasks;
+  CallerState& state = run.state;
+  // On the CPU, replicas share the caller's intra-op thread budget: at most
+  // that many run at once (more would only contend for cores and the GIL),
+  // each with its share of intra-op threads. Accelerator tasks all run at once.
+  const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
+  run.lanes = tasks.size();
+  if (all_cpu) {
+    const int budget = std::max(1, at::get_num_threads());
+    run.lanes = std::min(tasks.size(), static_cast<size_t>(budget));
+    state.intra_op_threads = std::max(1, budget / static_cast<int>(run.lanes));
+  }
+  state.streams.reserve(tasks.size());
+  for (const Task& task : tasks) {
+    if (task.device.is_cpu()) {
+      state.streams.emplace_back(std::nullopt);
+    } else {
+      state.streams.emplace_back(c10::impl::getDeviceGuardImpl(task.device.type())->getStream(task.device));
+    }
+  }
+  run.errors.resize(tasks.size());
+  run.completion->remaining = run.lanes;
+}
 
 } // namespace
 
+TaskRun submit_tasks(std::vector<Task> tasks) {
+  auto run = std::make_shared<Run>();  // captures the caller's thread-local state
+  run->tasks = std::move(tasks);
+  if (run->tasks.empty()) {
+    run->completion->done = true;
+    return TaskRun(std::move(run));
+  }
+  prepare(*run);
+  WorkerPool* pool = registry().acquire();
+  try {
+    pool->start(run);
+  } catch (...) {
+    // No worker got the run (a thread could not be created): the pool is
+    // still idle.
+    release_pool(pool);
+    throw;
+  }
+  return TaskRun(std::move(run));
+}
+
+bool TaskRun::wait_for(std::chrono::nanoseconds timeout) const {
+  detail::Completion& c = *run_->completion;
+  std::unique_lock<std::mutex> lock(c.mutex);
+  return c.finished.wait_for(lock, timeout, [&c] { return c.done; });
+}
+
+const std::vector<std::exception_ptr>& TaskRun::wait() const {
+  {
+    detail::Completion& c = *run_->completion;
+    std::unique_lock<std::mutex> lock(c.mutex);
+    c.finished.wait(lock, [&c] { return c.done; });
+  }
+  return errors();
+}
+
+bool TaskRun::done() const {
+  detail::Completion& c = *run_->completion;
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.done;
+}
+
+void TaskRun::cancel() const {
+  run_->cancelled.store(true);
+}
+
+bool TaskRun::cancelled() const {
+  return run_->cancelled.load();
+}
+
+const std::vector<std::exception_ptr>& TaskRun::errors() const {
+  size_t remaining = 0;
+  {
+    detail::Completion& c = *run_->completion;
+    std::lock_guard<std::mutex> lock(c.mutex);
+    remaining = c.done ? 0 : std::max<size_t>(c.remaining, 1);
+  }
+  TORCH_CHECK(
+      remaining == 0, "TaskRun::errors: expected a finished run, but ", remaining, " of its ", run_->lanes,
+      " lanes are still working (wait first)");
+  // No worker writes the errors any more.
+  return run_->errors;
+}
+
 std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks) {
-  PoolLease pool;
-  return (*pool).run(tasks);
+  // The caller's tasks outlive the run (this call blocks until it is done),
+  // so the run holds references to them rather than copies of what they
+  // capture.
+  std::vector<Task> refs;
+  refs.reserve(tasks.size());
+  for (const Task& task : tasks) {
+    refs.push_back(Task{task.device, [&fn = task.fn] { fn(); }});
+  }
+  return submit_tasks(std::move(refs)).wait();
 }
 
 size_t worker_thread_count() {
   return g_threads.load();
+}
+
+size_t worker_pool_count() {
+  return g_pools.load();
 }
 
 } // namespace dpcore

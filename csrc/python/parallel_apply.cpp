@@ -1,9 +1,17 @@
 // parallel_apply over Python callables on dpcore's persistent worker pool.
-// GIL handling lives here: the caller releases the GIL while it waits, and
-// each worker takes it only to call into Python.
+// GIL handling lives here: the caller releases the GIL while it waits (taking
+// it back every kSignalPoll so that Ctrl-C reaches it), and each worker takes
+// it only to call into Python.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <chrono>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dpcore/worker_pool.h"
@@ -34,7 +42,175 @@ std::string replica_note(size_t index, const c10::Device& device) {
   }
 }
 
-py::list parallel_apply(
+// How often a caller waiting for its replicas takes the GIL to let Python
+// run signal handlers (which run only on the main thread, holding the GIL):
+// a Ctrl-C reaches the caller within about this long.
+constexpr std::chrono::milliseconds kSignalPoll{50};
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+  return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
+// The Python objects of one call, shared by the caller and the tasks: a call
+// abandoned by a signal outlives its caller's frame. The workers let go of a
+// run before it counts as done, and an unfinished run whose handle is
+// dropped is kept in AbandonedRuns, so these are freed by a Python thread;
+// should a worker free them after all, it takes the GIL (and once the
+// interpreter is shutting down, they are left to the process).
+struct ApplyCall {
+  std::vector<py::object> fns, positional, named, results;
+
+  ApplyCall() = default;
+  ApplyCall(const ApplyCall&) = delete;
+  ApplyCall& operator=(const ApplyCall&) = delete;
+
+  ~ApplyCall() {
+    std::vector<py::object>* all[] = {&fns, &positional, &named, &results};
+    if (interpreter_finalizing()) {
+      for (auto* objects : all) {
+        for (py::object& o : *objects) {
+          o.release();
+        }
+      }
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    for (auto* objects : all) {
+      objects->clear();
+    }
+  }
+};
+
+// Runs left while still going (a signal interrupted the wait, or the handle
+// was dropped): kept until they are done, so that a Python thread frees
+// them, and waited for at interpreter exit, so that no worker is left
+// running Python code while it shuts down.
+class AbandonedRuns {
+ public:
+  // Keeps `run`, and lets go of those done since (freed after the lock is
+  // released: freeing Python objects can run any Python code).
+  void add(const TaskRun& run) {
+    std::vector<TaskRun> finished;
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto split = std::stable_partition(runs_.begin(), runs_.end(), [](const TaskRun& r) { return !r.done(); });
+    finished.assign(std::make_move_iterator(split), std::make_move_iterator(runs_.end()));
+    runs_.erase(split, runs_.end());
+    runs_.push_back(run);
+  }
+
+  std::vector<TaskRun> take() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(runs_, {});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<TaskRun> runs_;
+};
+
+AbandonedRuns& abandoned_runs() {
+  static AbandonedRuns instance;
+  return instance;
+}
+
+// Waits for `run` with the GIL released, at most `timeout_s` seconds (None:
+// until it is done), taking the GIL every kSignalPoll to run Python's signal
+// handlers. When a handler raises (KeyboardInterrupt on Ctrl-C), the run is
+// cancelled (its tasks not yet started are skipped), left to finish in the
+// background (see AbandonedRuns) and the handler's exception is raised.
+// Returns whether the run is done.
+bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s) {
+  using Clock = std::chrono::steady_clock;
+  const bool bounded = timeout_s.has_value();
+  const Clock::time_point deadline = bounded
+      ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, *timeout_s)))
+      : Clock::time_point::max();
+  for (;;) {
+    std::chrono::nanoseconds step = kSignalPoll;
+    if (bounded) {
+      step = std::clamp<std::chrono::nanoseconds>(deadline - Clock::now(), std::chrono::nanoseconds(0), step);
+    }
+    bool done = false;
+    {
+      py::gil_scoped_release no_gil;
+      done = run.wait_for(step);
+    }
+    if (done) {
+      return true;
+    }
+    if (PyErr_CheckSignals() != 0) {
+      run.cancel();
+      abandoned_runs().add(run);
+      throw py::error_already_set();
+    }
+    if (bounded && Clock::now() >= deadline) {
+      return false;
+    }
+  }
+}
+
+// At interpreter exit: cancels the abandoned runs and waits for their
+// running tasks (a second signal stops the wait).
+void join_abandoned_runs() {
+  std::vector<TaskRun> runs = abandoned_runs().take();
+  for (const TaskRun& run : runs) {
+    run.cancel();
+  }
+  for (const TaskRun& run : runs) {
+    wait_interruptibly(run, std::nullopt);
+  }
+}
+
+// One parallel_apply call in flight (Python: dpcore._C.ParallelRun).
+class ParallelRun {
+ public:
+  ParallelRun(std::shared_ptr<ApplyCall> call, TaskRun run, std::vector<c10::Device> devices)
+      : call_(std::move(call)), run_(std::move(run)), devices_(std::move(devices)) {}
+  ParallelRun(const ParallelRun&) = delete;
+  ParallelRun& operator=(const ParallelRun&) = delete;
+
+  // Freed by Python (GIL held): an unfinished run is kept until it is done.
+  ~ParallelRun() {
+    if (!run_.done()) {
+      abandoned_runs().add(run_);
+    }
+  }
+
+  // The results in order, once every call has returned; or the error of the
+  // lowest failing index. Interruptible (see wait_interruptibly).
+  py::list result() const {
+    wait_interruptibly(run_, std::nullopt);
+    const std::vector<std::exception_ptr>& errors = run_.errors();
+    for (size_t i = 0; i < errors.size(); ++i) {
+      if (errors[i]) {
+        raise_task_error(errors[i], i, devices_[i]);
+      }
+    }
+    py::list out(call_->results.size());
+    for (size_t i = 0; i < call_->results.size(); ++i) {
+      out[i] = call_->results[i];
+    }
+    return out;
+  }
+
+  // Waits until every call has returned or been skipped, at most `timeout`
+  // seconds (None: no limit); their errors are not raised. Interruptible.
+  bool join(std::optional<double> timeout) const { return wait_interruptibly(run_, timeout); }
+
+  void cancel() const { run_.cancel(); }
+  bool done() const { return run_.done(); }
+
+ private:
+  std::shared_ptr<ApplyCall> call_;
+  TaskRun run_;
+  std::vector<c10::Device> devices_;
+};
+
+std::unique_ptr<ParallelRun> start_parallel_apply(
     const py::sequence& callables,
     const py::sequence& args,
     const py::sequence& kwargs,
@@ -49,35 +225,37 @@ py::list parallel_apply(
   TORCH_CHECK_VALUE(
       devices.size() == n, "parallel_apply: expected one device per callable (", n, "), but got ",
       devices.size());
-  std::vector<py::object> fns(n), positional(n), named(n), results(n);
+  auto call = std::make_shared<ApplyCall>();
+  call->fns.resize(n);
+  call->positional.resize(n);
+  call->named.resize(n);
+  call->results.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    fns[i] = callables[i];
-    positional[i] = py::tuple(args[i]);
-    named[i] = py::dict(kwargs[i]);
+    call->fns[i] = callables[i];
+    call->positional[i] = py::tuple(args[i]);
+    call->named[i] = py::dict(kwargs[i]);
   }
   std::vector<Task> tasks;
   tasks.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    tasks.push_back(Task{devices[i], [&, i] {
+    tasks.push_back(Task{devices[i], [call, i] {
                            py::gil_scoped_acquire gil;
-                           results[i] = fns[i](*positional[i], **named[i]);
+                           call->results[i] = call->fns[i](*call->positional[i], **call->named[i]);
                          }});
   }
-  std::vector<std::exception_ptr> errors;
-  {
-    py::gil_scoped_release no_gil;
-    errors = run_tasks(tasks);
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (errors[i]) {
-      raise_task_error(errors[i], i, devices[i]);
-    }
-  }
-  py::list out(n);
-  for (size_t i = 0; i < n; ++i) {
-    out[i] = std::move(results[i]);
-  }
-  return out;
+  TaskRun run = [&] {
+    py::gil_scoped_release no_gil;  // the tasks' state is captured here; they may start at once
+    return submit_tasks(std::move(tasks));
+  }();
+  return std::make_unique<ParallelRun>(std::move(call), std::move(run), devices);
+}
+
+py::list parallel_apply(
+    const py::sequence& callables,
+    const py::sequence& args,
+    const py::sequence& kwargs,
+    const std::vector<c10::Device>& devices) {
+  return start_parallel_apply(callables, args, kwargs, devices)->result();
 }
 
 } // namespace
@@ -88,8 +266,29 @@ void bind_parallel_apply(py::module_& m) {
       py::arg("devices"),
       "Calls callables[i](*args[i], **kwargs[i]) on persistent worker threads, "
       "one per call, under the caller's thread-local state and a device/stream guard for "
-      "devices[i]; returns the results in order, or raises the first failure by index.");
+      "devices[i]; returns the results in order, or raises the first failure by index. "
+      "start_parallel_apply(...).result().");
+  py::class_<ParallelRun>(m, "ParallelRun")
+      .def(
+          "result", &ParallelRun::result,
+          "Waits for every call (Python signal handlers keep running: an exception they raise, "
+          "such as KeyboardInterrupt, cancels the calls not yet started and is raised at once, the "
+          "running ones finish in the background); returns the results in order, or raises the "
+          "error of the lowest failing index.")
+      .def(
+          "join", &ParallelRun::join, py::arg("timeout") = py::none(),
+          "Waits until every call has returned or been skipped (at most `timeout` seconds), "
+          "without raising their errors; returns whether they have. Interruptible as result().")
+      .def("cancel", &ParallelRun::cancel, "Calls not yet started will be skipped.")
+      .def_property_readonly("done", &ParallelRun::done);
+  m.def(
+      "start_parallel_apply", &start_parallel_apply, py::arg("callables"), py::arg("args"),
+      py::arg("kwargs"), py::arg("devices"),
+      "Starts parallel_apply's calls and returns a ParallelRun at once.");
   m.def("worker_thread_count", &worker_thread_count);
+  m.def("worker_pool_count", &worker_pool_count);
+  // No worker may be left running Python code while the interpreter shuts down.
+  py::module_::import("atexit").attr("register")(py::cpp_function(&join_abandoned_runs));
 }
 
 } // namespace python

@@ -414,6 +414,11 @@ void bind_replica_sync(py::module_& m) {
   py::class_<ReplicaBuffers, std::shared_ptr<ReplicaBuffers>>(
       m, "ReplicaBuffers", "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
       .def(
+          py::init([](const std::vector<at::Tensor>& like, const std::vector<c10::Device>& targets) {
+            return std::make_shared<ReplicaBuffers>(like, targets);
+          }),
+          py::arg("like"), py::arg("targets"))
+      .def(
           "refresh",
           [](ReplicaBuffers& self, const std::vector<at::Tensor>& tensors) {
             std::vector<at::Tensor> flat;

@@ -267,23 +267,24 @@ def threads_replica_cache(threads: int = 6, calls: int = 100) -> str:
 
 
 def threads_bucket_refresh(threads: int = 6, calls: int = 300) -> str:
-    """BucketReplicas.refresh (C++, GIL released) from several threads while
+    """ReplicaBuffers.refresh (C++, GIL released) from several threads while
     the master tensors' versions change (every call of thread 0 bumps one,
     forcing a copy): each result equals the master, and copies of earlier
     calls are marked modified whenever a refresh wrote their entry."""
     torch.manual_seed(0)
     masters = [torch.randn(n, dtype=F64) for n in (5, 7, 3)]
     values = [m.clone() for m in masters]
-    bucket = _C.BucketReplicas(masters, [torch.device("cpu")] * 3)
-    copies = [t for group in bucket.refresh(masters) for t in group]
+    bucket = _C.ReplicaBuffers(masters, [torch.device("cpu")] * 3)
+    copies = bucket.refresh(masters)  # device-major: tensor j on device d at d * 3 + j
     first_versions = [c._version for c in copies]
 
     def body(t: int) -> None:
         for i in range(calls):
             if t == 0:
                 masters[i % 3].add_(0.0)  # same values, new version: the next refresh copies
-            result = bucket.refresh(masters)
-            assert len(result) == 3 and all(len(g) == 3 for g in result)
+            flat = bucket.refresh(masters)
+            assert len(flat) == 9
+            result = [flat[d * 3 : d * 3 + 3] for d in range(3)]
             for d, group in enumerate(result):
                 for j, (a, e) in enumerate(zip(group, values)):
                     _close(a, e, f"thread {t} call {i} device {d} tensor {j}")

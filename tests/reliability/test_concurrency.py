@@ -113,12 +113,12 @@ def test_unchanged_entries_stay_valid_when_a_bucket_is_recopied() -> None:
     # entry: a graph that saved another entry of the same bucket still works.
     p = nn.Parameter(torch.randn(3, dtype=torch.float64))
     q = nn.Parameter(torch.randn(3, dtype=torch.float64))
-    bucket = dpcore._C.BucketReplicas([p, q], [torch.device("cpu")])
-    (p1, q1), = bucket.refresh([p.detach(), q.detach()])
+    bucket = dpcore._C.ReplicaBuffers([p, q], [torch.device("cpu")])
+    p1, q1 = bucket.refresh([p.detach(), q.detach()])
     versions = (p1._version, q1._version)
     with torch.no_grad():
         p.add_(1.0)
-    (p2, q2), = bucket.refresh([p.detach(), q.detach()])
+    p2, q2 = bucket.refresh([p.detach(), q.detach()])
     assert bucket.last_refresh_copied
     assert p1._version > versions[0] and p1._version == p2._version  # one counter per entry
     assert q1._version == versions[1] and q2._version == q1._version

@@ -4,6 +4,7 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import gather as gather_outputs
 from dpcore.scatter_gather import scatter_kwargs
+from dpcore.sync_batchnorm import needs_sync, synchronized_apply
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -63,6 +65,12 @@ class DataParallel(nn.Module):
             a mean-reduced loss, summed for ``reduction="sum"``).
         gather: False returns the per-replica outputs where they were computed.
         bucket_bytes: size of the parameter buckets broadcast to replicas.
+        sync_batchnorm: BatchNorm layers that use batch statistics normalize
+            with those of the whole batch across the replicas of the call
+            (dpcore/sync_batchnorm.py: exact against one device, the running
+            statistics too; a replica that raises or skips a BatchNorm call
+            gives one clear error, never a hang). The modules stay plain
+            BatchNorm; eval mode is unchanged.
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -88,10 +96,14 @@ class DataParallel(nn.Module):
         criterion: Callable[..., Any] | None = None,
         gather: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"sync_batchnorm: expected True or False, but got {sync_batchnorm!r}")
+        self.sync_batchnorm = sync_batchnorm
         self.module = module
         self.dim = dim
         self.chunk_sizes = None if chunk_sizes is None else [int(c) for c in chunk_sizes]
@@ -189,10 +201,13 @@ class DataParallel(nn.Module):
         replicas = self._replicas(max(used) + 1 if used else 1)
         modules = [replicas[i] for i in (used or [0])]
         devices = [self.device_ids[i] for i in (used or [0])]
+        apply: Callable[..., list[Any]] = parallel_apply
+        if self.sync_batchnorm and n > 1 and needs_sync(self.module):
+            apply = functools.partial(synchronized_apply, modules)
         if criterion is not None:
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
-            losses = parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
+            losses = apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
             if total == 0:
                 return losses[0]
             out = self.output_device
@@ -201,7 +216,7 @@ class DataParallel(nn.Module):
         if n == 1:
             outputs = [modules[0](*args[0], **kws[0])]
         else:
-            outputs = parallel_apply(modules, args, kws, devices)
+            outputs = apply(modules, args, kws, devices)
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)

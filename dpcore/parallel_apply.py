@@ -28,6 +28,8 @@ def parallel_apply(
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike | None] | None = None,
+    *,
+    all_at_once: bool = False,
 ) -> list[Any]:
     """Calls ``modules[i](*inputs[i], **kwargs_tup[i])`` for every i at once, on
     persistent worker threads (created once, reused by later calls), and
@@ -45,7 +47,9 @@ def parallel_apply(
     several threads do not deadlock. Accelerator calls all run at once; CPU
     calls run at most ``torch.get_num_threads()`` at a time, sharing those
     intra-op threads (more would only contend for the cores and the GIL), so
-    a call must not wait for another call of the same parallel_apply.
+    a call must not wait for another call of the same parallel_apply, unless
+    ``all_at_once``: then every call runs on a thread of its own, all at once,
+    on the CPU too (synchronized BatchNorm's replicas wait for each other).
     """
     n = len(modules)
     if len(inputs) != n:
@@ -62,4 +66,6 @@ def parallel_apply(
         _module_device(m) if d is None else as_device(d, f"devices[{i}]") for i, (m, d) in enumerate(zip(modules, devices))
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
-    return _C.parallel_apply(list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved)
+    return _C.parallel_apply(
+        list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved, all_at_once=bool(all_at_once)
+    )

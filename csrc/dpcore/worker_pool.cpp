@@ -52,7 +52,7 @@ class WorkerPool {
     }
   }
 
-  std::vector<std::exception_ptr> run(const std::vector<Task>& tasks) {
+  std::vector<std::exception_ptr> run(const std::vector<Task>& tasks, bool all_at_once) {
     std::vector<std::exception_ptr> errors(tasks.size());
     if (tasks.empty()) {
       return errors;
@@ -65,7 +65,7 @@ class WorkerPool {
     size_t lanes = tasks.size();
     if (all_cpu) {
       const int budget = std::max(1, at::get_num_threads());
-      lanes = std::min(tasks.size(), static_cast<size_t>(budget));
+      lanes = all_at_once ? tasks.size() : std::min(tasks.size(), static_cast<size_t>(budget));
       state.intra_op_threads = std::max(1, budget / static_cast<int>(lanes));
     }
     state.streams.reserve(tasks.size());
@@ -226,9 +226,9 @@ class PoolLease {
 
 } // namespace
 
-std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks) {
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks, bool all_at_once) {
   PoolLease pool;
-  return (*pool).run(tasks);
+  return (*pool).run(tasks, all_at_once);
 }
 
 size_t worker_thread_count() {

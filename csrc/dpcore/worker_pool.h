@@ -35,7 +35,11 @@ struct Task {
 // made while every pool is busy (another thread, or a task itself calling
 // run_tasks) takes a new pool, which is kept for later calls: no deadlock,
 // and no thread is created once the process has seen its peak concurrency.
-std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks);
+//
+// `all_at_once`: every task gets a thread of its own and all run at once, on
+// the CPU too (each with its share of the intra-op threads), for tasks that
+// wait for each other (synchronized BatchNorm's rendezvous).
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks, bool all_at_once = false);
 
 // Worker threads created so far, over all pools (for tests and diagnostics).
 size_t worker_thread_count();

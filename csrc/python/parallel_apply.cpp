@@ -38,7 +38,8 @@ py::list parallel_apply(
     const py::sequence& callables,
     const py::sequence& args,
     const py::sequence& kwargs,
-    const std::vector<c10::Device>& devices) {
+    const std::vector<c10::Device>& devices,
+    bool all_at_once) {
   const size_t n = py::len(callables);
   TORCH_CHECK_VALUE(
       py::len(args) == n, "parallel_apply: expected one args tuple per callable (", n, "), but got ",
@@ -66,7 +67,7 @@ py::list parallel_apply(
   std::vector<std::exception_ptr> errors;
   {
     py::gil_scoped_release no_gil;
-    errors = run_tasks(tasks);
+    errors = run_tasks(tasks, all_at_once);
   }
   for (size_t i = 0; i < n; ++i) {
     if (errors[i]) {
@@ -85,10 +86,11 @@ py::list parallel_apply(
 void bind_parallel_apply(py::module_& m) {
   m.def(
       "parallel_apply", &parallel_apply, py::arg("callables"), py::arg("args"), py::arg("kwargs"),
-      py::arg("devices"),
+      py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
       "Calls callables[i](*args[i], **kwargs[i]) on persistent worker threads, "
       "one per call, under the caller's thread-local state and a device/stream guard for "
-      "devices[i]; returns the results in order, or raises the first failure by index.");
+      "devices[i]; returns the results in order, or raises the first failure by index. "
+      "all_at_once: every call on a thread of its own, all at once, on the CPU too.");
   m.def("worker_thread_count", &worker_thread_count);
 }
 

@@ -218,8 +218,7 @@ class _SyncBatchNormMode(TorchFunctionMode):
         key = self._key(weight, running_mean)
         channels = input.shape[1]
         x = input if input.dtype in _FLOAT_STATS else input.float()
-        dims = [0, *range(2, input.dim())]
-        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        mean, var = _LocalStats.apply(x)
         count = input.numel() // channels if channels else 0
         try:
             tensors, counts = self.rendezvous.exchange(self.rank, key, [mean, var], count)
@@ -279,12 +278,96 @@ def _normalize(
     bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias, per channel (dim 1)."""
-    shape = (1, -1) + (1,) * (x.dim() - 2)
-    scale = torch.rsqrt(var + eps)
-    if weight is not None:
-        scale = scale * weight
-    centered = x - mean.view(shape)
-    if bias is None:
-        return centered * scale.view(shape)
-    return torch.addcmul(bias.view(shape), centered, scale.view(shape))
+    """(x - mean) / sqrt(var + eps) * weight + bias, per channel (dim 1),
+    differentiable with respect to x, mean, var, weight and bias."""
+    return _Normalize.apply(x, mean, var, weight, bias, eps)
+
+
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    """(1, C, 1, ...): how a per-channel vector broadcasts against `x`."""
+    return (1, -1) + (1,) * (x.dim() - 2)
+
+
+def _reduce_dims(x: torch.Tensor) -> list[int]:
+    """Every dimension but the channels (dim 1)."""
+    return [0, *range(2, x.dim())]
+
+
+class _LocalStats(torch.autograd.Function):
+    """(mean, biased variance) per channel of one replica's chunk; backward:
+    dx = g_mean / n + 2 g_var (x - mean) / n."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        # Two passes (mean, then squared deviations): as exact as var_mean,
+        # and on the CPU several times faster than its reduction over (0, 2, ...).
+        dims = _reduce_dims(x)
+        n = max(1, x.numel() // max(1, x.shape[1]))
+        mean = x.sum(dims) / n
+        var = (x - mean.view(_channel_shape(x))).square_().sum(dims) / n
+        ctx.save_for_backward(x, mean)
+        return mean, var
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: torch.Tensor | None, g_var: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        x, mean = ctx.saved_tensors
+        n = x.numel() // max(1, x.shape[1])
+        shape = _channel_shape(x)
+        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
+        g_var = torch.zeros_like(mean) if g_var is None else g_var
+        return torch.addcmul((g_mean / n).view(shape), x - mean.view(shape), (g_var * (2.0 / n)).view(shape))
+
+
+class _Normalize(torch.autograd.Function):
+    """BatchNorm's normalization with given statistics. Forward is the
+    native inference kernel; backward is the native BatchNorm backward
+    (inference form: dx = dy w / sqrt(var + eps), dw, db) plus the gradients
+    with respect to the statistics, from the same two sums:
+    d mean = -w invstd sum(dy), d var = -w invstd^2 dw / 2. Under
+    create_graph the same formulas run as plain differentiable operations,
+    so double backward is exact too."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        ctx.eps = eps
+        ctx.has_weight = weight is not None
+        ctx.save_for_backward(x, mean, var, weight)
+        return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, mean, var, weight = ctx.saved_tensors
+        eps = ctx.eps
+        invstd = torch.rsqrt(var + eps)
+        if torch.is_grad_enabled():  # create_graph: differentiable formulas
+            shape = _channel_shape(x)
+            scale = invstd if weight is None else invstd * weight
+            dims = _reduce_dims(x)
+            sum_dy = dy.sum(dims)
+            sum_dy_xmu = (dy * (x - mean.view(shape))).sum(dims)
+            dx = dy * scale.view(shape)
+            dw = sum_dy_xmu * invstd
+        else:
+            w = weight if weight is not None else torch.ones_like(mean)
+            dx, dw, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy, x, w, mean, var, None, None, False, eps, [ctx.needs_input_grad[0], True, True]
+            )
+            scale = invstd * w
+        d_mean = -scale * sum_dy
+        d_var = (-0.5 * invstd) * (dw if weight is None else dw * weight) * invstd
+        return (
+            dx,
+            d_mean,
+            d_var,
+            dw if ctx.has_weight else None,
+            sum_dy if ctx.needs_input_grad[4] else None,
+            None,
+        )

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <atomic>
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "dpcore/rendezvous.h"
+#include "dpcore/worker_pool.h"
 
 namespace {
 
@@ -238,6 +240,28 @@ TEST(Rendezvous, ACompletedRoundStandsWhenItBreaksLater) {
     EXPECT_EQ(errors[1], "");
     EXPECT_EQ(rv.rounds(), 1u);
   }
+}
+
+TEST(Rendezvous, AllAtOnceRunsMoreCpuReplicasThanIntraOpThreadsTogether) {
+  // Without all_at_once, CPU tasks beyond at::get_num_threads() would queue
+  // behind ones that wait for them; here every task must be running at once.
+  const size_t n = 2 * static_cast<size_t>(at::get_num_threads()) + 1;
+  Rendezvous rv(n, 20s);
+  std::vector<dpcore::Task> tasks;
+  for (size_t rank = 0; rank < n; ++rank) {
+    tasks.push_back(dpcore::Task{c10::Device(c10::kCPU), [&rv, rank] {
+                                   for (int round = 0; round < 3; ++round) {
+                                     rv.exchange(rank, "k" + std::to_string(round), of(rank, 1));
+                                   }
+                                   rv.finish(rank);
+                                 }});
+  }
+  const auto errors = dpcore::run_tasks(tasks, /*all_at_once=*/true);
+  for (const auto& e : errors) {
+    EXPECT_FALSE(e);
+  }
+  EXPECT_FALSE(rv.broken()) << rv.reason();
+  EXPECT_EQ(rv.rounds(), 3u);
 }
 
 TEST(Rendezvous, ChecksItsArguments) {

@@ -77,6 +77,7 @@ SyncBatchNormError.__doc__ = (
 )
 
 _FLOAT_STATS = (torch.float32, torch.float64)
+_F_BATCH_NORM = F.batch_norm
 
 
 def needs_sync(module: nn.Module) -> bool:
@@ -173,9 +174,9 @@ class _SyncBatchNormMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if func is F.batch_norm:
+        if func is _F_BATCH_NORM:
             return self._batch_norm(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs) if kwargs else func(*args)
 
     def _key(self, weight: torch.Tensor | None, running_mean: torch.Tensor | None) -> str:
         """'BatchNorm 'layer1.bn' (call 2)': the layer's qualified name in the
@@ -240,17 +241,41 @@ class _SyncBatchNormMode(TorchFunctionMode):
 def _combine(
     tensors: Sequence[Sequence[torch.Tensor]], counts: Sequence[int], total: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global mean and biased variance from each replica's (mean, biased
-    variance, count), differentiable with respect to every replica's tensors."""
-    means = torch.stack([t[0].to(device) for t in tensors])
-    variances = torch.stack([t[1].to(device) for t in tensors])
-    weights = torch.tensor([c / total for c in counts], dtype=means.dtype)
+    """Global mean and biased variance on `device` from each replica's
+    (mean, biased variance) and count, differentiable with respect to every
+    replica's tensors."""
+    weights = torch.tensor([c / total for c in counts], dtype=tensors[0][0].dtype)
     if device.type != "cpu":  # from pinned memory: no wait for the device's queued work
         weights = weights.pin_memory().to(device, non_blocking=True)
-    weights = weights.unsqueeze(1)
-    mean = (weights * means).sum(0)
-    var = (weights * (variances + (means - mean).square())).sum(0)
-    return mean, var
+    flat = [t if t.device == device else t.to(device) for pair in tensors for t in pair]
+    return _Combine.apply(weights, *flat)
+
+
+class _Combine(torch.autograd.Function):
+    """The parallel-variance formula over K replicas, one autograd node:
+    inputs (weights n_i / N, m_0, v_0, m_1, v_1, ...), outputs
+    mean = sum w_i m_i, var = sum w_i (v_i + (m_i - mean)^2). Backward:
+    d m_i = w_i (g_mean + 2 (m_i - mean) g_var), d v_i = w_i g_var (the
+    terms through mean cancel, since sum w_i (m_i - mean) = 0)."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: torch.Tensor, *stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        means = torch.stack(stats[0::2])
+        mean = torch.matmul(weights, means)
+        var = torch.matmul(weights, torch.stack(stats[1::2]) + (means - mean).square_())
+        ctx.save_for_backward(weights, mean, *stats[0::2])
+        return mean, var
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: torch.Tensor, g_var: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        weights, mean, *means = ctx.saved_tensors
+        w = weights.unsqueeze(1)
+        d_means = w * (g_mean + 2.0 * (torch.stack(means) - mean) * g_var)
+        d_vars = w * g_var
+        grads: list[Any] = [None]
+        for i in range(len(means)):
+            grads += [d_means[i], d_vars[i]]
+        return tuple(grads)
 
 
 @torch.no_grad()
@@ -311,11 +336,15 @@ class _LocalStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_mean: torch.Tensor | None, g_var: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         x, mean = ctx.saved_tensors
-        n = x.numel() // max(1, x.shape[1])
-        shape = _channel_shape(x)
-        g_mean = torch.zeros_like(mean) if g_mean is None else g_mean
-        g_var = torch.zeros_like(mean) if g_var is None else g_var
-        return torch.addcmul((g_mean / n).view(shape), x - mean.view(shape), (g_var * (2.0 / n)).view(shape))
+        n = max(1, x.numel() // max(1, x.shape[1]))
+        scale = g_var * (2.0 / n)
+        shift = g_mean / n
+        if torch.is_grad_enabled():  # create_graph: plain differentiable operations
+            shape = _channel_shape(x)
+            return (x - mean.view(shape)) * scale.view(shape) + shift.view(shape)
+        # (x - mean) * scale + shift in one pass: the inference BatchNorm
+        # kernel with unit variance and eps 0 is exactly that affine map.
+        return torch.batch_norm(x, scale, shift, mean, torch.ones_like(mean), False, 0.0, 0.0, False)
 
 
 class _Normalize(torch.autograd.Function):

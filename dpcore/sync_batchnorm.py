@@ -116,7 +116,12 @@ def synchronized_apply(
     lowest replica that raised one of its own, else SyncBatchNormError."""
     rendezvous = _C.Rendezvous(len(calls))
     replicas = [_SyncedReplica(call, module, rank, rendezvous) for rank, (call, module) in enumerate(zip(calls, modules))]
-    results = parallel_apply(replicas, inputs, kwargs_tup, devices, all_at_once=True)
+    try:
+        results = parallel_apply(replicas, inputs, kwargs_tup, devices, all_at_once=True)
+    except BaseException as error:
+        # Replicas still running (a caller interrupted while waiting) must not wait for the others.
+        rendezvous.abort(f"the call was abandoned: {_describe(error)}")
+        raise
     if rendezvous.broken:
         broken = [r.error for r in results if isinstance(r, _Broken)]
         if broken:
@@ -217,6 +222,24 @@ class _SyncBatchNormMode(TorchFunctionMode):
                 f"batch_norm: expected an input of shape (N, C, ...), but got shape {tuple(input.shape)}"
             )
         key = self._key(weight, running_mean)
+        if torch.is_autocast_enabled(input.device.type):  # statistics in full precision
+            with torch.autocast(input.device.type, enabled=False):
+                return self._synchronized(key, input, running_mean, running_var, weight, bias, momentum, eps)
+        return self._synchronized(key, input, running_mean, running_var, weight, bias, momentum, eps)
+
+    def _synchronized(
+        self,
+        key: str,
+        input: torch.Tensor,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        momentum: float,
+        eps: float,
+    ) -> torch.Tensor:
+        """Exchanges this replica's statistics under `key`, updates the running
+        statistics (replica 0) and normalizes with the global statistics."""
         channels = input.shape[1]
         x = input if input.dtype in _FLOAT_STATS else input.float()
         mean, var = _LocalStats.apply(x)
@@ -235,7 +258,7 @@ class _SyncBatchNormMode(TorchFunctionMode):
         mean, var = _combine(tensors, counts, total, x.device)
         if self.rank == 0:
             _update_running_stats(running_mean, running_var, mean, var, total, momentum)
-        return _normalize(x, mean, var, weight, bias, eps).to(input.dtype)
+        return _Normalize.apply(x, mean, var, weight, bias, eps).to(input.dtype)
 
 
 def _combine(
@@ -295,19 +318,6 @@ def _update_running_stats(
         running_var.mul_(1.0 - momentum).add_((var * (total / (total - 1))).to(running_var.dtype), alpha=momentum)
 
 
-def _normalize(
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias, per channel (dim 1),
-    differentiable with respect to x, mean, var, weight and bias."""
-    return _Normalize.apply(x, mean, var, weight, bias, eps)
-
-
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
     """(1, C, 1, ...): how a per-channel vector broadcasts against `x`."""
     return (1, -1) + (1,) * (x.dim() - 2)
@@ -348,7 +358,8 @@ class _LocalStats(torch.autograd.Function):
 
 
 class _Normalize(torch.autograd.Function):
-    """BatchNorm's normalization with given statistics. Forward is the
+    """(x - mean) / sqrt(var + eps) * weight + bias per channel (dim 1),
+    differentiable with respect to x, mean, var, weight and bias. Forward is the
     native inference kernel; backward is the native BatchNorm backward
     (inference form: dx = dy w / sqrt(var + eps), dw, db) plus the gradients
     with respect to the statistics, from the same two sums:

@@ -239,6 +239,25 @@ def test_reduced_precision_input_keeps_its_dtype() -> None:
     torch.testing.assert_close(model.running_mean, reference.running_mean, atol=1e-3, rtol=1e-3)
 
 
+def test_autocast_inference_mode_and_no_grad() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    reference = copy.deepcopy(model)
+    dp = dpcore.DataParallel(model, ["cpu"] * 3, sync_batchnorm=True)
+    x = torch.randn(12, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = dp(x), reference(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var, atol=1e-3, rtol=1e-3)
+    for context in (torch.inference_mode, torch.no_grad):
+        with context():
+            out, expected = dp(x), reference(x)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+        assert model[1].num_batches_tracked.item() == reference[1].num_batches_tracked.item()
+
+
 def test_sync_batchnorm_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="sync_batchnorm: expected True or False, but got 1"):
         dpcore.DataParallel(nn.BatchNorm1d(2), ["cpu"] * 2, sync_batchnorm=1)  # type: ignore[arg-type]

@@ -112,24 +112,18 @@ def run(
         def measure_step(fn: Callable[[], Any]) -> float:
             return measure(fn, devices, warmup=3, repeats=repeats, min_seconds=min_seconds)
 
-        # dpcore and its baseline alternate, so machine noise hits both alike.
-        t_dp, t_split = measure_against(
-            lambda: _train_step(dp, opt, x, y),
-            lambda: _split_step(model, opt, xs, ys),
-            devices,
-            rounds=5,
-            repeats=max(2, repeats // 5),
-        )
+        def alternate(fn: Callable[[], Any], baseline: Callable[[], Any]) -> tuple[float, float]:
+            # fn and its baseline alternate, so machine noise hits both alike.
+            return measure_against(fn, baseline, devices, rounds=5, repeats=max(2, repeats // 5))
+
+        def dp_step() -> None:
+            _train_step(dp, opt, x, y)
+
+        t_dp, t_split = alternate(dp_step, lambda: _split_step(model, opt, xs, ys))
         t_unsynced = None
         if sync_bn:
             unsynced = dpcore.DataParallel(model, device_ids=devices)
-            t_dp, t_unsynced = measure_against(
-                lambda: _train_step(dp, opt, x, y),
-                lambda: _train_step(unsynced, opt, x, y),
-                devices,
-                rounds=5,
-                repeats=max(2, repeats // 5),
-            )
+            t_dp, t_unsynced = alternate(dp_step, lambda: _train_step(unsynced, opt, x, y))
         t_plain = measure_step(lambda: _train_step(model, opt, x, y))
 
         def refresh() -> None:

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,10 +27,12 @@ class RendezvousBroken : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// One participant's share of a round.
+// One participant's share of a round: its tensors, a count, and the stream
+// its tensors were produced on (for readers on other devices to wait for).
 struct Contribution {
   std::vector<at::Tensor> tensors;
   int64_t count = 0;
+  std::optional<c10::Stream> stream;
 };
 
 // Seconds a participant waits for the others at one round, unless the

@@ -1,4 +1,5 @@
-// dpcore._C.Rendezvous (csrc/dpcore/rendezvous.h) and dpcore._C.SyncBatchNormError.
+// dpcore._C.Rendezvous (csrc/dpcore/rendezvous.h), dpcore._C.SyncBatchNormError
+// and dpcore._C.sync_batch_norm (csrc/dpcore/sync_batchnorm.h).
 // The methods that can block release the GIL. The rendezvous never destroys
 // a tensor (which may take the GIL) under its lock, so the properties, which
 // keep the GIL, only ever wait for short critical sections.
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "dpcore/rendezvous.h"
+#include "dpcore/sync_batchnorm.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
@@ -65,6 +67,13 @@ void bind_rendezvous(py::module_& m) {
       .def_property_readonly("participants", &Rendezvous::participants)
       .def_property_readonly(
           "timeout_s", [](const Rendezvous& self) { return static_cast<double>(self.timeout().count()) / 1000.0; });
+  m.def(
+      "sync_batch_norm", &sync_batch_norm, py::arg("rendezvous"), py::arg("rank"), py::arg("key"), py::arg("input"),
+      py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
+      py::arg("update_running_stats"), py::arg("momentum"), py::arg("eps"), NoGil(),
+      "One replica's BatchNorm in training mode with the statistics of every replica's input "
+      "(exchanged once through `rendezvous` under `key`, without the GIL); differentiable. "
+      "See csrc/dpcore/sync_batchnorm.h.");
 }
 
 } // namespace python

@@ -53,6 +53,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,7 +166,9 @@ class _SyncedReplica:
 class _SyncBatchNormMode(TorchFunctionMode):
     """Active on one replica's thread for the duration of its task:
     ``torch.nn.functional.batch_norm`` with batch statistics becomes the
-    synchronized version; every other function runs unchanged."""
+    synchronized version; every other function runs unchanged. Threads that
+    inherit the mode (the worker pool hands function modes on, e.g. to the
+    replicas of a DataParallel nested in this replica) get plain BatchNorm."""
 
     def __init__(self, rendezvous: Any, rank: int, module: nn.Module | None) -> None:
         super().__init__()
@@ -175,11 +178,12 @@ class _SyncBatchNormMode(TorchFunctionMode):
         self.broken: BaseException | None = None  # the rendezvous' error, once raised here
         self._names: dict[int, str] | None = None
         self._calls: dict[str | None, int] = {}
+        self._thread = threading.get_ident()
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if func is _F_BATCH_NORM:
+        if func is _F_BATCH_NORM and threading.get_ident() == self._thread:
             return self._batch_norm(*args, **(kwargs or {}))
         return func(*args, **kwargs) if kwargs else func(*args)
 

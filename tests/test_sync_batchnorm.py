@@ -258,6 +258,18 @@ def test_autocast_inference_mode_and_no_grad() -> None:
         assert model[1].num_batches_tracked.item() == reference[1].num_batches_tracked.item()
 
 
+def test_a_plain_dataparallel_nested_in_a_synchronized_replica() -> None:
+    """The inner DataParallel's replicas inherit the outer replica's function
+    modes (the pool hands them on) but keep plain, per-chunk BatchNorm."""
+    inner_bn = nn.BatchNorm1d(3).to(F64)
+    model = nn.Sequential(nn.BatchNorm1d(3), dpcore.DataParallel(inner_bn, ["cpu"] * 2)).to(F64)
+    outer = dpcore.DataParallel(model, ["cpu"] * 2, sync_batchnorm=True)
+    x = _randn(8, 3, seed=0)
+    first = nn.functional.batch_norm(x, None, None, training=True)  # outer: the whole batch
+    expected = torch.cat([nn.functional.batch_norm(part, None, None, training=True) for part in first.split(2)])
+    _close(outer(x), expected, "output")
+
+
 def test_sync_batchnorm_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="sync_batchnorm: expected True or False, but got 1"):
         dpcore.DataParallel(nn.BatchNorm1d(2), ["cpu"] * 2, sync_batchnorm=1)  # type: ignore[arg-type]

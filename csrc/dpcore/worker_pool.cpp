@@ -60,7 +60,8 @@ class WorkerPool {
     CallerState state;
     // On the CPU, replicas share the caller's intra-op thread budget: at most
     // that many run at once (more would only contend for cores and the GIL),
-    // each with its share of intra-op threads. Accelerator tasks all run at once.
+    // each with its share of intra-op threads. Accelerator tasks all run at
+    // once, and so do CPU tasks with all_at_once (they wait for each other).
     const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
     size_t lanes = tasks.size();
     if (all_cpu) {

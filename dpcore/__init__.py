@@ -17,12 +17,14 @@ from dpcore.info import info  # noqa: E402
 from dpcore.parallel_apply import parallel_apply  # noqa: E402
 from dpcore.replicate import replicate  # noqa: E402
 from dpcore.scatter_gather import Broadcast, gather, scatter  # noqa: E402
+from dpcore.sync_batchnorm import SyncBatchNormError  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Broadcast",
     "DataParallel",
+    "SyncBatchNormError",
     "comm",
     "data_parallel",
     "gather",

@@ -4,6 +4,7 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
+from dpcore.sync_batchnorm import needs_sync, synchronized_apply
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -103,6 +105,12 @@ class DataParallel(nn.Module):
         gather: False returns the per-replica outputs where they were computed.
         bucket_bytes: size of the parameter buckets broadcast to replicas
             (a positive int).
+        sync_batchnorm: BatchNorm layers that use batch statistics normalize
+            with those of the whole batch across the replicas of the call
+            (dpcore/sync_batchnorm.py: exact against one device, the running
+            statistics too; a replica that raises or skips a BatchNorm call
+            gives one clear error, never a hang). The modules stay plain
+            BatchNorm; eval mode is unchanged.
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -151,11 +159,15 @@ class DataParallel(nn.Module):
         criterion: Callable[..., Any] | None = None,
         gather: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__()
         self._calls = _CallGuard()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"sync_batchnorm: expected True or False, but got {sync_batchnorm!r}")
+        self.sync_batchnorm = sync_batchnorm
         self.module = module
         self.dim = dim
         self.chunk_sizes, self.weights = check_split(chunk_sizes, weights)
@@ -240,8 +252,10 @@ class DataParallel(nn.Module):
         with self._calls:
             return self._forward(*inputs, **kwargs)
 
-    def _parallel_apply(self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any) -> list[Any]:
-        run = start_parallel_apply(fns, args, kws, devices)
+    def _parallel_apply(
+        self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any, *, all_at_once: bool = False
+    ) -> list[Any]:
+        run = start_parallel_apply(fns, args, kws, devices, all_at_once=all_at_once)
         try:
             return run.result()
         except BaseException:
@@ -274,10 +288,13 @@ class DataParallel(nn.Module):
         replicas = self._replicas(used[-1] + 1)
         modules = [replicas[i] for i in used]
         devices = [self.device_ids[i] for i in used]
+        apply: Callable[..., list[Any]] = self._parallel_apply
+        if self.sync_batchnorm and n > 1 and needs_sync(self.module):
+            apply = functools.partial(synchronized_apply, modules, run=self._parallel_apply)
         if criterion is not None:
             total = sum(sizes)
             calls = [_with_loss(m, criterion) for m in modules]
-            losses = self._parallel_apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
+            losses = apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
             _check_losses(losses, devices)
             if total == 0:
                 return losses[0]
@@ -287,7 +304,7 @@ class DataParallel(nn.Module):
         if n == 1:
             outputs = [modules[0](*args[0], **kws[0])]
         else:
-            outputs = self._parallel_apply(modules, args, kws, devices)
+            outputs = apply(modules, args, kws, devices)
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)

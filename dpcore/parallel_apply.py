@@ -27,6 +27,8 @@ def parallel_apply(
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike | None] | None = None,
+    *,
+    all_at_once: bool = False,
 ) -> list[Any]:
     """Calls ``modules[i](*inputs[i], **kwargs_tup[i])`` for every i at once, on
     persistent worker threads (created once, reused by later calls), and
@@ -44,7 +46,9 @@ def parallel_apply(
     several threads do not deadlock. Accelerator calls all run at once; CPU
     calls run at most ``torch.get_num_threads()`` at a time, sharing those
     intra-op threads (more would only contend for the cores and the GIL), so
-    a call must not wait for another call of the same parallel_apply.
+    a call must not wait for another call of the same parallel_apply, unless
+    ``all_at_once``: then every call runs on a thread of its own, all at once,
+    on the CPU too (synchronized BatchNorm's replicas wait for each other).
 
     Signals: Python's signal handlers keep running while the caller waits
     (it wakes every 50 ms), so Ctrl-C raises KeyboardInterrupt in the caller
@@ -53,7 +57,7 @@ def parallel_apply(
     threads no other call is given meanwhile (the interpreter waits for them
     at exit). Use :func:`start_parallel_apply` to wait for them.
     """
-    return start_parallel_apply(modules, inputs, kwargs_tup, devices).result()
+    return start_parallel_apply(modules, inputs, kwargs_tup, devices, all_at_once=all_at_once).result()
 
 
 def start_parallel_apply(
@@ -61,6 +65,8 @@ def start_parallel_apply(
     inputs: Sequence[Any],
     kwargs_tup: Sequence[dict[str, Any]] | None = None,
     devices: Sequence[DeviceLike | None] | None = None,
+    *,
+    all_at_once: bool = False,
 ) -> Any:
     """Starts :func:`parallel_apply`'s calls and returns at once a
     ``dpcore._C.ParallelRun``: ``result()`` waits and returns (or raises)
@@ -85,4 +91,6 @@ def start_parallel_apply(
         _module_device(m) if d is None else as_device(d, f"devices[{i}]") for i, (m, d) in enumerate(zip(modules, devices))
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
-    return _C.start_parallel_apply(list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved)
+    return _C.start_parallel_apply(
+        list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved, all_at_once=bool(all_at_once)
+    )

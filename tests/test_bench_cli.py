@@ -46,15 +46,18 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         assert copy["traffic_bytes"] == 2 * size and copy["ratio_to_copy"] == pytest.approx(1.0)
 
     step = json.loads((out / "step.json").read_text())
-    assert step["benchmark"] == "step" and len(step["rows"]) == 2
+    assert step["benchmark"] == "step" and len(step["rows"]) == 3
     assert all(row["dpcore_ms"] > 0 and row["ratio"] > 0 for row in step["rows"])
+    synced = [row for row in step["rows"] if row["sync_ratio"] is not None]
+    assert [row["model"] for row in synced] == ["small CNN + BatchNorm, batch 32, sync"]
+    assert synced[0]["unsynced_ms"] > 0 and synced[0]["sync_ratio"] > 0
     assert result["comm"] == comm and result["step"] == step
 
     png = (out / "comm_bandwidth.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
     printed = capsys.readouterr().out
-    for marker in ("[1/3]", "[2/3]", "[3/3]", "x copy_", "K x 1/K plain ms", "256 KiB", "wrote"):
+    for marker in ("[1/3]", "[2/3]", "[3/3]", "x copy_", "K x 1/K plain ms", "x unsynced", "256 KiB", "wrote"):
         assert marker in printed
 
 

@@ -69,6 +69,51 @@ def test_single_device_and_batch_smaller_than_device_count() -> None:
     )
 
 
+def test_synchronized_batchnorm(capsys: pytest.CaptureFixture[str]) -> None:
+    """--sync-batchnorm: BatchNorm layers in the CNN, synchronized across uneven
+    replicas (batch 7 on 3 devices); the float64 check covers them, running
+    statistics included, and passes."""
+    summary = demo.main(
+        ["--epochs", "1", "--devices", "cpu:3", "--batch-size", "7", "--limit", "200", "--no-progress", "--sync-batchnorm"]
+    )
+    _check_summary(summary, epochs=1, devices=3)
+    assert summary["batchnorm"] == "synchronized"
+    out = capsys.readouterr().out
+    assert "with synchronized BatchNorm" in out and "agreement check passed" in out
+
+
+def test_per_replica_batchnorm_skips_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    summary = demo.main(["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress", "--batchnorm"])
+    assert summary["batchnorm"] == "per-replica"
+    assert summary["agreement"] is None and summary["agreement_check"] is None
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
+    assert "agreement check skipped" in capsys.readouterr().out
+
+
+def test_check_agreement_covers_batchnorm() -> None:
+    """With BatchNorm, the check passes only when it is synchronized: per-replica
+    statistics differ from one device's, and the check sees it."""
+    torch.manual_seed(0)
+    model = demo.digits_cnn(batchnorm=True)
+    assert sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()) == 3
+    x = torch.rand(32, 1, 8, 8)
+    y = torch.randint(0, 10, (32,))
+    order = list(torch.arange(32).split(10))
+    synced = demo.check_agreement(model, [torch.device("cpu")] * 3, x, y, order, lr=0.1, sync_batchnorm=True)
+    assert synced["ok"], synced
+    plain = demo.check_agreement(model, [torch.device("cpu")] * 3, x, y, order, lr=0.1)
+    assert not plain["ok"] and max(plain["max_abs_diff"]) > 1e-6
+
+
+def test_batchnorm_needs_batches_of_two(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--sync-batchnorm", "--batch-size", "1"])
+    assert exc.value.code == 2
+    assert "--batch-size: expected at least 2 with BatchNorm, but got 1" in capsys.readouterr().err
+    last = demo.batches(9, 4, torch.Generator().manual_seed(0), min_last=2)
+    assert [len(b) for b in last] == [4, 4]  # a last batch of one is dropped
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON)
 def test_one_epoch_on_a_repeated_gpu() -> None:
@@ -180,6 +225,6 @@ def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
         demo.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--devices", "--epochs", "--batch-size", "--seed", "--lr"):
+    for option in ("--devices", "--epochs", "--batch-size", "--seed", "--lr", "--batchnorm", "--sync-batchnorm"):
         assert option in out
     assert "--limit" not in out

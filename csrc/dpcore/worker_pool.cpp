@@ -260,17 +260,18 @@ void release_pool(WorkerPool* pool) {
 }
 
 // The caller's state for `run`, and how many lanes it gets.
-void prepare(Run& run) {
+void prepare(Run& run, bool all_at_once) {
   const std::vector<Task>& tasks = run.tasks;
   CallerState& state = run.state;
   // On the CPU, replicas share the caller's intra-op thread budget: at most
   // that many run at once (more would only contend for cores and the GIL),
-  // each with its share of intra-op threads. Accelerator tasks all run at once.
+  // each with its share of intra-op threads. Accelerator tasks all run at
+  // once, and so do CPU tasks with all_at_once (they wait for each other).
   const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
   run.lanes = tasks.size();
   if (all_cpu) {
     const int budget = std::max(1, at::get_num_threads());
-    run.lanes = std::min(tasks.size(), static_cast<size_t>(budget));
+    run.lanes = all_at_once ? tasks.size() : std::min(tasks.size(), static_cast<size_t>(budget));
     state.intra_op_threads = std::max(1, budget / static_cast<int>(run.lanes));
   }
   state.streams.reserve(tasks.size());
@@ -287,14 +288,14 @@ void prepare(Run& run) {
 
 } // namespace
 
-TaskRun submit_tasks(std::vector<Task> tasks) {
+TaskRun submit_tasks(std::vector<Task> tasks, bool all_at_once) {
   auto run = std::make_shared<Run>();  // captures the caller's thread-local state
   run->tasks = std::move(tasks);
   if (run->tasks.empty()) {
     run->completion->done = true;
     return TaskRun(std::move(run));
   }
-  prepare(*run);
+  prepare(*run, all_at_once);
   WorkerPool* pool = registry().acquire();
   try {
     pool->start(run);
@@ -350,7 +351,7 @@ const std::vector<std::exception_ptr>& TaskRun::errors() const {
   return run_->errors;
 }
 
-std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks) {
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks, bool all_at_once) {
   // The caller's tasks outlive the run (this call blocks until it is done),
   // so the run holds references to them rather than copies of what they
   // capture.
@@ -359,7 +360,7 @@ std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks) {
   for (const Task& task : tasks) {
     refs.push_back(Task{task.device, [&fn = task.fn] { fn(); }});
   }
-  return submit_tasks(std::move(refs)).wait();
+  return submit_tasks(std::move(refs), all_at_once).wait();
 }
 
 size_t worker_thread_count() {

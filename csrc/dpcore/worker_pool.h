@@ -63,7 +63,7 @@ class TaskRun {
 
  private:
   explicit TaskRun(std::shared_ptr<detail::Run> run) : run_(std::move(run)) {}
-  friend TaskRun submit_tasks(std::vector<Task> tasks);
+  friend TaskRun submit_tasks(std::vector<Task> tasks, bool all_at_once);
 
   std::shared_ptr<detail::Run> run_;
 };
@@ -84,13 +84,17 @@ class TaskRun {
 // a task itself submitting, an abandoned run still going) takes a new pool,
 // which is kept for later runs: no deadlock, and no thread is created once
 // the process has seen its peak concurrency.
-TaskRun submit_tasks(std::vector<Task> tasks);
+//
+// `all_at_once`: every task gets a thread of its own and all run at once, on
+// the CPU too (each with its share of the intra-op threads), for tasks that
+// wait for each other (synchronized BatchNorm's rendezvous).
+TaskRun submit_tasks(std::vector<Task> tasks, bool all_at_once = false);
 
 // The blocking form: runs `tasks` as submit_tasks does and waits until every
 // task has finished. Returns one std::exception_ptr per task (null where the
 // task succeeded): nothing is rethrown here, so that the caller can choose
 // (the Python layer raises the first by index).
-std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks);
+std::vector<std::exception_ptr> run_tasks(const std::vector<Task>& tasks, bool all_at_once = false);
 
 // Worker threads created so far, over all pools (for tests and diagnostics).
 size_t worker_thread_count();

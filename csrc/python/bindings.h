@@ -8,6 +8,7 @@ namespace python {
 
 void bind_parallel_apply(pybind11::module_& m);
 void bind_replica_sync(pybind11::module_& m);
+void bind_rendezvous(pybind11::module_& m);
 
 } // namespace python
 } // namespace dpcore

@@ -189,4 +189,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);
+  dpcore::python::bind_rendezvous(m);
 }

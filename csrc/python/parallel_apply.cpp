@@ -214,7 +214,8 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
     const py::sequence& callables,
     const py::sequence& args,
     const py::sequence& kwargs,
-    const std::vector<c10::Device>& devices) {
+    const std::vector<c10::Device>& devices,
+    bool all_at_once) {
   const size_t n = py::len(callables);
   TORCH_CHECK_VALUE(
       py::len(args) == n, "parallel_apply: expected one args tuple per callable (", n, "), but got ",
@@ -245,7 +246,7 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
   }
   TaskRun run = [&] {
     py::gil_scoped_release no_gil;  // the tasks' state is captured here; they may start at once
-    return submit_tasks(std::move(tasks));
+    return submit_tasks(std::move(tasks), all_at_once);
   }();
   return std::make_unique<ParallelRun>(std::move(call), std::move(run), devices);
 }
@@ -254,8 +255,9 @@ py::list parallel_apply(
     const py::sequence& callables,
     const py::sequence& args,
     const py::sequence& kwargs,
-    const std::vector<c10::Device>& devices) {
-  return start_parallel_apply(callables, args, kwargs, devices)->result();
+    const std::vector<c10::Device>& devices,
+    bool all_at_once) {
+  return start_parallel_apply(callables, args, kwargs, devices, all_at_once)->result();
 }
 
 } // namespace
@@ -263,11 +265,12 @@ py::list parallel_apply(
 void bind_parallel_apply(py::module_& m) {
   m.def(
       "parallel_apply", &parallel_apply, py::arg("callables"), py::arg("args"), py::arg("kwargs"),
-      py::arg("devices"),
+      py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
       "Calls callables[i](*args[i], **kwargs[i]) on persistent worker threads, "
       "one per call, under the caller's thread-local state and a device/stream guard for "
-      "devices[i]; returns the results in order, or raises the first failure by index. "
-      "start_parallel_apply(...).result().");
+      "devices[i]; returns the results in order, or raises the first failure by index: "
+      "start_parallel_apply(...).result(). all_at_once: every call on a thread of its own, all "
+      "at once, on the CPU too.");
   py::class_<ParallelRun>(m, "ParallelRun")
       .def(
           "result", &ParallelRun::result,
@@ -283,7 +286,7 @@ void bind_parallel_apply(py::module_& m) {
       .def_property_readonly("done", &ParallelRun::done);
   m.def(
       "start_parallel_apply", &start_parallel_apply, py::arg("callables"), py::arg("args"),
-      py::arg("kwargs"), py::arg("devices"),
+      py::arg("kwargs"), py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
       "Starts parallel_apply's calls and returns a ParallelRun at once.");
   m.def("worker_thread_count", &worker_thread_count);
   m.def("worker_pool_count", &worker_pool_count);

@@ -11,6 +11,11 @@ plain full-batch step, the time of replication alone (dpcore's cached
 refresh after a parameter update versus torch.nn.parallel.replicate, which
 runs only on CUDA), and on CUDA torch.nn.DataParallel on the same list.
 
+The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
+``x unsynced`` column is its step time over the same DataParallel step with
+``sync_batchnorm=False`` (per-replica statistics), measured alternately (the
+issue's target: at most 1.3 on CPU lists).
+
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
 """
 
@@ -43,11 +48,21 @@ def small_cnn() -> nn.Module:
     )
 
 
-def _models(quick: bool) -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...], int]]:
-    """(name, factory, input shape without batch, batch size)."""
+def small_cnn_bn() -> nn.Module:
+    """small_cnn with BatchNorm2d in place of GroupNorm."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )
+
+
+def _models(quick: bool) -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]]:
+    """(name, factory, input shape without batch, batch size, sync_batchnorm)."""
     return [
-        ("MLP 50x64, batch 32", mlp, (64,), 32),
-        ("small CNN, batch 32", small_cnn, (3, 32, 32), 32),
+        ("MLP 50x64, batch 32", mlp, (64,), 32, False),
+        ("small CNN, batch 32", small_cnn, (3, 32, 32), 32, False),
+        ("small CNN + BatchNorm, batch 32, sync", small_cnn_bn, (3, 32, 32), 32, True),
     ]
 
 
@@ -84,27 +99,31 @@ def run(
     first = devices[0]
     k = len(devices)
     rows: list[dict[str, Any]] = []
-    for name, factory, shape, batch in _models(quick):
+    for name, factory, shape, batch, sync_bn in _models(quick):
         torch.manual_seed(0)
         model = factory().to(first)
         x = torch.randn(batch, *shape, device=first)
         with torch.no_grad():
             y = torch.randn_like(model(x))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        dp = dpcore.DataParallel(model, device_ids=devices)
+        dp = dpcore.DataParallel(model, device_ids=devices, sync_batchnorm=sync_bn)
         xs, ys = x.chunk(k), y.chunk(k)
 
         def measure_step(fn: Callable[[], Any]) -> float:
             return measure(fn, devices, warmup=3, repeats=repeats, min_seconds=min_seconds)
 
-        # dpcore and its baseline alternate, so machine noise hits both alike.
-        t_dp, t_split = measure_against(
-            lambda: _train_step(dp, opt, x, y),
-            lambda: _split_step(model, opt, xs, ys),
-            devices,
-            rounds=5,
-            repeats=max(2, repeats // 5),
-        )
+        def alternate(fn: Callable[[], Any], baseline: Callable[[], Any]) -> tuple[float, float]:
+            # fn and its baseline alternate, so machine noise hits both alike.
+            return measure_against(fn, baseline, devices, rounds=5, repeats=max(2, repeats // 5))
+
+        def dp_step() -> None:
+            _train_step(dp, opt, x, y)
+
+        t_dp, t_split = alternate(dp_step, lambda: _split_step(model, opt, xs, ys))
+        t_unsynced = None
+        if sync_bn:
+            unsynced = dpcore.DataParallel(model, device_ids=devices)
+            t_dp, t_unsynced = alternate(dp_step, lambda: _train_step(unsynced, opt, x, y))
         t_plain = measure_step(lambda: _train_step(model, opt, x, y))
 
         def refresh() -> None:
@@ -130,6 +149,8 @@ def run(
             "dpcore_ms": t_dp * 1e3,
             "sequential_split_ms": t_split * 1e3,
             "ratio": t_dp / t_split,
+            "unsynced_ms": None if t_unsynced is None else t_unsynced * 1e3,
+            "sync_ratio": None if t_unsynced is None else t_dp / t_unsynced,
             "plain_full_batch_ms": t_plain * 1e3,
             "replicate_ms": t_replicate * 1e3,
             "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
@@ -137,6 +158,8 @@ def run(
             "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
         })
         print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}")
+        if t_unsynced is not None:
+            print(f"  {name}: sync_batchnorm=False {t_unsynced * 1e3:.2f} ms, sync/unsynced {t_dp / t_unsynced:.3f}")
     return {"benchmark": "step", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
 
 
@@ -145,6 +168,8 @@ COLUMNS = [
     ("dpcore_ms", "dpcore ms", ".2f"),
     ("sequential_split_ms", "K x 1/K plain ms", ".2f"),
     ("ratio", "ratio", ".3f"),
+    ("unsynced_ms", "unsynced ms", ".2f"),
+    ("sync_ratio", "x unsynced", ".3f"),
     ("plain_full_batch_ms", "plain ms", ".2f"),
     ("replicate_ms", "replicate ms", ".3f"),
     ("torch_replicate_ms", "torch replicate ms", ".3f"),

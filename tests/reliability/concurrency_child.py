@@ -406,7 +406,8 @@ def interrupt_at_exit() -> str:
     def nap(i: int) -> int:
         time.sleep(1.0)
         done.append(i)
-        print(f"replica {i} finished", flush=True)
+        sys.stdout.write(f"replica {i} finished\n")  # one write: lines from two threads never interleave
+        sys.stdout.flush()
         return i
 
     _interrupt_after(0.2)

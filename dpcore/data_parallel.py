@@ -4,14 +4,16 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
-from dpcore.parallel_apply import parallel_apply
+from dpcore.distributed import GradientSync
+from dpcore.parallel_apply import _module_device, parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import gather as gather_outputs
 from dpcore.scatter_gather import scatter_kwargs
@@ -36,10 +38,14 @@ def _check_device_list(devices: list[torch.device]) -> None:
         raise ValueError(f"device_ids: unsupported device type {kind!r}; expected 'cuda' or 'cpu'")
 
 
+def _summed(criterion: Callable[..., Any] | None) -> bool:
+    """Whether `criterion` sums over the batch (``reduction="sum"``) rather than averaging."""
+    return criterion is not None and getattr(criterion, "reduction", "mean") == "sum"
+
+
 def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float:
     """Weight of one replica's loss so that the weighted sum is the loss of the whole batch."""
-    reduction = getattr(criterion, "reduction", "mean")
-    return 1.0 if reduction == "sum" else chunk / total
+    return 1.0 if _summed(criterion) else chunk / total
 
 
 class DataParallel(nn.Module):
@@ -62,7 +68,19 @@ class DataParallel(nn.Module):
             chunk size (equal to the single-device loss of the whole batch for
             a mean-reduced loss, summed for ``reduction="sum"``).
         gather: False returns the per-replica outputs where they were computed.
-        bucket_bytes: size of the parameter buckets broadcast to replicas.
+        bucket_bytes: size of the parameter buckets broadcast to replicas
+            (and, with a process group, of the gradient all-reduce buckets).
+        process_group: a torch.distributed process group; every process of
+            it runs this in-process data parallelism over its own
+            ``device_ids`` and together they train one model (hybrid data
+            parallelism, see dpcore.distributed): parameters and buffers
+            start from the group's rank 0, gradients after ``backward()`` are
+            those of the loss over the global batch (each process weighted
+            by its share; without ``criterion=`` the loss is taken to be a
+            mean over the batch, as DDP averages). ``device_ids`` defaults to
+            the module's device here.
+        broadcast_buffers: with a process group, broadcast buffers from rank
+            0 before each forward (as DDP's option of that name).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -88,6 +106,8 @@ class DataParallel(nn.Module):
         criterion: Callable[..., Any] | None = None,
         gather: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -99,6 +119,9 @@ class DataParallel(nn.Module):
         self.criterion = criterion
         self.gather = gather
         self.bucket_bytes = int(bucket_bytes)
+        self._sync: GradientSync | None = None
+        if device_ids is None and process_group is not None:
+            device_ids = [_module_device(module)]  # one device per process, as DDP
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             if not device_ids:
@@ -117,6 +140,11 @@ class DataParallel(nn.Module):
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
         check_on_device(module, self.device_ids[0], "device_ids[0]")
         self._cache: ReplicaCache | None = None
+        if process_group is not None:
+            self._sync = GradientSync(
+                module, self.device_ids[0], process_group,
+                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes,
+            )
 
     # -- attribute fall-through, state dicts, pickling -----------------------
 
@@ -165,6 +193,25 @@ class DataParallel(nn.Module):
         return self._cache.replicas(n)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._sync is None:
+            return self._forward(*inputs, **kwargs)
+        self._sync.before_forward()
+        output = self._forward(*inputs, **kwargs)
+        return self._sync.after_forward(output, self._local_batch, _summed(self.criterion))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation, as DDP's ``no_sync``: the backward passes of
+        forwards run inside accumulate into ``.grad`` in this process only;
+        the first backward of a forward outside all-reduces the accumulated
+        gradients. Without a process group there is nothing to skip."""
+        if self._sync is None:
+            yield
+        else:
+            with self._sync.no_sync():
+                yield
+
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         criterion = self.criterion
         if criterion is not None:
             if not inputs:
@@ -179,6 +226,7 @@ class DataParallel(nn.Module):
         args, kws, sizes = scatter_kwargs(
             tuple(inputs), kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights
         )
+        self._local_batch = sum(sizes)  # this process's share, for the process group's weights
         used = self._used_devices(sizes)
         if used and used[0] != 0:
             raise ValueError(

@@ -33,7 +33,7 @@ from dpcore import _C, comm
 from dpcore._devices import DeviceLike, as_devices
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 
-__all__ = ["Broadcast", "split_sizes", "scatter_kwargs", "gather"]
+__all__ = ["Broadcast", "split_sizes", "scatter_kwargs", "gather", "map_tensors"]
 
 T = TypeVar("T")
 
@@ -172,6 +172,17 @@ def _contains_tensor(obj: Any) -> bool:
     if kind in _CONTAINERS:
         return any(_contains_tensor(child) for _, child in _children(obj, kind, ""))
     return False
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)``, containers
+    rebuilt with their own type (as gather does); other leaves are kept."""
+    kind = _kind(obj)
+    if kind == _TENSOR:
+        return fn(obj)
+    if kind in _CONTAINERS:
+        return _rebuild(obj, kind, [map_tensors(fn, child) for _, child in _children(obj, kind, "")])
+    return obj
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,401 @@
+"""Hybrid data parallelism: dpcore.DataParallel(..., process_group=pg).
+
+Every process runs dpcore's in-process data parallelism over its own devices
+(replica 0 is the master module, replicas 1..K-1 send their gradients to it
+through the BroadcastBucket autograd nodes); :class:`GradientSync` joins the
+processes of a ``torch.distributed`` process group into one training job:
+
+* At construction (and again when the module's parameters or buffers change
+  structure) every process compares a hash of the module's layout (names,
+  shapes, dtypes, requires_grad, gradient buckets) with one collective, and a
+  difference is a ValueError on every rank naming the first difference. Then
+  parameters and buffers are broadcast from the group's rank 0.
+* Before each forward, buffers are broadcast from rank 0
+  (``broadcast_buffers=True``, as DDP).
+* Each forward that records autograd history starts an asynchronous
+  all-reduce of its local batch size; a hook on the outputs (on the loss with
+  ``criterion=``) scales the gradient flowing back by ``P * n_p / N`` (P
+  processes, n_p this process's batch, N the global batch; ``P`` for a
+  ``reduction="sum"`` criterion), so that the average over processes taken
+  below is the gradient of the loss over the global batch, also for uneven
+  batches and under ``no_sync()`` accumulation. Without ``criterion=`` the
+  caller's loss is taken to be a mean over the batch (as DDP averages).
+* Each master parameter has a post-accumulate-grad hook: it fires once per
+  backward, with the complete in-process gradient in ``.grad``. Parameters
+  are grouped into buckets (dtype, about ``bucket_bytes``, parameter order);
+  a bucket whose parameters have all fired is flattened, divided by P and
+  all-reduced asynchronously, in a fixed order (last bucket first, as
+  backward goes), so communication overlaps the rest of backward and every
+  process issues the same collectives in the same order. The autograd
+  engine's final callback launches the remaining buckets (a parameter
+  without a gradient takes part with zeros), waits on every handle and
+  copies the results into ``.grad``, so the step after ``loss.backward()``
+  sees the finished gradients. A parameter whose ``.grad`` is None in every
+  process stays None (the optimizer skips it, as on one device).
+* ``no_sync()``: backward passes of forwards run inside it accumulate
+  locally; the first synchronized backward all-reduces the accumulated
+  ``.grad``.
+
+Failures never hang: every wait is bounded by the process group's timeout,
+and a failing peer surfaces as the backend's RuntimeError from forward or
+``backward()``. Collective tensors live on the module's device, so a CPU
+list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcore import _C
+from dpcore.replicate import _buckets
+from dpcore.scatter_gather import map_tensors
+
+__all__ = ["GradientSync"]
+
+
+def _dist() -> Any:
+    """torch.distributed, or a clear error where this torch build lacks it."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("process_group: torch.distributed is not available in this build of torch")
+    return dist
+
+
+def _grad_task() -> int:
+    """Id of the backward pass (graph task) running on this thread, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+class _Bucket:
+    """One all-reduce bucket: parameters of one dtype and a persistent flat
+    buffer holding their gradients, then one "has a gradient" flag each."""
+
+    __slots__ = ("params", "flat", "views", "flags")
+
+    def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.params = list(params)
+        sizes = [p.numel() for p in self.params]
+        total = sum(sizes)
+        self.flat = torch.zeros(total + len(sizes), dtype=self.params[0].dtype, device=device)
+        self.views = [v.view(p.shape) for v, p in zip(self.flat[:total].split(sizes), self.params)]
+        self.flags = self.flat[total:]
+
+
+class _ShareScale:
+    """Gradient hook of one forward's outputs: multiplies the gradient by
+    ``P * weight``, the weight being ``n / N`` (this process's share of the
+    global batch, N from an asynchronous all-reduce started in forward) or 1
+    for a summed loss. Waits for N at most once, when backward first needs it."""
+
+    __slots__ = ("work", "total", "local", "world", "summed", "scale")
+
+    def __init__(self, work: Any, total: torch.Tensor, local: int, world: int, summed: bool) -> None:
+        self.work, self.total, self.local, self.world, self.summed = work, total, local, world, summed
+        self.scale: float | torch.Tensor | None = float(world) if summed else None
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.scale is None:
+            self.work.wait()
+            if self.total.device.type == "cpu":
+                self.scale = self.world * self.local / max(self.total.item(), 1.0)
+            else:  # no host synchronization: the scale stays on the device
+                self.scale = (self.world * self.local / self.total.clamp_min(1.0)).reshape(())
+        scale = self.scale
+        if isinstance(scale, float):
+            return None if scale == 1.0 else grad * scale
+        return grad * scale.to(grad.dtype)
+
+
+class GradientSync:
+    """The cross-process half of ``DataParallel(..., process_group=pg)``; see
+    the module docstring for what it guarantees. ``module`` is the master
+    (replica 0), all of whose parameters and buffers sit on ``device``.
+
+    DataParallel calls :meth:`before_forward` and :meth:`after_forward`
+    around each forward. Every process of the group must construct it, run
+    forwards and backward passes in the same sequence (same grad mode, same
+    ``no_sync`` use), as with DDP; a process that stops or raises makes the
+    others raise within the group's timeout instead.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        process_group: Any,
+        *,
+        broadcast_buffers: bool = True,
+        bucket_bytes: int,
+    ) -> None:
+        dist = _dist()
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group: expected a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD "
+                f"after init_process_group), but got {type(process_group).__name__}"
+            )
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes: expected a positive size, but got {bucket_bytes}")
+        self.module = module
+        self.device = device
+        self.group = process_group
+        self.rank: int = dist.get_rank(process_group)
+        self.world_size: int = dist.get_world_size(process_group)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.bucket_bytes = int(bucket_bytes)
+        self._no_sync_depth = 0
+        self._sync_backward = False  # whether the latest forward's backward synchronizes
+        self._hook_handles: list[Any] = []
+        self._task = -1  # graph task of the synchronizing backward in progress, -1 if none
+        self._build()
+
+    # -- construction -----------------------------------------------------
+
+    def _build(self) -> None:
+        """(Re)builds buckets and hooks for the module's current structure;
+        collective: layout check, then parameters and buffers from rank 0."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._masters = list(self.module.modules())
+        self._structure = _C.StructureSignature(self._masters)
+        named_params = list(self.module.named_parameters())
+        named_buffers = list(self.module.named_buffers())
+        self._params = [p for _, p in named_params if p.requires_grad]
+        indices = _buckets(self._params, self.bucket_bytes)
+        self._check_layout(named_params, named_buffers, indices)
+
+        self._broadcast([p for _, p in named_params] + [b for _, b in named_buffers], fresh=True)
+        self._buffers = [b for _, b in named_buffers]
+        self._buffer_groups = [
+            _Bucket([self._buffers[i] for i in group], self.device)
+            for group in _buckets(self._buffers, self.bucket_bytes)
+        ]
+
+        self._buckets = [_Bucket([self._params[i] for i in group], self.device) for group in indices]
+        self._bucket_of: list[int] = [0] * len(self._params)
+        for b, group in enumerate(indices):
+            for i in group:
+                self._bucket_of[i] = b
+        # Launch order, the same on every process: last bucket first.
+        self._order = list(range(len(self._buckets)))[::-1]
+        self._reset()
+        ref = weakref.ref(self)
+        for i, p in enumerate(self._params):
+
+            def hook(_param: torch.Tensor, i: int = i) -> None:
+                sync = ref()
+                if sync is not None:
+                    sync._on_grad(i)
+
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _layout(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        named_buffers: Sequence[tuple[str, torch.Tensor]],
+        buckets: Sequence[Sequence[int]],
+    ) -> list[str]:
+        """What must be equal on every process, one line per item."""
+        lines = [
+            f"parameter {name!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
+            for name, p in named_params
+        ]
+        lines += [f"buffer {name!r}: shape {tuple(b.shape)}, {b.dtype}" for name, b in named_buffers]
+        lines += [f"gradient bucket {k}: parameters {list(group)}" for k, group in enumerate(buckets)]
+        lines.append(f"broadcast_buffers={self.broadcast_buffers}")
+        return lines
+
+    def _check_layout(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        named_buffers: Sequence[tuple[str, torch.Tensor]],
+        buckets: Sequence[Sequence[int]],
+    ) -> None:
+        """One all_gather of a 64-bit layout hash; on a difference, every rank
+        gathers the layouts and raises ValueError naming the first difference."""
+        dist = _dist()
+        lines = self._layout(named_params, named_buffers, buckets)
+        digest = hashlib.sha256("\n".join(lines).encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        if all(torch.equal(h, every[0]) for h in every):
+            return
+        layouts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(layouts, lines, group=self.group)
+        raise ValueError(_describe_difference(layouts))
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor], fresh: bool = False) -> None:
+        """Overwrites `tensors` with rank 0's values (in place, bumping version
+        counters on the receiving ranks only); one broadcast per dtype group."""
+        dist = _dist()
+        groups = (
+            [_Bucket([tensors[i] for i in g], self.device) for g in _buckets(tensors, self.bucket_bytes)]
+            if fresh
+            else self._buffer_groups
+        )
+        with torch.no_grad():
+            for group in groups:
+                if self.rank == 0:
+                    torch._foreach_copy_(group.views, [t.detach() for t in group.params])
+                dist.broadcast(group.flat, group=self.group, group_src=0)
+                if self.rank != 0:
+                    torch._foreach_copy_([t.detach() for t in group.params], group.views)
+
+    # -- forward ----------------------------------------------------------
+
+    def before_forward(self) -> None:
+        """Rebuilds after a structural change of the module (collective),
+        drops the state of a backward that raised, broadcasts buffers."""
+        if not self._structure.matches(self._masters):
+            self._build()
+        if self._task != -1:
+            self._reset()
+        if self.broadcast_buffers and self._buffer_groups:
+            self._broadcast(self._buffers)
+
+    def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
+        """Starts the all-reduce of the batch size and returns `output` with
+        every tensor that carries autograd history replaced by a view of it
+        whose gradient is weighted (see the module docstring). A view per
+        tensor makes each one a frontier: a gradient that reaches an output
+        through another output (logits computed from a returned hidden
+        state) is weighted once, not twice. `summed`: the loss is a sum over
+        the batch."""
+        if not (torch.is_grad_enabled() and self._params):
+            return output
+        self._sync_backward = self._no_sync_depth == 0
+        total = torch.tensor([float(local_batch)], dtype=torch.float64, device=self.device)
+        work = _dist().all_reduce(total, group=self.group, async_op=True)
+        hook = _ShareScale(work, total, local_batch, self.world_size, summed)
+
+        def weighted(t: torch.Tensor) -> torch.Tensor:
+            if t.grad_fn is None:
+                return t
+            view = t.view_as(t)
+            view.register_hook(hook)
+            return view
+
+        return map_tensors(weighted, output)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside do not synchronize."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # -- backward ---------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._task = -1
+        self._remaining = [len(b.params) for b in self._buckets]
+        self._next = 0
+        self._launched: list[tuple[_Bucket, list[bool], Any]] = []
+
+    def _on_grad(self, i: int) -> None:
+        """Post-accumulate hook of parameter i: launches every bucket that is
+        complete and next in the launch order."""
+        if not self._sync_backward:
+            return
+        task = _grad_task()
+        if self._task == -1:
+            self._reset()
+            self._task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        elif task != self._task:
+            raise RuntimeError(
+                "DataParallel(process_group=...): a backward pass reached the parameters while another one that "
+                "synchronizes them has not finished (a reentrant backward, such as "
+                "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)"
+            )
+        b = self._bucket_of[i]
+        self._remaining[b] -= 1
+        if self._remaining[b] == 0:
+            while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
+                self._launch(self._order[self._next])
+                self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        grads = [p.grad for p in bucket.params]
+        present = [g is not None for g in grads]
+        for g in grads:
+            if g is not None and g.layout != torch.strided:
+                raise RuntimeError(
+                    f"DataParallel(process_group=...): expected dense gradients, but a parameter's gradient has "
+                    f"layout {g.layout} (sparse gradients are not supported)"
+                )
+        if all(present):
+            torch._foreach_copy_(bucket.views, grads)
+            bucket.flags.fill_(1)
+        else:
+            for view, g in zip(bucket.views, grads):
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+            bucket.flags.copy_(torch.tensor(present, dtype=bucket.flat.dtype))
+        if self.world_size > 1:
+            bucket.flat.mul_(1.0 / self.world_size)
+        work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)
+        self._launched.append((bucket, present, work))
+
+    def _finish(self) -> None:
+        """Final callback of a synchronizing backward: launches what is left,
+        waits for every bucket, writes the averages into ``.grad``."""
+        try:
+            while self._next < len(self._order):
+                self._launch(self._order[self._next])
+                self._next += 1
+            for bucket, present, work in self._launched:
+                work.wait()
+                if all(present):
+                    torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+                    continue
+                used = bucket.flags.ne(0).tolist()
+                for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
+                    if had:
+                        p.grad.copy_(view)
+                    elif anyone:
+                        p.grad = torch.empty_like(p).copy_(view)
+        finally:
+            self._reset()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "DataParallel with a process_group cannot be pickled or copied (it holds a process group and hooks); "
+            "save or copy its module or state_dict() instead"
+        )
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hook_handles", ()):
+            handle.remove()
+
+
+def _describe_difference(layouts: Sequence[Sequence[str]]) -> str:
+    """The first line in which a rank's layout differs from rank 0's."""
+    base = list(layouts[0])
+    for rank, lines in enumerate(layouts[1:], start=1):
+        lines = list(lines)
+        if lines == base:
+            continue
+        for k in range(max(len(lines), len(base))):
+            mine = lines[k] if k < len(lines) else "nothing"
+            theirs = base[k] if k < len(base) else "nothing"
+            if mine != theirs:
+                return (
+                    "process_group: the module must have the same layout in every process, but rank "
+                    f"{rank} has {mine} where rank 0 has {theirs}"
+                )
+    return "process_group: the module's layout differs between processes"

@@ -17,6 +17,17 @@ they disagree.
     python -m dpcore.demo --devices cpu:2 --epochs 5
     python -m dpcore.demo --devices 0,0         # two replicas on GPU 0
 
+Started by torchrun (RANK and WORLD_SIZE set), it trains one model over
+several processes with hybrid data parallelism (``DataParallel(...,
+process_group=...)``): gloo for CPU devices, NCCL for CUDA ones, each
+process on its own ``--devices`` (CUDA indices are offset by the local rank
+times one more than the largest index, so ``--devices 0,1`` gives local rank 1
+GPUs 2 and 3), its share of each global batch from a DistributedSampler, the
+float64 check against one device on the global batch, logs and the
+checkpoint from rank 0 only:
+
+    torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
+
 Needs scikit-learn and tqdm: ``pip install 'dpcore[demo]'``.
 """
 
@@ -26,6 +37,7 @@ import argparse
 import copy
 import itertools
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -119,6 +131,34 @@ def batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.T
     return list(torch.randperm(n, generator=generator).split(batch_size))
 
 
+def sampler_batches(n: int, batch_size: int, seed: int, epoch: int, world: int) -> list[torch.Tensor]:
+    """One epoch as torch's DistributedSampler deals it to `world` processes:
+    rank r takes batches of batch_size / world from its sampler; global batch
+    b is rank 0's b-th batch, then rank 1's, and so on, so that
+    ``index.tensor_split(world)[r]`` is rank r's share (every rank gets the
+    same number of samples, so the shares of a batch have equal sizes)."""
+    from torch.utils.data import DistributedSampler
+
+    local: list[tuple[torch.Tensor, ...]] = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        local.append(torch.tensor(list(sampler)).split(batch_size // world))
+    return [torch.cat(parts) for parts in zip(*local)]
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print's stand-in on ranks other than 0."""
+
+
+def _torchrun() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun (RANK and
+    WORLD_SIZE in the environment), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def check_agreement(
     model: nn.Module,
     devices: Sequence[torch.device],
@@ -128,10 +168,16 @@ def check_agreement(
     lr: float,
     steps: int = CHECK_STEPS,
     atol: float = CHECK_ATOL,
+    process_group: Any = None,
 ) -> dict[str, Any]:
     """Runs `steps` training steps in float64 from `model`'s current weights
     twice: with dpcore.DataParallel over `devices` (loss inside each replica)
     and with the bare model on devices[0], on the batches `order` of (x, y).
+    With a `process_group` of P processes, the DataParallel is the hybrid one
+    and this process feeds it its share ``index.tensor_split(P)[rank]`` of
+    each global batch, while the single-device run takes the whole batch; the
+    loss compared is the global one, and every rank returns the largest
+    differences over all ranks.
 
     Returns {"ok", "steps", "atol", "max_abs_diff" (per step: the largest
     parameter difference after that step), "loss_diff" (per step)}; ok is
@@ -141,7 +187,12 @@ def check_agreement(
     criterion = nn.CrossEntropyLoss()
     single = copy.deepcopy(model).double()
     parallel = copy.deepcopy(model).double()
-    dp = dpcore.DataParallel(parallel, device_ids=list(devices), criterion=criterion)
+    dp = dpcore.DataParallel(parallel, device_ids=list(devices), criterion=criterion, process_group=process_group)
+    rank, world = 0, 1
+    if process_group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     opt_single = make_optimizer(single.parameters(), lr)
     opt_parallel = make_optimizer(parallel.parameters(), lr)
     diffs: list[float] = []
@@ -153,14 +204,24 @@ def check_agreement(
         loss_single.backward()
         opt_single.step()
         opt_parallel.zero_grad()
-        loss_parallel = dp(xb, yb)
+        share = index.tensor_split(world)[rank]
+        loss_parallel = dp(x[share].double(), y[share])
         loss_parallel.backward()
         opt_parallel.step()
-        loss_diffs.append(abs(loss_single.item() - loss_parallel.item()))
+        loss_global = loss_parallel.detach()
+        if process_group is not None:  # the mean over the global batch
+            loss_global = loss_global * len(share)
+            dist.all_reduce(loss_global, group=process_group)
+            loss_global = loss_global / len(index)
+        loss_diffs.append(abs(loss_single.item() - loss_global.item()))
         with torch.no_grad():
             diffs.append(max(
                 (a - b).abs().max().item() for a, b in zip(single.parameters(), parallel.parameters())
             ))
+    if process_group is not None:  # every rank decides on the worst difference anywhere
+        worst = torch.tensor(diffs + loss_diffs, dtype=torch.float64, device=devices[0])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=process_group)
+        diffs, loss_diffs = worst[: len(diffs)].tolist(), worst[len(diffs) :].tolist()
     ok = len(diffs) == steps and all(d <= atol for d in diffs + loss_diffs)  # NaN fails too
     return {"ok": ok, "steps": len(diffs), "atol": atol, "max_abs_diff": diffs, "loss_diff": loss_diffs}
 
@@ -172,10 +233,28 @@ def accuracy(evaluator: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _default_devices() -> str:
-    """Every visible GPU, else four CPU devices."""
+    """Every visible GPU (under torchrun: an equal share per local process), else four CPU devices."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return ",".join(str(i) for i in range(torch.cuda.device_count()))
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if _torchrun() else 1
+        return ",".join(str(i) for i in range(max(1, torch.cuda.device_count() // local)))
     return "cpu:4"
+
+
+def _local_devices(devices: list[torch.device], local_rank: int) -> list[torch.device]:
+    """This process's devices under torchrun: CPU lists as given, CUDA
+    indices offset by local_rank * (largest index + 1). Raises ValueError
+    naming --devices when an offset index is not visible."""
+    if devices[0].type != "cuda" or local_rank == 0:
+        return devices
+    stride = max(d.index for d in devices) + 1
+    moved = [torch.device("cuda", d.index + local_rank * stride) for d in devices]
+    count = torch.cuda.device_count()
+    if any(d.index >= count for d in moved):
+        raise ValueError(
+            f"--devices: local rank {local_rank} would use CUDA devices {[d.index for d in moved]}, "
+            f"but only {count} are visible"
+        )
+    return moved
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -199,6 +278,10 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=DEFAULTS["seed"], help="seed of the split, weights and shuffling (default %(default)s)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
+    parser.add_argument(
+        "--checkpoint", default=None, metavar="FILE",
+        help="save the trained model's state_dict here (torch.save; from rank 0 only under torchrun)",
+    )
     # For tests: train and test on a stratified subset of this many images.
     parser.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -218,8 +301,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
     if args.limit is not None and args.limit < 50:
         parser.error(f"--limit: expected at least 50 images, but got {args.limit}")
     spec = args.devices if args.devices is not None else _default_devices()
+    launch = _torchrun()
+    if launch is not None and args.batch_size % launch[1]:
+        parser.error(f"--batch-size: expected a multiple of the {launch[1]} processes, but got {args.batch_size}")
     try:
         devices = parse_devices(spec)
+        if launch is not None:
+            devices = _local_devices(devices, launch[2])
     except ValueError as error:
         message = str(error)
         parser.error(message if message.startswith("--devices") else f"--devices: {message}")
@@ -234,26 +322,54 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed),
     "agreement_check" (its details, see check_agreement), "history" (one
-    dict per epoch)}. Exits with status 2 on a bad option (argparse), 1 when
+    dict per epoch), "processes" (1, or the torchrun world size)}. Exits with status 2 on a bad option (argparse), 1 when
     scikit-learn or tqdm is missing or the agreement check fails."""
     args, devices, spec = _parse(argv)
     _require_demo_deps()
-    return _run(args, devices, spec)
+    if _torchrun() is None:
+        return _run(args, devices, spec)
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])
+        dist.init_process_group("nccl" if devices[0].type == "cuda" else "gloo")
+    try:
+        return _run(args, devices, spec, dist.group.WORLD)
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> dict[str, Any]:
-    """The demo proper, once the options are checked (see main)."""
+def _run(
+    args: argparse.Namespace, devices: list[torch.device], spec: str, group: Any = None
+) -> dict[str, Any]:
+    """The demo proper, once the options are checked (see main); `group`:
+    the process group of a torchrun launch (hybrid data parallelism)."""
     from tqdm import tqdm
 
+    rank, world = 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    say = print if rank == 0 else _silent
     first = devices[0]
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed, first, args.limit)
     model = digits_cnn().to(first)
     generator = torch.Generator().manual_seed(args.seed)
-    epoch_orders = [batches(len(y_train), args.batch_size, generator) for _ in range(args.epochs)]
+    if group is None:
+        epoch_orders = [batches(len(y_train), args.batch_size, generator) for _ in range(args.epochs)]
+    else:
+        epoch_orders = [
+            sampler_batches(len(y_train), args.batch_size, args.seed, epoch, world) for epoch in range(args.epochs)
+        ]
     names = ", ".join(str(d) for d in devices)
-    print(
-        f"dpcore.demo: digits CNN on {len(devices)} device(s) [{names}] ({spec}); "
+    where = f"{world} processes x {len(devices)} devices" if group is not None else f"{len(devices)} device(s)"
+    say(
+        f"dpcore.demo: digits CNN on {where} [{names}] ({spec}); "
         f"{len(y_train)} train / {len(y_test)} test images, batch {args.batch_size}, "
         f"{args.epochs} epoch(s), SGD lr {args.lr} (momentum 0.9, cosine decay), seed {args.seed}"
     )
@@ -261,24 +377,25 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
     # The check's batches are the run's first ones (repeated when the whole
     # run has fewer than CHECK_STEPS batches).
     first_batches = list(itertools.islice(itertools.cycle(itertools.chain(*epoch_orders)), CHECK_STEPS))
-    check = check_agreement(model, devices, x_train, y_train, first_batches, args.lr)
+    check = check_agreement(model, devices, x_train, y_train, first_batches, args.lr, process_group=group)
     worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
     if not check["ok"]:
-        print(
+        say(
             f"agreement check FAILED: DataParallel and single-device float64 runs differ by {worst:.3g} "
             f"(tolerance {check['atol']:g}) within the first {check['steps']} steps; per step: "
             + ", ".join(f"{d:.3g}" for d in check["max_abs_diff"]),
             file=sys.stderr,
         )
         raise SystemExit(1)
-    print(
+    say(
         f"agreement check passed: the first {check['steps']} steps in float64 with DataParallel over "
-        f"{len(devices)} device(s) and on one device from the same initial weights agree "
+        f"{where} and on one device from the same initial weights agree "
         f"(largest parameter or loss difference {worst:.2g} <= atol {check['atol']:g})"
     )
 
     criterion = nn.CrossEntropyLoss()
-    trainer = dpcore.DataParallel(model, device_ids=devices, criterion=criterion)
+    trainer = dpcore.DataParallel(model, device_ids=devices, criterion=criterion, process_group=group)
+    # Every rank evaluates the whole test set (the same weights, the same result); no collective.
     evaluator = dpcore.DataParallel(model, device_ids=devices)  # gathers the logits on devices[0]
     optimizer = make_optimizer(model.parameters(), args.lr)
     total_steps = sum(len(order) for order in epoch_orders)
@@ -291,20 +408,23 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
         total_loss = torch.zeros((), device=first)
         bar = tqdm(
             order, desc=f"epoch {epoch}/{args.epochs}", unit="batch", leave=False,
-            disable=args.no_progress, dynamic_ncols=True,
+            disable=args.no_progress or rank != 0, dynamic_ncols=True,
         )
         start = time.perf_counter()
         for step, index in enumerate(bar):
-            xb, yb = x_train[index], y_train[index]
+            share = index.tensor_split(world)[rank]  # the whole batch in a single process
+            xb, yb = x_train[share], y_train[share]
             optimizer.zero_grad(set_to_none=True)
             loss = trainer(xb, yb)
             loss.backward()
             optimizer.step()
             schedule.step()
-            total_loss += loss.detach() * len(index)
+            total_loss += loss.detach() * len(share)
             if step % 8 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
-        mean_loss = total_loss.item() / len(y_train)  # also waits for queued GPU work
+        if group is not None:
+            dist.all_reduce(total_loss, group=group)
+        mean_loss = total_loss.item() / sum(len(index) for index in order)  # also waits for queued GPU work
         seconds = time.perf_counter() - start
         bar.close()
         model.eval()
@@ -316,7 +436,7 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
             "samples_per_second": len(y_train) / seconds,
             "seconds": seconds,
         })
-        print(
+        say(
             f"epoch {epoch:>{len(str(args.epochs))}}/{args.epochs}  loss {mean_loss:.4f}  "
             f"test accuracy {acc:.4f}  {len(y_train) / seconds:,.0f} samples/s",
             flush=True,
@@ -337,13 +457,19 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
         "agreement": check["ok"],
         "agreement_check": check,
         "history": history,
+        "processes": world,
     }
+    if args.checkpoint and rank == 0:
+        torch.save(model.state_dict(), args.checkpoint)
+        say(f"checkpoint written to {args.checkpoint}")
+    if rank != 0:
+        return summary
     print()
     print_table(history, HISTORY_COLUMNS)
     print()
     print_table(
         [{
-            "devices": spec,
+            "devices": spec if group is None else f"{world} x {spec}",
             "epochs": args.epochs,
             "acc": summary["final_accuracy"],
             "sps": summary["samples_per_second"],

@@ -258,3 +258,38 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
     assert out.count("checkpoint written") == 1
     state = torch.load(checkpoint, weights_only=True)
     assert isinstance(state, dict) and any(k.endswith("weight") for k in state)
+
+
+# -- the demo's torchrun helpers, in process -----------------------------------
+
+
+def test_sampler_batches_share_each_global_batch_equally() -> None:
+    from dpcore.demo import sampler_batches
+
+    for world in (1, 2, 3):
+        epoch = sampler_batches(100, 12, seed=0, epoch=1, world=world)
+        shares = [index.tensor_split(world) for index in epoch]
+        assert all(len({len(s) for s in parts}) == 1 for parts in shares)  # equal shares in every batch
+        assert len(shares[0][0]) == 12 // world
+        seen = torch.cat(epoch)
+        assert len(seen) == world * -(-100 // world)  # DistributedSampler pads to a multiple of world
+        assert set(seen.tolist()) == set(range(100))
+    assert not torch.equal(torch.cat(sampler_batches(100, 12, 0, 0, 2)), torch.cat(sampler_batches(100, 12, 0, 1, 2)))
+
+
+def test_demo_under_torchrun_checks_batch_size_and_devices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpcore import demo
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--devices", "cpu:2", "--batch-size", "64"])
+    assert exc.value.code == 2
+    assert "--batch-size: expected a multiple of the 3 processes, but got 64" in capsys.readouterr().err
+    assert demo._local_devices([torch.device("cpu")] * 2, 1) == [torch.device("cpu")] * 2
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ValueError, match=r"--devices: local rank 1 would use CUDA devices \[2, 3\]"):
+            demo._local_devices([torch.device("cuda", 0), torch.device("cuda", 1)], 1)

@@ -59,6 +59,10 @@ from dpcore.scatter_gather import map_tensors
 
 __all__ = ["GradientSync"]
 
+#: The live GradientSync of each module: a second one would reduce every
+#: gradient twice.
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientSync]] = weakref.WeakKeyDictionary()
+
 
 def _dist() -> Any:
     """torch.distributed, or a clear error where this torch build lacks it."""
@@ -143,6 +147,13 @@ class GradientSync:
             )
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes: expected a positive size, but got {bucket_bytes}")
+        owner = _OWNERS.get(module)
+        if owner is not None and owner() is not None:
+            raise ValueError(
+                "module: already wrapped by a DataParallel with a process_group that is still alive (its hooks would "
+                "all-reduce every gradient a second time); reuse that wrapper, or evaluate through the module itself "
+                "or a DataParallel without a process_group"
+            )
         self.module = module
         self.device = device
         self.group = process_group
@@ -155,6 +166,7 @@ class GradientSync:
         self._hook_handles: list[Any] = []
         self._task = -1  # graph task of the synchronizing backward in progress, -1 if none
         self._build()
+        _OWNERS[module] = weakref.ref(self)
 
     # -- construction -----------------------------------------------------
 

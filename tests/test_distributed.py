@@ -181,6 +181,18 @@ def test_one_process_group_matches_plain_data_parallel(world_of_one: Any) -> Non
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
 
 
+def test_one_live_hybrid_wrapper_per_module(world_of_one: Any) -> None:
+    model = nn.Linear(3, 2)
+    dp = dpcore.DataParallel(model, ["cpu"], process_group=world_of_one)
+    with pytest.raises(ValueError, match="module: already wrapped by a DataParallel with a process_group"):
+        dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    dpcore.DataParallel(model, ["cpu"] * 2)(torch.randn(2, 3))  # without a group: fine
+    del dp
+    again = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)  # the first one is gone
+    again(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None
+
+
 def test_default_devices_are_the_modules_and_no_sync_works_without_a_group(world_of_one: Any) -> None:
     model = nn.Linear(3, 2)
     dp = dpcore.DataParallel(model, process_group=world_of_one)

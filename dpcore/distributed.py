@@ -40,6 +40,18 @@ Failures never hang: every wait is bounded by the process group's timeout,
 and a failing peer surfaces as the backend's RuntimeError from forward or
 ``backward()``. Collective tensors live on the module's device, so a CPU
 list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
+
+Limits, each as DDP's: every process must call forward and backward in the
+same sequence (every forward of the wrapper is collective: the buffer
+broadcast, and with autograd the batch-size all-reduce), so ranks that
+evaluate differently should use the bare module or a DataParallel without a
+process group; ``torch.autograd.grad`` computes this process's gradients
+only (weighted as above, nothing is all-reduced); reentrant backward
+(``torch.utils.checkpoint(..., use_reentrant=True)`` around parameters) is
+an error, the non-reentrant form works; sparse gradients are an error. With
+two or more replicas in a process, a parameter no replica used already gets
+zeros from the in-process reduction (as in torch.nn.DataParallel), so it is
+no longer None after the all-reduce.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ tests/test_distributed.py, never collected by pytest itself).
     python distributed_worker.py SCENARIO OUT_DIR
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (a gloo group on
-127.0.0.1) and DPCORE_TEST_PG_TIMEOUT (the group's timeout in seconds). The
+127.0.0.1, 120 s to start) and DPCORE_TEST_PG_TIMEOUT (the timeout in
+seconds of the group the failure scenarios use). The
 rank writes its results as JSON to OUT_DIR/rank<r>.json; an exception is
 recorded there as {"error": type name, "message", "seconds"} (seconds since
 the step that failed began).
@@ -306,15 +307,16 @@ def scenario_failure(rank: int, world: int, where: str, then: str) -> dict[str, 
     (`then` == "exit") or stays alive for three timeouts ("stay"). The other
     ranks must raise, never hang."""
     model = Failing(where)
-    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=dist.group.WORLD, bucket_bytes=64)
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=group, bucket_bytes=64)
     for step in range(4):
         model.fail = rank == 1 and step == 1
         started = time.monotonic()
         try:
             dp(torch.randn(6, 5)).pow(2).mean().backward()
         except Exception as error:  # noqa: BLE001 - every error is the result
-            result = {"error": type(error).__name__, "message": str(error)[:500], "step": step,
-                      "seconds": time.monotonic() - started}
+            result = {"error": type(error).__name__, "runtime_error": isinstance(error, RuntimeError),
+                      "message": str(error)[:500], "step": step, "seconds": time.monotonic() - started}
             if rank == 1 and then == "stay":
                 write(result)
                 time.sleep(3 * timeout())  # alive, its connections open, doing nothing
@@ -338,7 +340,7 @@ def main() -> None:
     global _OUT
     scenario, _OUT = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout()))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     if scenario == "equality":
         result = scenario_equality(rank, world)

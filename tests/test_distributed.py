@@ -50,7 +50,7 @@ def loopback_env() -> dict[str, str]:
 
 
 def launch(
-    scenario: str, world: int, out: Path, *, timeout: float = 150, pg_timeout: float = 60, wait_for: list[int] | None = None
+    scenario: str, world: int, out: Path, *, timeout: float = 180, pg_timeout: float = 60, wait_for: list[int] | None = None
 ) -> list[dict[str, Any] | None]:
     """Runs `scenario` on `world` ranks; waits (at most `timeout` seconds in
     all) for the ranks in `wait_for` (default all), kills the rest, and
@@ -143,14 +143,17 @@ def test_a_failing_rank_is_an_error_on_the_others(where: str, then: str, tmp_pat
     """Rank 1 raises at step 1, in forward (then its process ends) or in
     backward (then it stays alive, holding its connections): rank 0 raises
     too, within the group's timeout, instead of hanging."""
-    pg_timeout = 6.0
+    pg_timeout = 4.0
     results = launch(f"failure-{where}-{then}", 2, tmp_path, pg_timeout=pg_timeout, wait_for=[0])
     assert results[1] is not None and results[1]["error"] == "ValueError", _logs(tmp_path, 2)
     assert f"boom in {where} on rank 1" in results[1]["message"]
     zero = results[0]
     assert zero is not None, _logs(tmp_path, 2)
-    assert zero["error"] is not None and zero["step"] == 1, zero
-    assert zero["seconds"] < pg_timeout + 10, zero
+    assert zero["runtime_error"] is True and zero["step"] == 1, zero  # the backend's error (gloo: RuntimeError)
+    if then == "exit":
+        assert zero["seconds"] < pg_timeout, zero  # the closed connection is seen at once
+    else:
+        assert pg_timeout * 0.9 <= zero["seconds"] < pg_timeout + 10, zero  # bounded by the group's timeout
 
 
 # -- one process: the API, without spawning ------------------------------------

@@ -12,20 +12,25 @@ processes of a ``torch.distributed`` process group into one training job:
   parameters and buffers are broadcast from the group's rank 0.
 * Before each forward, buffers are broadcast from rank 0
   (``broadcast_buffers=True``, as DDP).
-* Each forward that records autograd history starts an asynchronous
-  all-reduce of its local batch size; a hook on the outputs (on the loss with
-  ``criterion=``) scales the gradient flowing back by ``P * n_p / N`` (P
-  processes, n_p this process's batch, N the global batch; ``P`` for a
-  ``reduction="sum"`` criterion), so that the average over processes taken
-  below is the gradient of the loss over the global batch, also for uneven
-  batches and under ``no_sync()`` accumulation. Without ``criterion=`` the
-  caller's loss is taken to be a mean over the batch (as DDP averages).
+* Weights: each forward that records autograd history starts an
+  asynchronous all-reduce of its local batch size (it completes while the
+  forward and backward compute, and is read only when the first gradient
+  bucket is sent). A synchronization weights this process's ``.grad`` by
+  ``n_p / N``: n_p the samples of this process, N those of all processes,
+  both summed over the forwards since the last synchronization. So the
+  result is the gradient of the mean loss over the global batch, also for
+  uneven local batches (the last batch of an epoch). Without ``criterion=``
+  the caller's loss is taken to be a mean over the batch (as DDP averages).
+  With a ``reduction="sum"`` criterion the gradient flowing back from the
+  loss is multiplied by P and the weight is 1/P: the gradient of the summed
+  loss. Gradients already in ``.grad`` (the same on every process after a
+  synchronization) are kept as they are, since the weights sum to 1.
 * Each master parameter has a post-accumulate-grad hook: it fires once per
   backward, with the complete in-process gradient in ``.grad``. Parameters
   are grouped into buckets (dtype, about ``bucket_bytes``, parameter order);
-  a bucket whose parameters have all fired is flattened, divided by P and
-  all-reduced asynchronously, in a fixed order (last bucket first, as
-  backward goes), so communication overlaps the rest of backward and every
+  a bucket whose parameters have all fired is flattened, weighted and
+  all-reduced (summed) asynchronously, in a fixed order (last bucket first,
+  as backward goes), so communication overlaps the rest of backward and every
   process issues the same collectives in the same order. The autograd
   engine's final callback launches the remaining buckets (a parameter
   without a gradient takes part with zeros), waits on every handle and
@@ -34,24 +39,30 @@ processes of a ``torch.distributed`` process group into one training job:
   process stays None (the optimizer skips it, as on one device).
 * ``no_sync()``: backward passes of forwards run inside it accumulate
   locally; the first synchronized backward all-reduces the accumulated
-  ``.grad``.
+  ``.grad``, weighted by this process's share of all the samples since the
+  last synchronization. That equals the sum of the global gradients of the
+  accumulated steps (single-device accumulation) whenever each process's
+  share is the same in every accumulated step, e.g. equal local batches.
 
 Failures never hang: every wait is bounded by the process group's timeout,
 and a failing peer surfaces as the backend's RuntimeError from forward or
 ``backward()``. Collective tensors live on the module's device, so a CPU
 list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
 
-Limits, each as DDP's: every process must call forward and backward in the
-same sequence (every forward of the wrapper is collective: the buffer
+Limits, most of them DDP's: every process must call forward and backward in
+the same sequence (every forward of the wrapper is collective: the buffer
 broadcast, and with autograd the batch-size all-reduce), so ranks that
 evaluate differently should use the bare module or a DataParallel without a
-process group; ``torch.autograd.grad`` computes this process's gradients
-only (weighted as above, nothing is all-reduced); reentrant backward
-(``torch.utils.checkpoint(..., use_reentrant=True)`` around parameters) is
-an error, the non-reentrant form works; sparse gradients are an error. With
-two or more replicas in a process, a parameter no replica used already gets
-zeros from the in-process reduction (as in torch.nn.DataParallel), so it is
-no longer None after the all-reduce.
+process group; a forward with autograd whose output is never
+backpropagated still counts in the next synchronization's weights
+(evaluate under ``torch.no_grad()``); one window of accumulated forwards
+should not mix a summed criterion with mean losses; ``torch.autograd.grad``
+computes this process's gradients only (nothing is all-reduced); reentrant
+backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
+parameters) is an error, the non-reentrant form works; sparse gradients are
+an error. With two or more replicas in a process, a parameter no replica
+used already gets zeros from the in-process reduction (as in
+torch.nn.DataParallel), so it is no longer None after the all-reduce.
 """
 
 from __future__ import annotations
@@ -94,40 +105,29 @@ class _Bucket:
     """One all-reduce bucket: parameters of one dtype and a persistent flat
     buffer holding their gradients, then one "has a gradient" flag each."""
 
-    __slots__ = ("params", "flat", "views", "flags")
+    __slots__ = ("params", "flat", "data", "views", "flags")
 
     def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.params = list(params)
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
         self.flat = torch.zeros(total + len(sizes), dtype=self.params[0].dtype, device=device)
-        self.views = [v.view(p.shape) for v, p in zip(self.flat[:total].split(sizes), self.params)]
+        self.data = self.flat[:total]
+        self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
         self.flags = self.flat[total:]
 
 
-class _ShareScale:
-    """Gradient hook of one forward's outputs: multiplies the gradient by
-    ``P * weight``, the weight being ``n / N`` (this process's share of the
-    global batch, N from an asynchronous all-reduce started in forward) or 1
-    for a summed loss. Waits for N at most once, when backward first needs it."""
+def _times(factor: float) -> Any:
+    """A gradient hook multiplying by `factor`."""
 
-    __slots__ = ("work", "total", "local", "world", "summed", "scale")
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad * factor
 
-    def __init__(self, work: Any, total: torch.Tensor, local: int, world: int, summed: bool) -> None:
-        self.work, self.total, self.local, self.world, self.summed = work, total, local, world, summed
-        self.scale: float | torch.Tensor | None = float(world) if summed else None
+    return hook
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if self.scale is None:
-            self.work.wait()
-            if self.total.device.type == "cpu":
-                self.scale = self.world * self.local / max(self.total.item(), 1.0)
-            else:  # no host synchronization: the scale stays on the device
-                self.scale = (self.world * self.local / self.total.clamp_min(1.0)).reshape(())
-        scale = self.scale
-        if isinstance(scale, float):
-            return None if scale == 1.0 else grad * scale
-        return grad * scale.to(grad.dtype)
+
+#: Pending batch-size all-reduces kept before they are folded into one.
+_MAX_PENDING_COUNTS = 16
 
 
 class GradientSync:
@@ -177,6 +177,10 @@ class GradientSync:
         self._sync_backward = False  # whether the latest forward's backward synchronizes
         self._hook_handles: list[Any] = []
         self._task = -1  # graph task of the synchronizing backward in progress, -1 if none
+        # Forwards since the last synchronization: local samples, and the
+        # (global total, all-reduce handle or None once folded) of each.
+        self._local_count = 0
+        self._counts: list[tuple[torch.Tensor, Any]] = []
         self._build()
         _OWNERS[module] = weakref.ref(self)
 
@@ -281,34 +285,64 @@ class GradientSync:
         drops the state of a backward that raised, broadcasts buffers."""
         if not self._structure.matches(self._masters):
             self._build()
-        if self._task != -1:
+        if self._task != -1:  # a synchronizing backward raised: start afresh
             self._reset()
+            self._clear_counts()
         if self.broadcast_buffers and self._buffer_groups:
             self._broadcast(self._buffers)
 
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
-        """Starts the all-reduce of the batch size and returns `output` with
-        every tensor that carries autograd history replaced by a view of it
-        whose gradient is weighted (see the module docstring). A view per
-        tensor makes each one a frontier: a gradient that reaches an output
-        through another output (logits computed from a returned hidden
-        state) is weighted once, not twice. `summed`: the loss is a sum over
-        the batch."""
+        """Records the forward's batch size (asynchronous all-reduce) for the
+        next synchronization's weights and returns `output`; with `summed` (a
+        criterion with ``reduction="sum"``), `output` with every tensor that
+        carries autograd history replaced by a view of it whose gradient is
+        multiplied by the number of processes."""
         if not (torch.is_grad_enabled() and self._params):
             return output
         self._sync_backward = self._no_sync_depth == 0
+        if summed:
+            if self.world_size == 1:
+                return output
+            hook = _times(float(self.world_size))
+
+            def scaled(t: torch.Tensor) -> torch.Tensor:
+                if t.grad_fn is None:
+                    return t
+                view = t.view_as(t)  # scaled once, even where one output feeds another
+                view.register_hook(hook)
+                return view
+
+            return map_tensors(scaled, output)
+        if len(self._counts) >= _MAX_PENDING_COUNTS:  # forwards without backward: fold the old ones
+            self._counts = [(self._total_count(), None)]
         total = torch.tensor([float(local_batch)], dtype=torch.float64, device=self.device)
-        work = _dist().all_reduce(total, group=self.group, async_op=True)
-        hook = _ShareScale(work, total, local_batch, self.world_size, summed)
+        self._counts.append((total, _dist().all_reduce(total, group=self.group, async_op=True)))
+        self._local_count += int(local_batch)
+        return output
 
-        def weighted(t: torch.Tensor) -> torch.Tensor:
-            if t.grad_fn is None:
-                return t
-            view = t.view_as(t)
-            view.register_hook(hook)
-            return view
+    def _total_count(self) -> torch.Tensor:
+        """The global samples of the recorded forwards (waits for their all-reduces)."""
+        for _, work in self._counts:
+            if work is not None:
+                work.wait()
+        if len(self._counts) == 1:
+            return self._counts[0][0]
+        return torch.stack([t for t, _ in self._counts]).sum(0)
 
-        return map_tensors(weighted, output)
+    def _clear_counts(self) -> None:
+        self._local_count = 0
+        self._counts = []
+
+    def _weight(self) -> float | torch.Tensor:
+        """This process's weight in the synchronization: n_p / N over the
+        recorded forwards, 1/P when none was recorded (a summed criterion, or
+        a backward that did not start from this wrapper's outputs)."""
+        if not self._counts:
+            return 1.0 / self.world_size
+        total = self._total_count()
+        if total.device.type == "cpu":
+            return self._local_count / max(total.item(), 1.0)
+        return (self._local_count / total.clamp_min(1.0)).reshape(())  # no host synchronization
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -325,6 +359,7 @@ class GradientSync:
         self._task = -1
         self._remaining = [len(b.params) for b in self._buckets]
         self._next = 0
+        self._scale: float | torch.Tensor | None = None
         self._launched: list[tuple[_Bucket, list[bool], Any]] = []
 
     def _on_grad(self, i: int) -> None:
@@ -370,8 +405,10 @@ class GradientSync:
                 else:
                     view.copy_(g)
             bucket.flags.copy_(torch.tensor(present, dtype=bucket.flat.dtype))
-        if self.world_size > 1:
-            bucket.flat.mul_(1.0 / self.world_size)
+        if self._scale is None:
+            self._scale = self._weight()
+        if not (isinstance(self._scale, float) and self._scale == 1.0):
+            bucket.data.mul_(self._scale)
         work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)
         self._launched.append((bucket, present, work))
 
@@ -394,6 +431,7 @@ class GradientSync:
                     elif anyone:
                         p.grad = torch.empty_like(p).copy_(view)
         finally:
+            self._clear_counts()
             self._reset()
 
     def __reduce_ex__(self, protocol: Any) -> Any:

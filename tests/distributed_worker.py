@@ -165,22 +165,46 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
             r.step()
         out[f"criterion_{reduction}"] = r.worst
 
-    # no_sync: two local micro-steps with changing shares, then a synced one.
+    # no_sync: two local micro-steps, then a synchronized one. With the same
+    # shares in every micro-step (rank p's size is proportional to 1 + p)
+    # this is single-device accumulation exactly.
     r = Runner(rank, world)
     local_differs = []
     for step in range(STEPS):
         r.zero_grad()
         with r.dp.no_sync():
-            run_user_loss(r, [2 + p + step for p in range(world)])
-            run_user_loss(r, [5 - p for p in range(world)])
+            run_user_loss(r, [(1 + p) * (1 + step) for p in range(world)])
+            run_user_loss(r, [2 * (1 + p) for p in range(world)])
         grads = torch.cat([p.grad.reshape(-1) for p in (r.model.fc1.weight, r.model.fc2.weight)])
         every = [torch.empty_like(grads) for _ in range(world)]
         dist.all_gather(every, grads)
         local_differs.append(not all(torch.equal(every[0], g) for g in every))
-        run_user_loss(r, uneven(step))
+        run_user_loss(r, [3 * (1 + p) for p in range(world)])
         r.step()
     out["no_sync"] = r.worst
     out["no_sync_left_gradients_local"] = all(local_differs)
+
+    # Shares that change between micro-steps: each process's accumulated
+    # gradient is weighted by its share of all the window's samples.
+    r = Runner(rank, world)
+    for step in range(STEPS):
+        r.zero_grad()
+        windows = [[2 + p + step for p in range(world)], [5 - p for p in range(world)], uneven(step)]
+        batches = [r.batch(sizes) for sizes in windows]
+        total = sum(sum(sizes) for sizes in windows)
+        reference = sum(
+            sum(sizes[p] for sizes in windows) / total
+            * sum(user_loss(r.reference(xs[p]), ys[p]) for xs, ys in batches)
+            for p in range(world)
+        )
+        reference.backward()
+        with r.dp.no_sync():
+            for xs, ys in batches[:-1]:
+                user_loss(r.dp(xs[rank]), ys[rank]).backward()
+        xs, ys = batches[-1]
+        user_loss(r.dp(xs[rank]), ys[rank]).backward()
+        r.step()
+    out["no_sync_changing_shares"] = r.worst
 
     # Two synchronized backward passes into one .grad (no zero_grad between).
     r = Runner(rank, world)

@@ -97,7 +97,7 @@ def _check_equality(results: list[dict[str, Any] | None], world: int, out: Path)
     for rank, r in enumerate(results):
         assert r is not None
         for key in ("equal", "uneven", "uneven_small_buckets", "criterion_mean", "criterion_sum", "no_sync",
-                    "twice_without_zero_grad", "unused", "buffers", "unfrozen"):
+                    "no_sync_changing_shares", "twice_without_zero_grad", "unused", "buffers", "unfrozen"):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
         assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks
         assert r["no_sync_left_gradients_local"] is True
@@ -110,7 +110,9 @@ def _check_equality(results: list[dict[str, Any] | None], world: int, out: Path)
 def test_two_processes_two_replicas_equal_single_device(tmp_path: Path) -> None:
     """2 processes x 2 CPU replicas against one device on the global batch,
     float64: equal and uneven local batches, many buckets, criterion= (mean
-    and sum), no_sync accumulation, two backward passes into one .grad, a
+    and sum), no_sync accumulation (the same shares in every micro-step:
+    single-device accumulation; changing shares: the documented weights by
+    each process's share of the window), two backward passes into one .grad, a
     parameter used by one rank only and one used by none, buffers (rank 0's
     at construction and before each forward, or not), a parameter unfrozen
     during training."""

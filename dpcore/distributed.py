@@ -12,14 +12,16 @@ processes of a ``torch.distributed`` process group into one training job:
   parameters and buffers are broadcast from the group's rank 0.
 * Before each forward, buffers are broadcast from rank 0
   (``broadcast_buffers=True``, as DDP).
-* Weights: each forward that records autograd history starts an
-  asynchronous all-reduce of its local batch size (it completes while the
-  forward and backward compute, and is read only when the first gradient
-  bucket is sent). A synchronization weights this process's ``.grad`` by
-  ``n_p / N``: n_p the samples of this process, N those of all processes,
-  both summed over the forwards since the last synchronization. So the
-  result is the gradient of the mean loss over the global batch, also for
-  uneven local batches (the last batch of an epoch). Without ``criterion=``
+* Weights: a synchronization weights this process's ``.grad`` by
+  ``n_p / N``: n_p the samples of this process's forwards (with autograd)
+  since the last synchronization, N those of all processes. So the result
+  is the gradient of the mean loss over the global batch, also for uneven
+  local batches (the last batch of an epoch). No collective of its own: n_p
+  travels in a spare element of the first gradient bucket sent (float32 or
+  wider; a separate small all-reduce when every bucket is half precision),
+  gradients are sent pre-multiplied by n_p / N_prev (N_prev: the previous
+  synchronization's N, the same on every process) and multiplied by
+  N_prev / N on arrival only when N changed (the last batch of an epoch). Without ``criterion=``
   the caller's loss is taken to be a mean over the batch (as DDP averages).
   With a ``reduction="sum"`` criterion the gradient flowing back from the
   loss is multiplied by P and the weight is 1/P: the gradient of the summed
@@ -49,11 +51,11 @@ and a failing peer surfaces as the backend's RuntimeError from forward or
 ``backward()``. Collective tensors live on the module's device, so a CPU
 list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
 
-Limits, most of them DDP's: every process must call forward and backward in
-the same sequence (every forward of the wrapper is collective: the buffer
-broadcast, and with autograd the batch-size all-reduce), so ranks that
-evaluate differently should use the bare module or a DataParallel without a
-process group; a forward with autograd whose output is never
+Limits, most of them DDP's: every process must run the same sequence of
+forwards and backward passes (with buffers and ``broadcast_buffers`` every
+forward is a collective; the gradient synchronization always is), so ranks
+that evaluate differently should use the bare module or a DataParallel
+without a process group; a forward with autograd whose output is never
 backpropagated still counts in the next synchronization's weights
 (evaluate under ``torch.no_grad()``); one window of accumulated forwards
 should not mix a summed criterion with mean losses; ``torch.autograd.grad``
@@ -103,18 +105,25 @@ def _grad_task() -> int:
 
 class _Bucket:
     """One all-reduce bucket: parameters of one dtype and a persistent flat
-    buffer holding their gradients, then one "has a gradient" flag each."""
+    buffer holding their gradients, then one "has a gradient" flag each,
+    then one sample count."""
 
-    __slots__ = ("params", "flat", "data", "views", "flags")
+    __slots__ = ("params", "flat", "data", "views", "flags", "count")
 
     def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.params = list(params)
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
-        self.flat = torch.zeros(total + len(sizes), dtype=self.params[0].dtype, device=device)
+        self.flat = torch.zeros(total + len(sizes) + 1, dtype=self.params[0].dtype, device=device)
         self.data = self.flat[:total]
         self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
-        self.flags = self.flat[total:]
+        self.flags = self.flat[total : total + len(sizes)]
+        self.count = self.flat[total + len(sizes) :]
+
+
+#: Dtypes that hold every sample count exactly (up to 2**24), so a bucket of
+#: them can carry the count.
+_COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 def _times(factor: float) -> Any:
@@ -124,10 +133,6 @@ def _times(factor: float) -> Any:
         return grad * factor
 
     return hook
-
-
-#: Pending batch-size all-reduces kept before they are folded into one.
-_MAX_PENDING_COUNTS = 16
 
 
 class GradientSync:
@@ -177,10 +182,11 @@ class GradientSync:
         self._sync_backward = False  # whether the latest forward's backward synchronizes
         self._hook_handles: list[Any] = []
         self._task = -1  # graph task of the synchronizing backward in progress, -1 if none
-        # Forwards since the last synchronization: local samples, and the
-        # (global total, all-reduce handle or None once folded) of each.
+        # Samples of this process's mean-loss forwards since the last
+        # synchronization, whether there was any, and N_prev.
         self._local_count = 0
-        self._counts: list[tuple[torch.Tensor, Any]] = []
+        self._counted = False
+        self._norm: float | torch.Tensor = 1.0
         self._build()
         _OWNERS[module] = weakref.ref(self)
 
@@ -214,6 +220,8 @@ class GradientSync:
                 self._bucket_of[i] = b
         # Launch order, the same on every process: last bucket first.
         self._order = list(range(len(self._buckets)))[::-1]
+        # The first bucket sent that can carry the sample count exactly.
+        self._carrier = next((b for b in self._order if self._buckets[b].flat.dtype in _COUNT_DTYPES), None)
         self._reset()
         ref = weakref.ref(self)
         for i, p in enumerate(self._params):
@@ -292,57 +300,34 @@ class GradientSync:
             self._broadcast(self._buffers)
 
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
-        """Records the forward's batch size (asynchronous all-reduce) for the
-        next synchronization's weights and returns `output`; with `summed` (a
-        criterion with ``reduction="sum"``), `output` with every tensor that
-        carries autograd history replaced by a view of it whose gradient is
+        """Records the forward's batch size for the next synchronization's
+        weights and returns `output`; with `summed` (a criterion with
+        ``reduction="sum"``), `output` with every tensor that carries
+        autograd history replaced by a view of it whose gradient is
         multiplied by the number of processes."""
         if not (torch.is_grad_enabled() and self._params):
             return output
         self._sync_backward = self._no_sync_depth == 0
-        if summed:
-            if self.world_size == 1:
-                return output
-            hook = _times(float(self.world_size))
+        if not summed:
+            self._counted = True
+            self._local_count += int(local_batch)
+            return output
+        if self.world_size == 1:
+            return output
+        hook = _times(float(self.world_size))
 
-            def scaled(t: torch.Tensor) -> torch.Tensor:
-                if t.grad_fn is None:
-                    return t
-                view = t.view_as(t)  # scaled once, even where one output feeds another
-                view.register_hook(hook)
-                return view
+        def scaled(t: torch.Tensor) -> torch.Tensor:
+            if t.grad_fn is None:
+                return t
+            view = t.view_as(t)  # scaled once, even where one output feeds another
+            view.register_hook(hook)
+            return view
 
-            return map_tensors(scaled, output)
-        if len(self._counts) >= _MAX_PENDING_COUNTS:  # forwards without backward: fold the old ones
-            self._counts = [(self._total_count(), None)]
-        total = torch.tensor([float(local_batch)], dtype=torch.float64, device=self.device)
-        self._counts.append((total, _dist().all_reduce(total, group=self.group, async_op=True)))
-        self._local_count += int(local_batch)
-        return output
-
-    def _total_count(self) -> torch.Tensor:
-        """The global samples of the recorded forwards (waits for their all-reduces)."""
-        for _, work in self._counts:
-            if work is not None:
-                work.wait()
-        if len(self._counts) == 1:
-            return self._counts[0][0]
-        return torch.stack([t for t, _ in self._counts]).sum(0)
+        return map_tensors(scaled, output)
 
     def _clear_counts(self) -> None:
         self._local_count = 0
-        self._counts = []
-
-    def _weight(self) -> float | torch.Tensor:
-        """This process's weight in the synchronization: n_p / N over the
-        recorded forwards, 1/P when none was recorded (a summed criterion, or
-        a backward that did not start from this wrapper's outputs)."""
-        if not self._counts:
-            return 1.0 / self.world_size
-        total = self._total_count()
-        if total.device.type == "cpu":
-            return self._local_count / max(total.item(), 1.0)
-        return (self._local_count / total.clamp_min(1.0)).reshape(())  # no host synchronization
+        self._counted = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -359,8 +344,21 @@ class GradientSync:
         self._task = -1
         self._remaining = [len(b.params) for b in self._buckets]
         self._next = 0
-        self._scale: float | torch.Tensor | None = None
-        self._launched: list[tuple[_Bucket, list[bool], Any]] = []
+        self._alpha: float | torch.Tensor | None = None  # the pre-multiplier of this synchronization
+        self._count_work: tuple[torch.Tensor, Any] | None = None  # the count's own all-reduce, if needed
+        self._launched: dict[int, tuple[list[bool], Any]] = {}  # bucket -> (had .grad, handle), in launch order
+
+    def _begin_weights(self) -> None:
+        """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P when
+        no mean-loss forward was recorded: every process then weighs the same),
+        and the count's own all-reduce where no bucket can carry it."""
+        if not self._counted:
+            self._alpha = 1.0 / self.world_size
+            return
+        self._alpha = self._local_count / self._norm
+        if self._carrier is None:
+            count = torch.tensor([float(self._local_count)], dtype=torch.float64, device=self.device)
+            self._count_work = (count, _dist().all_reduce(count, group=self.group, async_op=True))
 
     def _on_grad(self, i: int) -> None:
         """Post-accumulate hook of parameter i: launches every bucket that is
@@ -405,12 +403,36 @@ class GradientSync:
                 else:
                     view.copy_(g)
             bucket.flags.copy_(torch.tensor(present, dtype=bucket.flat.dtype))
-        if self._scale is None:
-            self._scale = self._weight()
-        if not (isinstance(self._scale, float) and self._scale == 1.0):
-            bucket.data.mul_(self._scale)
+        if self._alpha is None:
+            self._begin_weights()
+        alpha = self._alpha
+        if not (isinstance(alpha, float) and alpha == 1.0):
+            bucket.data.mul_(alpha)
+        bucket.count.fill_(self._local_count if b == self._carrier else 0)
         work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)
-        self._launched.append((bucket, present, work))
+        self._launched[b] = (present, work)
+
+    def _correction(self) -> float | torch.Tensor | None:
+        """After the sample count arrived: N_prev / N, the factor that turns
+        the sent n_p / N_prev weights into n_p / N (None where it is 1); N
+        becomes the next N_prev."""
+        if not self._counted:
+            return None
+        if self._count_work is not None:
+            count, work = self._count_work
+        else:
+            count, work = self._buckets[self._carrier].count, self._launched[self._carrier][1]
+        work.wait()
+        total = count.real if count.is_complex() else count
+        if total.device.type == "cpu":
+            n = max(total.item(), 1.0)
+            factor = None if n == self._norm else self._norm / n
+            self._norm = n
+            return factor
+        n_tensor = total.to(torch.float64).clamp_min(1.0).reshape(())  # stays on the device
+        factor_t = self._norm / n_tensor
+        self._norm = n_tensor
+        return factor_t
 
     def _finish(self) -> None:
         """Final callback of a synchronizing backward: launches what is left,
@@ -419,8 +441,12 @@ class GradientSync:
             while self._next < len(self._order):
                 self._launch(self._order[self._next])
                 self._next += 1
-            for bucket, present, work in self._launched:
+            factor = self._correction()
+            for b, (present, work) in self._launched.items():
                 work.wait()
+                bucket = self._buckets[b]
+                if factor is not None:
+                    bucket.data.mul_(factor)
                 if all(present):
                     torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
                     continue

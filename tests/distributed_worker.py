@@ -152,6 +152,11 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
     small = Runner(rank, world, bucket_bytes=64)
     out["buckets"] = len(small.dp._sync._buckets)
     out["uneven_small_buckets"] = check_steps(small, uneven)
+    # No bucket that can carry the sample count (as when every bucket is half
+    # precision): the count takes its own all-reduce.
+    separate = Runner(rank, world)
+    separate.dp._sync._carrier = None
+    out["uneven_separate_count"] = check_steps(separate, uneven)
 
     for reduction in ("mean", "sum"):
         r = Runner(rank, world, criterion=Criterion(reduction))

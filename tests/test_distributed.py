@@ -96,8 +96,8 @@ def _check_equality(results: list[dict[str, Any] | None], world: int, out: Path)
     assert all(r is not None for r in results), _logs(out, world)
     for rank, r in enumerate(results):
         assert r is not None
-        for key in ("equal", "uneven", "uneven_small_buckets", "criterion_mean", "criterion_sum", "no_sync",
-                    "no_sync_changing_shares", "twice_without_zero_grad", "unused", "buffers", "unfrozen"):
+        for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "criterion_mean",
+                    "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused", "buffers", "unfrozen"):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
         assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks
         assert r["no_sync_left_gradients_local"] is True

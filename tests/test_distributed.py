@@ -277,6 +277,19 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
     assert isinstance(state, dict) and any(k.endswith("weight") for k in state)
 
 
+def test_bench_distributed_runs_hybrid_against_ddp() -> None:
+    """bench/bench_distributed.py's two-process configuration with the
+    fewest steps (the numbers are not checked): both rows, rank 0's."""
+    from dpcore.bench import distributed as bench
+
+    rows = bench._launch("ddp", 2, rounds=1, repeats=1)
+    assert [r["model"] for r in rows] == [name for name, *_ in bench._models(quick=False)]
+    for r in rows:
+        assert (r["processes"], r["replicas"]) == (2, 1)
+        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == pytest.approx(r["ms"] / r["baseline_ms"])
+        assert "DDP" in r["baseline"]
+
+
 # -- the demo's torchrun helpers, in process -----------------------------------
 
 

@@ -99,6 +99,8 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        if "lo" in [name for _, name in socket.if_nameindex()]:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
         cmd = [sys.executable, "-m", "dpcore.bench.distributed", "--worker", config,
                "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]

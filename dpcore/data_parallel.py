@@ -190,6 +190,8 @@ class DataParallel(nn.Module):
         if self._cache is None or not self._cache.valid():
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+            if self._sync is not None:  # the gradient buckets follow a structural change (collective)
+                self._sync.check_structure()
         return self._cache.replicas(n)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -6,7 +6,7 @@ through the BroadcastBucket autograd nodes); :class:`GradientSync` joins the
 processes of a ``torch.distributed`` process group into one training job:
 
 * At construction (and again when the module's parameters or buffers change
-  structure) every process compares a hash of the module's layout (names,
+  structure, see :meth:`GradientSync.check_structure`) every process compares a hash of the module's layout (names,
   shapes, dtypes, requires_grad, gradient buckets) with one collective, and a
   difference is a ValueError on every rank naming the first difference. Then
   parameters and buffers are broadcast from the group's rank 0.
@@ -288,11 +288,18 @@ class GradientSync:
 
     # -- forward ----------------------------------------------------------
 
-    def before_forward(self) -> None:
-        """Rebuilds after a structural change of the module (collective),
-        drops the state of a backward that raised, broadcasts buffers."""
+    def check_structure(self) -> None:
+        """Rebuilds (collective: layout check, then parameters and buffers
+        from rank 0) when the module's structure changed since the last
+        build: a parameter or buffer added, removed, replaced, frozen or
+        unfrozen, converted, a submodule swapped. DataParallel calls it
+        whenever its replica cache finds such a change, before the module
+        runs, so the check costs nothing in the usual forward."""
         if not self._structure.matches(self._masters):
             self._build()
+
+    def before_forward(self) -> None:
+        """Drops the state of a backward that raised, broadcasts buffers."""
         if self._task != -1:  # a synchronizing backward raised: start afresh
             self._reset()
             self._clear_counts()

@@ -28,15 +28,10 @@ from torch import nn
 
 import dpcore
 from conftest import TESTS_DIR, subprocess_env
+from dpcore.bench.distributed import free_port
 
 WORKER = os.path.join(TESTS_DIR, "distributed_worker.py")
 ATOL = 1e-10
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_env() -> dict[str, str]:
@@ -57,7 +52,7 @@ def launch(
     returns each rank's JSON result (None where a rank wrote none). A rank
     still running at the deadline fails the test with every rank's output."""
     env = loopback_env()
-    env.update(MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout))
+    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout))
     procs = []
     logs = []
     for rank in range(world):

@@ -39,7 +39,8 @@ from dpcore.bench.step import _models, _train_step
 GLOBAL_BATCH = 64
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -98,7 +99,7 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
     """Runs `config` on `world` local processes; returns rank 0's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
         if "lo" in [name for _, name in socket.if_nameindex()]:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
         cmd = [sys.executable, "-m", "dpcore.bench.distributed", "--worker", config,

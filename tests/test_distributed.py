@@ -87,12 +87,34 @@ def _logs(out: Path, world: int) -> str:
     return "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world))
 
 
-def _check_equality(results: list[dict[str, Any] | None], world: int, out: Path) -> None:
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 processes", "3 processes"])
+def group_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+    """One run of the checks that leave the group usable ("all" in
+    distributed_worker.py) on 2 processes (2 replicas each) or 3 (2, 1 and 3
+    replicas); every rank's results."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"group{world}")
+    results = launch("all", world, out)
     assert all(r is not None for r in results), _logs(out, world)
+    return world, [r for r in results if r is not None]
+
+
+def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Against one device on the global batch, float64, after each of 3 SGD
+    steps (momentum): equal and uneven local batches, many buckets, the
+    sample count in its own all-reduce, criterion= (mean and sum), no_sync
+    accumulation (the same shares in every micro-step: single-device
+    accumulation; changing shares: the documented weights by each process's
+    share of the window), two backward passes into one .grad, a parameter
+    used by rank 1 only and one used by none, buffers (rank 0's at
+    construction and before each forward, or not), a parameter unfrozen
+    during training."""
+    _, results = group_run
     for rank, r in enumerate(results):
-        assert r is not None
+        r = r["equality"]
         for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "criterion_mean",
-                    "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused", "buffers", "unfrozen"):
+                    "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
+                    "buffers", "unfrozen"):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
         assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks
         assert r["no_sync_left_gradients_local"] is True
@@ -102,37 +124,20 @@ def _check_equality(results: list[dict[str, Any] | None], world: int, out: Path)
         assert r["synchronized_parameters"] == [6, 7, 7]  # of 7; the frozen weight joins when unfrozen
 
 
-def test_two_processes_two_replicas_equal_single_device(tmp_path: Path) -> None:
-    """2 processes x 2 CPU replicas against one device on the global batch,
-    float64: equal and uneven local batches, many buckets, criterion= (mean
-    and sum), no_sync accumulation (the same shares in every micro-step:
-    single-device accumulation; changing shares: the documented weights by
-    each process's share of the window), two backward passes into one .grad, a
-    parameter used by one rank only and one used by none, buffers (rank 0's
-    at construction and before each forward, or not), a parameter unfrozen
-    during training."""
-    _check_equality(launch("equality", 2, tmp_path), 2, tmp_path)
-
-
-def test_three_processes_with_different_replica_counts(tmp_path: Path) -> None:
-    """3 processes with 2, 1 and 3 replicas: the same checks."""
-    _check_equality(launch("equality", 3, tmp_path), 3, tmp_path)
-
-
-def test_models_that_differ_between_processes_fail_on_every_rank(tmp_path: Path) -> None:
+def test_models_that_differ_between_processes_fail_on_every_rank(group_run: tuple[int, list[dict[str, Any]]]) -> None:
     """Different shapes or bucket layouts: ValueError on every rank naming the
     first difference; the group stays usable. Also, with one replica per
     rank, gradients of unused parameters (None everywhere, or used by one rank)."""
-    results = launch("mismatch", 2, tmp_path)
+    world, results = group_run
     for r in results:
-        assert r is not None, _logs(tmp_path, 2)
+        r = r["mismatch"]
         assert r["shape"] is not None and "rank 1 has parameter '0.weight': shape (6, 4)" in r["shape"]
         assert "where rank 0 has parameter '0.weight': shape (5, 4)" in r["shape"]
         assert r["buckets"] is not None and "gradient bucket" in r["buckets"]
         assert r["then_trains"] is True
         assert r["single_replica_never_grad"] is None
-        # rank 1: d(sum of 2 x 3 outputs)/d(bias) = 2 per entry; averaged over 2 ranks
-        assert r["single_replica_extra_bias_grad"] == [1.0, 1.0, 1.0]
+        # rank 1: d(sum of 2 x 3 outputs)/d(bias) = 2 per entry; weighted by rank 1's share 2 / (2 * world)
+        assert r["single_replica_extra_bias_grad"] == [pytest.approx(2.0 / world)] * 3
 
 
 @pytest.mark.parametrize(("where", "then"), [("forward", "exit"), ("backward", "stay")])

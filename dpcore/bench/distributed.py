@@ -52,7 +52,7 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # cores / processes
     group = None
     if world > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -99,7 +99,9 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
     """Runs `config` on `world` local processes; returns rank 0's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+        threads = str(max(1, (os.cpu_count() or 1) // world))  # as torchrun's OMP_NUM_THREADS
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS=threads)
         if "lo" in [name for _, name in socket.if_nameindex()]:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
         cmd = [sys.executable, "-m", "dpcore.bench.distributed", "--worker", config,

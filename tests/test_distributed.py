@@ -287,6 +287,7 @@ def test_bench_distributed_runs_hybrid_against_ddp() -> None:
     for r in rows:
         assert (r["processes"], r["replicas"]) == (2, 1)
         assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == pytest.approx(r["ms"] / r["baseline_ms"])
+        assert r["cpu_ms"] > 0 and r["cpu_ratio"] == pytest.approx(r["cpu_ms"] / r["baseline_cpu_ms"])
         assert "DDP" in r["baseline"]
 
 

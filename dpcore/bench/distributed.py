@@ -4,7 +4,9 @@ same run.
 
 1. 2 processes x 1 CPU replica: the hybrid step against
    torch.nn.parallel.DistributedDataParallel (gloo) on the same model, in the
-   same processes, alternating (the target ratio is at most 1.1);
+   same processes, alternating (the target ratio is at most 1.1); also the
+   ratio of the processes' CPU time per step (gloo's threads included),
+   which a loaded machine disturbs less than wall time;
 2. 2 processes x 2 CPU replicas against 1 process x 4 CPU replicas (plain
    dpcore.DataParallel), the same global batch; reported as measured (two
    separate runs, one after the other).
@@ -25,8 +27,10 @@ import os
 import socket
 import subprocess
 import sys
+import statistics
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +48,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cpu_timed(fn: Callable[[], Any], out: list[float]) -> Callable[[], None]:
+    """`fn`, appending the CPU time of the whole process (gloo's threads
+    included) of each call to `out`: steadier than wall time on a loaded
+    machine, where two processes wait on each other's scheduling."""
+
+    def run() -> None:
+        start = time.process_time()
+        fn()
+        out.append(time.process_time() - start)
+
+    return run
 
 
 def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
@@ -75,12 +92,16 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
             twin = copy.deepcopy(model)
             ddp = torch.nn.parallel.DistributedDataParallel(twin, process_group=dist.new_group())
             opt_twin = torch.optim.SGD(twin.parameters(), lr=1e-3)
+            cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
             ours, theirs = measure_against(
-                lambda: _train_step(dp, opt, x, y), lambda: _train_step(ddp, opt_twin, x, y),
+                _cpu_timed(lambda: _train_step(dp, opt, x, y), cpu["ours"]),
+                _cpu_timed(lambda: _train_step(ddp, opt_twin, x, y), cpu["theirs"]),
                 devices, rounds=rounds, repeats=repeats,
             )
+            cpu_ours, cpu_theirs = statistics.median(cpu["ours"]), statistics.median(cpu["theirs"])
             row.update(ms=ours * 1e3, baseline="torch DDP (gloo), same processes", baseline_ms=theirs * 1e3,
-                       ratio=ours / theirs)
+                       ratio=ours / theirs, cpu_ms=cpu_ours * 1e3, baseline_cpu_ms=cpu_theirs * 1e3,
+                       cpu_ratio=cpu_ours / cpu_theirs)
         else:
             # Fixed step counts: every rank must run the same number of steps.
             ours, _ = measure_against(
@@ -143,6 +164,7 @@ COLUMNS = [
     ("baseline", "baseline", "s"),
     ("baseline_ms", "baseline ms", ".2f"),
     ("ratio", "ratio", ".3f"),
+    ("cpu_ratio", "CPU-time ratio", ".3f"),
 ]
 
 

@@ -413,7 +413,9 @@ class GradientSync:
         if self._alpha is None:
             self._begin_weights()
         alpha = self._alpha
-        if not (isinstance(alpha, float) and alpha == 1.0):
+        if self._counted and self._local_count == 0:
+            bucket.data.zero_()  # no samples here (an empty local batch): nothing, not 0 * inf or NaN
+        elif not (isinstance(alpha, float) and alpha == 1.0):
             bucket.data.mul_(alpha)
         bucket.count.fill_(self._local_count if b == self._carrier else 0)
         work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)

@@ -158,6 +158,17 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
     separate.dp._sync._carrier = None
     out["uneven_separate_count"] = check_steps(separate, uneven)
 
+    # Rank 1 with an empty local batch (its loss is NaN): it weighs nothing.
+    r = Runner(rank, world, criterion=Criterion("mean"))
+    for step in range(STEPS):
+        r.zero_grad()
+        sizes = [0 if p == 1 else 3 + p for p in range(world)]
+        xs, ys = r.batch(sizes, classes=True)
+        Criterion("mean")(r.reference(torch.cat(xs)), torch.cat(ys)).backward()
+        r.dp(xs[rank], ys[rank]).backward()
+        r.step()
+    out["empty_rank"] = r.worst
+
     for reduction in ("mean", "sum"):
         r = Runner(rank, world, criterion=Criterion(reduction))
         for step in range(STEPS):

@@ -102,7 +102,8 @@ def group_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[str, Any]]]) -> None:
     """Against one device on the global batch, float64, after each of 3 SGD
     steps (momentum): equal and uneven local batches, many buckets, the
-    sample count in its own all-reduce, criterion= (mean and sum), no_sync
+    sample count in its own all-reduce, an empty local batch on rank 1,
+    criterion= (mean and sum), no_sync
     accumulation (the same shares in every micro-step: single-device
     accumulation; changing shares: the documented weights by each process's
     share of the window), two backward passes into one .grad, a parameter
@@ -112,7 +113,7 @@ def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[
     _, results = group_run
     for rank, r in enumerate(results):
         r = r["equality"]
-        for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "criterion_mean",
+        for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "empty_rank", "criterion_mean",
                     "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
                     "buffers", "unfrozen"):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"

@@ -322,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed),
     "agreement_check" (its details, see check_agreement), "history" (one
-    dict per epoch), "processes" (1, or the torchrun world size)}. Exits with status 2 on a bad option (argparse), 1 when
-    scikit-learn or tqdm is missing or the agreement check fails."""
+    dict per epoch), "processes" (1, or the torchrun world size)}. Exits
+    with status 2 on a bad option (argparse), 1 when scikit-learn or tqdm is
+    missing or the agreement check fails."""
     args, devices, spec = _parse(argv)
     _require_demo_deps()
     if _torchrun() is None:

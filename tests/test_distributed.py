@@ -45,7 +45,13 @@ def loopback_env() -> dict[str, str]:
 
 
 def launch(
-    scenario: str, world: int, out: Path, *, timeout: float = 180, pg_timeout: float = 60, wait_for: list[int] | None = None
+    scenario: str,
+    world: int,
+    out: Path,
+    *,
+    timeout: float = 180,
+    pg_timeout: float = 60,
+    wait_for: list[int] | None = None,
 ) -> list[dict[str, Any] | None]:
     """Runs `scenario` on `world` ranks; waits (at most `timeout` seconds in
     all) for the ranks in `wait_for` (default all), kills the rest, and
@@ -60,7 +66,8 @@ def launch(
         logs.append(log)
         procs.append(subprocess.Popen(
             [sys.executable, WORKER, scenario, str(out)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=TESTS_DIR, stdout=log, stderr=subprocess.STDOUT,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=TESTS_DIR, stdout=log, stderr=subprocess.STDOUT,
         ))
     deadline = time.monotonic() + timeout
     try:
@@ -84,11 +91,15 @@ def launch(
 
 
 def _logs(out: Path, world: int) -> str:
-    return "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world))
+    return "\n".join(
+        f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world)
+    )
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 processes", "3 processes"])
-def group_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+def group_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
     """One run of the checks that leave the group usable ("all" in
     distributed_worker.py) on 2 processes (2 replicas each) or 3 (2, 1 and 3
     replicas); every rank's results."""

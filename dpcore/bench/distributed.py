@@ -151,7 +151,9 @@ def run(quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
     single = {r["model"]: r for r in _launch("single", 1, rounds, repeats)}
     for row in hybrid:
         base = single[row["model"]]
-        row.update(baseline="1 process x 4 replicas (separate run)", baseline_ms=base["ms"], ratio=row["ms"] / base["ms"])
+        row.update(
+            baseline="1 process x 4 replicas (separate run)", baseline_ms=base["ms"], ratio=row["ms"] / base["ms"]
+        )
     rows += hybrid
     return {"benchmark": "distributed", "global_batch": GLOBAL_BATCH, "env": environment(), "rows": rows}
 

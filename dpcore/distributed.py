@@ -98,9 +98,8 @@ def _dist() -> Any:
     return dist
 
 
-def _grad_task() -> int:
-    """Id of the backward pass (graph task) running on this thread, -1 outside backward."""
-    return torch._C._current_graph_task_id()
+#: Id of the backward pass (graph task) running on this thread, -1 outside backward.
+_grad_task = torch._C._current_graph_task_id
 
 
 class _Bucket:
@@ -384,8 +383,9 @@ class GradientSync:
                 "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)"
             )
         b = self._bucket_of[i]
-        self._remaining[b] -= 1
-        if self._remaining[b] == 0:
+        remaining = self._remaining
+        remaining[b] -= 1
+        if remaining[b] == 0:
             while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
                 self._launch(self._order[self._next])
                 self._next += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -158,6 +158,17 @@ def contains_tensor(obj: Any) -> bool:
     if node_kind in CONTAINERS:
         return any(contains_tensor(child) for _, child in children(obj, node_kind, ""))
     return False
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)``, containers
+    rebuilt with their own type (as gather does); other leaves are kept."""
+    node_kind = kind(obj)
+    if node_kind == TENSOR:
+        return fn(obj)
+    if node_kind in CONTAINERS:
+        return rebuild(obj, node_kind, [map_tensors(fn, child) for _, child in children(obj, node_kind, "")])
+    return obj
 
 
 def describe(obj: Any, node_kind: str) -> str:

@@ -4,9 +4,10 @@ loss and CPU device lists."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._split import as_int, check_split
-from dpcore.parallel_apply import start_parallel_apply
+from dpcore.distributed import GradientSync
+from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
@@ -70,10 +72,14 @@ def _check_losses(losses: Sequence[Any], devices: Sequence[torch.device]) -> Non
             )
 
 
+def _summed(criterion: Callable[..., Any] | None) -> bool:
+    """Whether `criterion` sums over the batch (``reduction="sum"``) rather than averaging."""
+    return criterion is not None and getattr(criterion, "reduction", "mean") == "sum"
+
+
 def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float:
     """Weight of one replica's loss so that the weighted sum is the loss of the whole batch."""
-    reduction = getattr(criterion, "reduction", "mean")
-    return 1.0 if reduction == "sum" else chunk / total
+    return 1.0 if _summed(criterion) else chunk / total
 
 
 class DataParallel(nn.Module):
@@ -104,13 +110,25 @@ class DataParallel(nn.Module):
             the replica and the shape).
         gather: False returns the per-replica outputs where they were computed.
         bucket_bytes: size of the parameter buckets broadcast to replicas
-            (a positive int).
+            (a positive int; with a process group, also the size of the
+            gradient all-reduce buckets).
         sync_batchnorm: BatchNorm layers that use batch statistics normalize
             with those of the whole batch across the replicas of the call
             (dpcore/sync_batchnorm.py: exact against one device, the running
             statistics too; a replica that raises or skips a BatchNorm call
             gives one clear error, never a hang). The modules stay plain
             BatchNorm; eval mode is unchanged.
+        process_group: a torch.distributed process group; every process of
+            it runs this in-process data parallelism over its own
+            ``device_ids`` and together they train one model (hybrid data
+            parallelism, see dpcore.distributed): parameters and buffers
+            start from the group's rank 0, gradients after ``backward()`` are
+            those of the loss over the global batch (each process weighted
+            by its share; without ``criterion=`` the loss is taken to be a
+            mean over the batch, as DDP averages). ``device_ids`` defaults to
+            the module's device here.
+        broadcast_buffers: with a process group, broadcast buffers from rank
+            0 before each forward (as DDP's option of that name).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -160,6 +178,8 @@ class DataParallel(nn.Module):
         gather: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
+        process_group: Any = None,
+        broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
         self._calls = _CallGuard()
@@ -174,6 +194,9 @@ class DataParallel(nn.Module):
         self.criterion = criterion
         self.gather = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
+        self._sync: GradientSync | None = None
+        if device_ids is None and process_group is not None:
+            device_ids = [_module_device(module)]  # one device per process, as DDP
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             if not device_ids:
@@ -188,6 +211,11 @@ class DataParallel(nn.Module):
         _check_usable(self.output_device, "output_device")
         check_on_device(module, self.device_ids[0], "device_ids[0]")
         self._cache: ReplicaCache | None = None
+        if process_group is not None:
+            self._sync = GradientSync(
+                module, self.device_ids[0], process_group,
+                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes,
+            )
 
     # -- attribute fall-through, state dicts, pickling -----------------------
 
@@ -246,11 +274,17 @@ class DataParallel(nn.Module):
         if self._cache is None or not self._cache.valid():
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+            if self._sync is not None:  # the gradient buckets follow a structural change (collective)
+                self._sync.check_structure()
         return self._cache.replicas(n)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._calls:
-            return self._forward(*inputs, **kwargs)
+            if self._sync is None:
+                return self._forward(*inputs, **kwargs)
+            self._sync.before_forward()
+            output = self._forward(*inputs, **kwargs)
+            return self._sync.after_forward(output, self._local_batch, _summed(self.criterion))
 
     def _parallel_apply(
         self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any, *, all_at_once: bool = False
@@ -263,6 +297,18 @@ class DataParallel(nn.Module):
                 self._calls.abandoned = run
             raise
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation, as DDP's ``no_sync``: the backward passes of
+        forwards run inside accumulate into ``.grad`` in this process only;
+        the first backward of a forward outside all-reduces the accumulated
+        gradients. Without a process group there is nothing to skip."""
+        if self._sync is None:
+            yield
+        else:
+            with self._sync.no_sync():
+                yield
+
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         criterion = self.criterion
         if criterion is not None:
@@ -274,6 +320,7 @@ class DataParallel(nn.Module):
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
 
         args, kws, sizes, used = scatter_kwargs(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights)
+        self._local_batch = sum(sizes)  # this process's share, for the process group's weights
         if used[0] != 0:
             given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
             split = [0] * len(self.device_ids)

@@ -25,6 +25,17 @@ has them: a single device cannot reproduce those, so the check is skipped.
     python -m dpcore.demo --devices 0,0         # two replicas on GPU 0
     python -m dpcore.demo --sync-batchnorm      # BatchNorm, synchronized
 
+Started by torchrun (RANK and WORLD_SIZE set), it trains one model over
+several processes with hybrid data parallelism (``DataParallel(...,
+process_group=...)``): gloo for CPU devices, NCCL for CUDA ones, each
+process on its own ``--devices`` (CUDA indices are offset by the local rank
+times one more than the largest index, so ``--devices 0,1`` gives local rank 1
+GPUs 2 and 3), its share of each global batch from a DistributedSampler, the
+float64 check against one device on the global batch, logs and the
+checkpoint from rank 0 only:
+
+    torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
+
 Needs scikit-learn and tqdm: ``pip install 'dpcore[demo]'``.
 """
 
@@ -34,6 +45,7 @@ import argparse
 import copy
 import itertools
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -43,7 +55,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import add_devices_argument, default_devices, devices_from_args, print_table
+from dpcore.bench._common import parse_devices, print_table
 
 #: How many steps the float64 agreement check runs, and its tolerance on
 #: every parameter element after each step.
@@ -134,6 +146,34 @@ def batches(n: int, batch_size: int, generator: torch.Generator, min_last: int =
     return parts if len(parts[-1]) >= min_last or len(parts) == 1 else parts[:-1]
 
 
+def sampler_batches(n: int, batch_size: int, seed: int, epoch: int, world: int) -> list[torch.Tensor]:
+    """One epoch as torch's DistributedSampler deals it to `world` processes:
+    rank r takes batches of batch_size / world from its sampler; global batch
+    b is rank 0's b-th batch, then rank 1's, and so on, so that
+    ``index.tensor_split(world)[r]`` is rank r's share (every rank gets the
+    same number of samples, so the shares of a batch have equal sizes)."""
+    from torch.utils.data import DistributedSampler
+
+    local: list[tuple[torch.Tensor, ...]] = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        local.append(torch.tensor(list(sampler)).split(batch_size // world))
+    return [torch.cat(parts) for parts in zip(*local)]
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print's stand-in on ranks other than 0."""
+
+
+def _torchrun() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun (RANK and
+    WORLD_SIZE in the environment), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def check_agreement(
     model: nn.Module,
     devices: Sequence[torch.device],
@@ -143,12 +183,18 @@ def check_agreement(
     lr: float,
     steps: int = CHECK_STEPS,
     atol: float = CHECK_ATOL,
+    process_group: Any = None,
     sync_batchnorm: bool = False,
 ) -> dict[str, Any]:
     """Runs `steps` training steps in float64 from `model`'s current weights
     twice: with dpcore.DataParallel over `devices` (loss inside each replica,
     BatchNorm synchronized if `sync_batchnorm`) and with the bare model on
     devices[0], on the batches `order` of (x, y).
+    With a `process_group` of P processes, the DataParallel is the hybrid one
+    and this process feeds it its share ``index.tensor_split(P)[rank]`` of
+    each global batch, while the single-device run takes the whole batch; the
+    loss compared is the global one, and every rank returns the largest
+    differences over all ranks.
 
     Returns {"ok", "steps", "atol", "max_abs_diff" (per step: the largest
     difference of a parameter or buffer, such as BatchNorm's running
@@ -158,7 +204,15 @@ def check_agreement(
     criterion = nn.CrossEntropyLoss()
     single = copy.deepcopy(model).double()
     parallel = copy.deepcopy(model).double()
-    dp = dpcore.DataParallel(parallel, device_ids=list(devices), criterion=criterion, sync_batchnorm=sync_batchnorm)
+    dp = dpcore.DataParallel(
+        parallel, device_ids=list(devices), criterion=criterion, process_group=process_group,
+        sync_batchnorm=sync_batchnorm,
+    )
+    rank, world = 0, 1
+    if process_group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     opt_single = make_optimizer(single.parameters(), lr)
     opt_parallel = make_optimizer(parallel.parameters(), lr)
     diffs: list[float] = []
@@ -170,15 +224,25 @@ def check_agreement(
         loss_single.backward()
         opt_single.step()
         opt_parallel.zero_grad()
-        loss_parallel = dp(xb, yb)
+        share = index.tensor_split(world)[rank]
+        loss_parallel = dp(x[share].double(), y[share])
         loss_parallel.backward()
         opt_parallel.step()
-        loss_diffs.append(abs(loss_single.item() - loss_parallel.item()))
+        loss_global = loss_parallel.detach()
+        if process_group is not None:  # the mean over the global batch
+            loss_global = loss_global * len(share)
+            dist.all_reduce(loss_global, group=process_group)
+            loss_global = loss_global / len(index)
+        loss_diffs.append(abs(loss_single.item() - loss_global.item()))
         with torch.no_grad():
             diffs.append(max(
                 (a.double() - b.double()).abs().max().item()
                 for a, b in zip(single.state_dict().values(), parallel.state_dict().values())
             ))
+    if process_group is not None:  # every rank decides on the worst difference anywhere
+        worst = torch.tensor(diffs + loss_diffs, dtype=torch.float64, device=devices[0])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=process_group)
+        diffs, loss_diffs = worst[: len(diffs)].tolist(), worst[len(diffs) :].tolist()
     ok = len(diffs) == steps and all(d <= atol for d in diffs + loss_diffs)  # NaN fails too
     return {"ok": ok, "steps": len(diffs), "atol": atol, "max_abs_diff": diffs, "loss_diff": loss_diffs}
 
@@ -189,11 +253,39 @@ def accuracy(evaluator: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return (evaluator(x).argmax(dim=1) == y).double().mean().item()
 
 
+def _default_devices() -> str:
+    """Every visible GPU (under torchrun: an equal share per local process), else four CPU devices."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if _torchrun() else 1
+        return ",".join(str(i) for i in range(max(1, torch.cuda.device_count() // local)))
+    return "cpu:4"
+
+
+def _local_devices(devices: list[torch.device], local_rank: int) -> list[torch.device]:
+    """This process's devices under torchrun: CPU lists as given, CUDA
+    indices offset by local_rank * (largest index + 1). Raises ValueError
+    naming --devices when an offset index is not visible."""
+    if devices[0].type != "cuda" or local_rank == 0:
+        return devices
+    stride = max(d.index for d in devices) + 1
+    moved = [torch.device("cuda", d.index + local_rank * stride) for d in devices]
+    count = torch.cuda.device_count()
+    if any(d.index >= count for d in moved):
+        raise ValueError(
+            f"--devices: local rank {local_rank} would use CUDA devices {[d.index for d in moved]}, "
+            f"but only {count} are visible"
+        )
+    return moved
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_devices_argument(parser, "every GPU, else cpu:4")
+    parser.add_argument(
+        "--devices", default=None,
+        help="'cpu:N' (N CPU replicas) or CUDA indices such as '0,1' or '0,0'; default: every GPU, else cpu:4",
+    )
     parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="training epochs (default %(default)s)")
     parser.add_argument(
         "--batch-size", type=int, default=DEFAULTS["batch_size"],
@@ -215,6 +307,10 @@ def _parser() -> argparse.ArgumentParser:
         help="add BatchNorm after every hidden layer, synchronized across the replicas (implies --batchnorm)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
+    parser.add_argument(
+        "--checkpoint", default=None, metavar="FILE",
+        help="save the trained model's state_dict here (torch.save; from rank 0 only under torchrun)",
+    )
     # For tests: train and test on a stratified subset of this many images.
     parser.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -238,7 +334,21 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
         parser.error(f"--seed: expected an integer in [0, 2**32), but got {args.seed}")
     if args.limit is not None and args.limit < 50:
         parser.error(f"--limit: expected at least 50 images, but got {args.limit}")
-    spec, devices = devices_from_args(parser, args.devices, default_devices(every_gpu=True))
+    spec = args.devices if args.devices is not None else _default_devices()
+    launch = _torchrun()
+    if launch is not None and args.batchnorm:
+        # Synchronized BatchNorm reduces within one process's replicas only:
+        # the processes' statistics would differ from the global batch's.
+        parser.error("--batchnorm/--sync-batchnorm: not available under torchrun (BatchNorm is not synchronized across processes)")
+    if launch is not None and args.batch_size % launch[1]:
+        parser.error(f"--batch-size: expected a multiple of the {launch[1]} processes, but got {args.batch_size}")
+    try:
+        devices = parse_devices(spec)
+        if launch is not None:
+            devices = _local_devices(devices, launch[2])
+    except ValueError as error:
+        message = str(error)
+        parser.error(message if message.startswith("--devices") else f"--devices: {message}")
     return args, devices, spec
 
 
@@ -246,52 +356,63 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo with command-line arguments `argv` (default sys.argv[1:]).
 
     Returns the summary: {"devices", "epochs", "batch_size", "lr", "seed",
-    "batchnorm" ("none", "per-replica" or "synchronized"), "train_samples", "test_samples",
+    "train_samples", "test_samples",
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed,
     None when it was skipped: per-replica BatchNorm), "agreement_check" (its details, see
-    check_agreement; None when skipped), "history" (one
-    dict per epoch)}. Exits with status 2 on a bad option (argparse), 1 when
-    scikit-learn or tqdm is missing or the agreement check fails."""
+    check_agreement; None when skipped), "batchnorm" ("none", "per-replica" or "synchronized"), "history" (one
+    dict per epoch), "processes" (1, or the torchrun world size)}. Exits
+    with status 2 on a bad option (argparse), 1 when scikit-learn or tqdm is
+    missing or the agreement check fails."""
     args, devices, spec = _parse(argv)
     _require_demo_deps()
-    return _run(args, devices, spec)
+    if _torchrun() is None:
+        return _run(args, devices, spec)
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])
+        dist.init_process_group("nccl" if devices[0].type == "cuda" else "gloo")
+    try:
+        return _run(args, devices, spec, dist.group.WORLD)
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
-def _report_check(check: dict[str, Any], devices: int) -> None:
-    """Prints the agreement check's outcome; exits with status 1 when it failed."""
-    worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
-    if not check["ok"]:
-        print(
-            f"agreement check FAILED: DataParallel and single-device float64 runs differ by {worst:.3g} "
-            f"(tolerance {check['atol']:g}) within the first {check['steps']} steps; per step: "
-            + ", ".join(f"{d:.3g}" for d in check["max_abs_diff"]),
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
-    print(
-        f"agreement check passed: the first {check['steps']} steps in float64 with DataParallel over "
-        f"{devices} device(s) and on one device from the same initial weights agree "
-        f"(largest parameter, buffer or loss difference {worst:.2g} <= atol {check['atol']:g})"
-    )
-
-
-def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> dict[str, Any]:
-    """The demo proper, once the options are checked (see main)."""
+def _run(
+    args: argparse.Namespace, devices: list[torch.device], spec: str, group: Any = None
+) -> dict[str, Any]:
+    """The demo proper, once the options are checked (see main); `group`:
+    the process group of a torchrun launch (hybrid data parallelism)."""
     from tqdm import tqdm
 
+    rank, world = 0, 1
+    if group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    say = print if rank == 0 else _silent
     first = devices[0]
     torch.manual_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed, first, args.limit)
     model = digits_cnn(args.batchnorm).to(first)
     generator = torch.Generator().manual_seed(args.seed)
-    min_last = 2 if args.batchnorm else 1
-    epoch_orders = [batches(len(y_train), args.batch_size, generator, min_last) for _ in range(args.epochs)]
-    batchnorm = "synchronized" if args.sync_batchnorm else "per-replica" if args.batchnorm else "none"
+    if group is None:
+        min_last = 2 if args.batchnorm else 1
+        epoch_orders = [batches(len(y_train), args.batch_size, generator, min_last) for _ in range(args.epochs)]
+    else:
+        epoch_orders = [
+            sampler_batches(len(y_train), args.batch_size, args.seed, epoch, world) for epoch in range(args.epochs)
+        ]
     names = ", ".join(str(d) for d in devices)
-    print(
-        f"dpcore.demo: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on "
-        f"{len(devices)} device(s) [{names}] ({spec}); "
+    where = f"{world} processes x {len(devices)} devices" if group is not None else f"{len(devices)} device(s)"
+    batchnorm = "synchronized" if args.sync_batchnorm else "per-replica" if args.batchnorm else "none"
+    say(
+        f"dpcore.demo: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on {where} "
+        f"[{names}] ({spec}); "
         f"{len(y_train)} train / {len(y_test)} test images, batch {args.batch_size}, "
         f"{args.epochs} epoch(s), SGD lr {args.lr} (momentum 0.9, cosine decay), seed {args.seed}"
     )
@@ -301,18 +422,35 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
     first_batches = list(itertools.islice(itertools.cycle(itertools.chain(*epoch_orders)), CHECK_STEPS))
     check: dict[str, Any] | None = None
     if batchnorm == "per-replica":
-        print(
+        say(
             "agreement check skipped: BatchNorm with per-replica statistics (--batchnorm without "
             "--sync-batchnorm) normalizes each replica's chunk on its own, which one device cannot reproduce"
         )
     else:
         check = check_agreement(
-            model, devices, x_train, y_train, first_batches, args.lr, sync_batchnorm=args.sync_batchnorm
+            model, devices, x_train, y_train, first_batches, args.lr, process_group=group,
+            sync_batchnorm=args.sync_batchnorm,
         )
-        _report_check(check, len(devices))
+        worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
+        if not check["ok"]:
+            say(
+                f"agreement check FAILED: DataParallel and single-device float64 runs differ by {worst:.3g} "
+                f"(tolerance {check['atol']:g}) within the first {check['steps']} steps; per step: "
+                + ", ".join(f"{d:.3g}" for d in check["max_abs_diff"]),
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
+        say(
+            f"agreement check passed: the first {check['steps']} steps in float64 with DataParallel over "
+            f"{where} and on one device from the same initial weights agree "
+            f"(largest parameter, buffer or loss difference {worst:.2g} <= atol {check['atol']:g})"
+        )
 
     criterion = nn.CrossEntropyLoss()
-    trainer = dpcore.DataParallel(model, device_ids=devices, criterion=criterion, sync_batchnorm=args.sync_batchnorm)
+    trainer = dpcore.DataParallel(
+        model, device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm
+    )
+    # Every rank evaluates the whole test set (the same weights, the same result); no collective.
     evaluator = dpcore.DataParallel(model, device_ids=devices)  # gathers the logits on devices[0]
     optimizer = make_optimizer(model.parameters(), args.lr)
     total_steps = sum(len(order) for order in epoch_orders)
@@ -325,19 +463,22 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
         total_loss = torch.zeros((), device=first)
         bar = tqdm(
             order, desc=f"epoch {epoch}/{args.epochs}", unit="batch", leave=False,
-            disable=args.no_progress, dynamic_ncols=True,
+            disable=args.no_progress or rank != 0, dynamic_ncols=True,
         )
         start = time.perf_counter()
         for step, index in enumerate(bar):
-            xb, yb = x_train[index], y_train[index]
+            share = index.tensor_split(world)[rank]  # the whole batch in a single process
+            xb, yb = x_train[share], y_train[share]
             optimizer.zero_grad(set_to_none=True)
             loss = trainer(xb, yb)
             loss.backward()
             optimizer.step()
             schedule.step()
-            total_loss += loss.detach() * len(index)
+            total_loss += loss.detach() * len(share)
             if step % 8 == 0:
                 bar.set_postfix(loss=f"{loss.item():.4f}")
+        if group is not None:
+            dist.all_reduce(total_loss, group=group)
         trained = sum(len(index) for index in order)
         mean_loss = total_loss.item() / trained  # also waits for queued GPU work
         seconds = time.perf_counter() - start
@@ -351,7 +492,7 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
             "samples_per_second": trained / seconds,
             "seconds": seconds,
         })
-        print(
+        say(
             f"epoch {epoch:>{len(str(args.epochs))}}/{args.epochs}  loss {mean_loss:.4f}  "
             f"test accuracy {acc:.4f}  {trained / seconds:,.0f} samples/s",
             flush=True,
@@ -373,13 +514,19 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str) -> di
         "agreement": None if check is None else check["ok"],
         "agreement_check": check,
         "history": history,
+        "processes": world,
     }
+    if args.checkpoint and rank == 0:
+        torch.save(model.state_dict(), args.checkpoint)
+        say(f"checkpoint written to {args.checkpoint}")
+    if rank != 0:
+        return summary
     print()
     print_table(history, HISTORY_COLUMNS)
     print()
     print_table(
         [{
-            "devices": spec,
+            "devices": spec if group is None else f"{world} x {spec}",
             "epochs": args.epochs,
             "acc": summary["final_accuracy"],
             "sps": summary["samples_per_second"],

@@ -144,6 +144,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
 
   m.def(
+      "make_buckets",
+      [](const Tensors& tensors, int64_t bucket_bytes) {
+        std::vector<std::vector<size_t>> groups;
+        for (const dpcore::Bucket& bucket : dpcore::make_buckets(tensors, bucket_bytes)) {
+          groups.push_back(bucket.indices);
+        }
+        return groups;
+      },
+      py::arg("tensors"), py::arg("bucket_bytes"),
+      "Indices of `tensors` grouped as the C++ core buckets them: dense tensors by dtype in "
+      "order, a bucket closed once it holds at least `bucket_bytes`; each sparse tensor alone.");
+  m.def(
       "unflatten",
       [](const at::Tensor& flat, const Tensors& like) {
         return dpcore::FlatLayout::of(like).unflatten(flat);

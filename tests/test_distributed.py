@@ -1,0 +1,338 @@
+"""Hybrid data parallelism: DataParallel(..., process_group=pg) (dpcore/distributed.py).
+
+Multi-process checks start 2 or 3 ranks of a gloo group on 127.0.0.1 (a free
+port, nothing beyond loopback) running tests/distributed_worker.py; each run
+is bounded by a timeout, so a hang is a failure. Several checks share one
+run to keep the suite short. In-process checks use a one-process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dpcore
+from conftest import TESTS_DIR, subprocess_env
+from dpcore.bench.distributed import free_port
+
+WORKER = os.path.join(TESTS_DIR, "distributed_worker.py")
+ATOL = 1e-10
+
+
+def loopback_env() -> dict[str, str]:
+    """subprocess_env plus what keeps gloo on loopback and the children on one thread each."""
+    env = subprocess_env()
+    env.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    names = [name for _, name in socket.if_nameindex()]
+    if "lo" in names:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def launch(
+    scenario: str,
+    world: int,
+    out: Path,
+    *,
+    timeout: float = 180,
+    pg_timeout: float = 60,
+    wait_for: list[int] | None = None,
+) -> list[dict[str, Any] | None]:
+    """Runs `scenario` on `world` ranks; waits (at most `timeout` seconds in
+    all) for the ranks in `wait_for` (default all), kills the rest, and
+    returns each rank's JSON result (None where a rank wrote none). A rank
+    still running at the deadline fails the test with every rank's output."""
+    env = loopback_env()
+    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout))
+    procs = []
+    logs = []
+    for rank in range(world):
+        log = open(out / f"rank{rank}.log", "wb")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(out)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=TESTS_DIR, stdout=log, stderr=subprocess.STDOUT,
+        ))
+    deadline = time.monotonic() + timeout
+    try:
+        for rank in wait_for if wait_for is not None else range(world):
+            try:
+                procs[rank].wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{scenario}: rank {rank} still running after {timeout} s (a hang)\n" + _logs(out, world))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    results = []
+    for rank in range(world):
+        path = out / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results
+
+
+def _logs(out: Path, world: int) -> str:
+    return "\n".join(
+        f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text(errors="replace")[-3000:] for r in range(world)
+    )
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 processes", "3 processes"])
+def group_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """One run of the checks that leave the group usable ("all" in
+    distributed_worker.py) on 2 processes (2 replicas each) or 3 (2, 1 and 3
+    replicas); every rank's results."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"group{world}")
+    results = launch("all", world, out)
+    assert all(r is not None for r in results), _logs(out, world)
+    return world, [r for r in results if r is not None]
+
+
+def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Against one device on the global batch, float64, after each of 3 SGD
+    steps (momentum): equal and uneven local batches, many buckets, the
+    sample count in its own all-reduce, an empty local batch on rank 1,
+    criterion= (mean and sum), no_sync
+    accumulation (the same shares in every micro-step: single-device
+    accumulation; changing shares: the documented weights by each process's
+    share of the window), two backward passes into one .grad, a parameter
+    used by rank 1 only and one used by none, buffers (rank 0's at
+    construction and before each forward, or not), a parameter unfrozen
+    during training."""
+    _, results = group_run
+    for rank, r in enumerate(results):
+        r = r["equality"]
+        for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "empty_rank", "criterion_mean",
+                    "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
+                    "buffers", "unfrozen"):
+            assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
+        assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks
+        assert r["no_sync_left_gradients_local"] is True
+        assert r["never_used_grad_is_none_or_zero"] is True and r["extra_grad_on_every_rank"] is True
+        assert r["scale_after_construction"] == 1.0  # rank 0's value, not 1 + rank
+        assert r["scale_without_broadcast"] == 1.0 + 0.5 * rank
+        assert r["synchronized_parameters"] == [6, 7, 7]  # of 7; the frozen weight joins when unfrozen
+
+
+def test_models_that_differ_between_processes_fail_on_every_rank(group_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Different shapes or bucket layouts: ValueError on every rank naming the
+    first difference; the group stays usable. Also, with one replica per
+    rank, gradients of unused parameters (None everywhere, or used by one rank)."""
+    world, results = group_run
+    for r in results:
+        r = r["mismatch"]
+        assert r["shape"] is not None and "rank 1 has parameter '0.weight': shape (6, 4)" in r["shape"]
+        assert "where rank 0 has parameter '0.weight': shape (5, 4)" in r["shape"]
+        assert r["buckets"] is not None and "gradient bucket" in r["buckets"]
+        assert r["then_trains"] is True
+        assert r["single_replica_never_grad"] is None
+        # rank 1: d(sum of 2 x 3 outputs)/d(bias) = 2 per entry; weighted by rank 1's share 2 / (2 * world)
+        assert r["single_replica_extra_bias_grad"] == [pytest.approx(2.0 / world)] * 3
+
+
+@pytest.mark.parametrize(("where", "then"), [("forward", "exit"), ("backward", "stay")])
+def test_a_failing_rank_is_an_error_on_the_others(where: str, then: str, tmp_path: Path) -> None:
+    """Rank 1 raises at step 1, in forward (then its process ends) or in
+    backward (then it stays alive, holding its connections): rank 0 raises
+    too, within the group's timeout, instead of hanging."""
+    pg_timeout = 4.0
+    results = launch(f"failure-{where}-{then}", 2, tmp_path, pg_timeout=pg_timeout, wait_for=[0])
+    assert results[1] is not None and results[1]["error"] == "ValueError", _logs(tmp_path, 2)
+    assert f"boom in {where} on rank 1" in results[1]["message"]
+    zero = results[0]
+    assert zero is not None, _logs(tmp_path, 2)
+    assert zero["runtime_error"] is True and zero["step"] == 1, zero  # the backend's error (gloo: RuntimeError)
+    if then == "exit":
+        assert zero["seconds"] < pg_timeout, zero  # the closed connection is seen at once
+    else:
+        assert pg_timeout * 0.9 <= zero["seconds"] < pg_timeout + 10, zero  # bounded by the group's timeout
+
+
+# -- one process: the API, without spawning ------------------------------------
+
+
+@pytest.fixture
+def world_of_one() -> Any:
+    """A one-process gloo group (the default group) for the duration of a test."""
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_process_group_matches_plain_data_parallel(world_of_one: Any) -> None:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()
+    b = copy.deepcopy(a)
+    hybrid = dpcore.DataParallel(a, ["cpu"] * 3, process_group=world_of_one, bucket_bytes=64)
+    plain = dpcore.DataParallel(b, ["cpu"] * 3)
+    x = torch.randn(7, 6, dtype=torch.float64)
+    hybrid(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+
+
+def test_one_live_hybrid_wrapper_per_module(world_of_one: Any) -> None:
+    model = nn.Linear(3, 2)
+    dp = dpcore.DataParallel(model, ["cpu"], process_group=world_of_one)
+    with pytest.raises(ValueError, match="module: already wrapped by a DataParallel with a process_group"):
+        dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    dpcore.DataParallel(model, ["cpu"] * 2)(torch.randn(2, 3))  # without a group: fine
+    del dp
+    again = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)  # the first one is gone
+    again(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None
+
+
+def test_default_devices_are_the_modules_and_no_sync_works_without_a_group(world_of_one: Any) -> None:
+    model = nn.Linear(3, 2)
+    dp = dpcore.DataParallel(model, process_group=world_of_one)
+    assert dp.device_ids == [torch.device("cpu")]
+    with dpcore.DataParallel(nn.Linear(3, 2), ["cpu"]).no_sync():
+        pass
+
+
+def test_no_sync_leaves_gradients_local_and_autograd_grad_is_untouched(world_of_one: Any) -> None:
+    model = nn.Linear(3, 2)
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    sync = dp._sync
+    assert sync is not None
+    with dp.no_sync():
+        dp(torch.randn(4, 3)).sum().backward()
+    assert sync._task == -1 and not sync._launched  # nothing was launched
+    grads = torch.autograd.grad(dp(torch.randn(4, 3)).sum(), list(model.parameters()))
+    assert len(grads) == 2 and sync._task == -1  # autograd.grad accumulates nothing: no synchronization
+
+
+@pytest.mark.parametrize("bad", ["gloo", 0, object()])
+def test_process_group_must_be_a_process_group(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"process_group: expected a torch.distributed.ProcessGroup"):
+        dpcore.DataParallel(nn.Linear(2, 2), ["cpu"], process_group=bad)
+
+
+def test_cannot_be_pickled_or_copied(world_of_one: Any) -> None:
+    dp = dpcore.DataParallel(nn.Linear(2, 2), ["cpu"], process_group=world_of_one)
+    for action in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be pickled or copied"):
+            action(dp)
+    copy.deepcopy(dp.module)  # the bare module copies, without the hooks' owner
+
+
+def test_reentrant_backward_is_a_clear_error(world_of_one: Any) -> None:
+    """A second graph task reaching the parameters while a synchronizing one
+    is running (reentrant checkpointing) raises instead of reducing twice."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = nn.Linear(4, 4)
+    head = nn.Linear(4, 1)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = inner, head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.inner, x, use_reentrant=True))
+
+    dp = dpcore.DataParallel(Model(), ["cpu"], process_group=world_of_one)
+    with pytest.raises(RuntimeError, match="reentrant backward"):
+        dp(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    # The next forward starts clean.
+    dp.module.inner = nn.Identity()  # structure change: rebuilt
+    dp(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert head.weight.grad is not None
+
+
+def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
+    """The main job: `torchrun --standalone --nproc-per-node 2 -m dpcore.demo
+    --devices cpu:2` (here shortened with --limit and one epoch)."""
+    checkpoint = tmp_path / "digits.pt"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--limit", "300", "--no-progress",
+        "--checkpoint", str(checkpoint),
+    ]
+    done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert out.count("agreement check passed") == 1, out
+    assert "2 processes x 2 devices" in out
+    assert len(re.findall(r"^epoch 1/1", out, flags=re.M)) == 1, out
+    assert out.count("checkpoint written") == 1
+    state = torch.load(checkpoint, weights_only=True)
+    assert isinstance(state, dict) and any(k.endswith("weight") for k in state)
+
+
+def test_bench_distributed_runs_hybrid_against_ddp() -> None:
+    """bench/bench_distributed.py's two-process configuration with the
+    fewest steps (the numbers are not checked): both rows, rank 0's."""
+    from dpcore.bench import distributed as bench
+
+    rows = bench._launch("ddp", 2, rounds=1, repeats=1)
+    assert [r["model"] for r in rows] == [name for name, *_ in bench._models(quick=False)]
+    for r in rows:
+        assert (r["processes"], r["replicas"]) == (2, 1)
+        assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == pytest.approx(r["ms"] / r["baseline_ms"])
+        assert r["cpu_ms"] > 0 and r["cpu_ratio"] == pytest.approx(r["cpu_ms"] / r["baseline_cpu_ms"])
+        assert "DDP" in r["baseline"]
+
+
+# -- the demo's torchrun helpers, in process -----------------------------------
+
+
+def test_sampler_batches_share_each_global_batch_equally() -> None:
+    from dpcore.demo import sampler_batches
+
+    for world in (1, 2, 3):
+        epoch = sampler_batches(100, 12, seed=0, epoch=1, world=world)
+        shares = [index.tensor_split(world) for index in epoch]
+        assert all(len({len(s) for s in parts}) == 1 for parts in shares)  # equal shares in every batch
+        assert len(shares[0][0]) == 12 // world
+        seen = torch.cat(epoch)
+        assert len(seen) == world * -(-100 // world)  # DistributedSampler pads to a multiple of world
+        assert set(seen.tolist()) == set(range(100))
+    assert not torch.equal(torch.cat(sampler_batches(100, 12, 0, 0, 2)), torch.cat(sampler_batches(100, 12, 0, 1, 2)))
+
+
+def test_demo_under_torchrun_checks_batch_size_and_devices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpcore import demo
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--devices", "cpu:2", "--batch-size", "64"])
+    assert exc.value.code == 2
+    assert "--batch-size: expected a multiple of the 3 processes, but got 64" in capsys.readouterr().err
+    assert demo._local_devices([torch.device("cpu")] * 2, 1) == [torch.device("cpu")] * 2
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ValueError, match=r"--devices: local rank 1 would use CUDA devices \[2, 3\]"):
+            demo._local_devices([torch.device("cuda", 0), torch.device("cuda", 1)], 1)

@@ -295,7 +295,8 @@ def test_bench_distributed_runs_hybrid_against_ddp() -> None:
     from dpcore.bench import distributed as bench
 
     rows = bench._launch("ddp", 2, rounds=1, repeats=1)
-    assert [r["model"] for r in rows] == [name for name, *_ in bench._models(quick=False)]
+    # Every model of bench_step but the synchronized-BatchNorm one (in-process only).
+    assert [r["model"] for r in rows] == [name for name, *_, sync_bn in bench._models(quick=False) if not sync_bn]
     for r in rows:
         assert (r["processes"], r["replicas"]) == (2, 1)
         assert r["ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] == pytest.approx(r["ms"] / r["baseline_ms"])

@@ -78,7 +78,9 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
     replicas = {"ddp": 1, "hybrid": 2, "single": 4}[config]
     devices = [torch.device("cpu")] * replicas
     rows = []
-    for name, factory, shape, _ in _models(quick=False):
+    for name, factory, shape, _, sync_bn in _models(quick=False):
+        if sync_bn:  # synchronized BatchNorm stays inside a process: not a hybrid comparison
+            continue
         torch.manual_seed(0)
         model = factory()
         local = GLOBAL_BATCH // world

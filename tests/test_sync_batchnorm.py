@@ -11,6 +11,7 @@ must give one clear error, leave nothing waiting and the pool usable.
 from __future__ import annotations
 
 import copy
+import re
 import time
 from typing import Any
 
@@ -371,8 +372,10 @@ def test_batchnorm_called_only_on_some_replicas() -> None:
     with pytest.raises(dpcore.SyncBatchNormError) as info:
         dp(_randn(8, 3, seed=0))  # chunks 3, 3, 2: replica 2 skips 'bn'
     assert time.perf_counter() - started < 30
+    # Which of replicas 0 and 1 were already waiting when replica 2 finished is a race; either way
+    # the message names replica 2 and the layer.
     message = str(info.value)
-    assert "replica 2 finished without reaching BatchNorm 'bn' (call 1), which replicas 0, 1 reached" in message or (
+    assert re.search(r"replica 2 finished without reaching BatchNorm 'bn' \(call 1\), which replicas? [01]", message) or (
         "after replica 2 had finished without it" in message and "BatchNorm 'bn' (call 1)" in message
     ), message
     dp.module.min_rows = 0
@@ -399,10 +402,12 @@ def test_a_late_replica_times_out_with_a_clear_message(monkeypatch: pytest.Monke
     with pytest.raises(dpcore.SyncBatchNormError) as info:
         dp(_marked_batch(1))
     assert 1.0 <= time.perf_counter() - started < 30
-    assert str(info.value) == (
-        "replica 1 did not reach BatchNorm 'bn1' (call 1) within 1 s, while replicas 0, 2 waited there "
-        "(raise the limit with DPCORE_SYNC_TIMEOUT_S=<seconds>)"
-    )
+    # Normally replicas 0 and 2 wait; on a very busy machine replica 2 may be late too.
+    assert re.fullmatch(
+        r"replicas? 1(, 2)? did not reach BatchNorm 'bn1' \(call 1\) within 1 s, while replicas? 0(, 2)? waited "
+        r"there \(raise the limit with DPCORE_SYNC_TIMEOUT_S=<seconds>\)",
+        str(info.value),
+    ), str(info.value)
     monkeypatch.delenv("DPCORE_SYNC_TIMEOUT_S")
     _check_usable_afterwards(dp)
 

@@ -118,7 +118,9 @@ TEST(Rendezvous, FinishingWithoutAReachedCallBreaksIt) {
     if (rank != 2) {
       rv.exchange(rank, "BatchNorm 'b' (call 1)", of(0, 1));
     } else {
-      std::this_thread::sleep_for(20ms);  // the others are waiting by now (or not: either way it breaks)
+      while (rv.waiting() < 2) {  // ranks 0 and 1 wait at 'b'
+        std::this_thread::sleep_for(1ms);
+      }
     }
     rv.finish(rank);
   });
@@ -190,7 +192,7 @@ TEST(Rendezvous, AFailureWakesTheWaitersWithItsReason) {
 }
 
 TEST(Rendezvous, TimeoutBreaksItNamingWhoWasWaitedFor) {
-  Rendezvous rv(3, 100ms);
+  Rendezvous rv(3, 300ms);
   const auto start = std::chrono::steady_clock::now();
   const auto errors = run_ranks(3, [&](size_t rank) {
     if (rank == 2) {
@@ -199,10 +201,10 @@ TEST(Rendezvous, TimeoutBreaksItNamingWhoWasWaitedFor) {
     rv.exchange(rank, "BatchNorm 'bn' (call 1)", of(0, 1));
   });
   const auto elapsed = std::chrono::steady_clock::now() - start;
-  EXPECT_GE(elapsed, 100ms);
+  EXPECT_GE(elapsed, 300ms);
   EXPECT_LT(elapsed, 5s);
   EXPECT_EQ(rv.reason(),
-            "replica 2 did not reach BatchNorm 'bn' (call 1) within 0.1 s, while replicas 0, 1 waited there (raise "
+            "replica 2 did not reach BatchNorm 'bn' (call 1) within 0.3 s, while replicas 0, 1 waited there (raise "
             "the limit with DPCORE_SYNC_TIMEOUT_S=<seconds>)");
   EXPECT_EQ(errors[0], rv.reason());
   EXPECT_EQ(errors[1], rv.reason());

@@ -13,8 +13,6 @@ import warnings
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from conftest import TESTS_DIR
 
 PYPROJECT = Path(TESTS_DIR).parent / "pyproject.toml"
@@ -33,7 +31,14 @@ print(setuptools.__version__, dist.metadata.name, dist.metadata.license, *dist.i
 def test_pyproject_is_valid_for_setuptools_65_5(tmp_path: Path) -> None:
     wheels = sorted((Path(ensurepip.__file__).parent / "_bundled").glob("setuptools-65.5*.whl"))
     if not wheels:
-        pytest.skip(f"Python {sys.version_info.major}.{sys.version_info.minor} bundles no setuptools 65.5 wheel")
+        # Python 3.12 and later bundle no setuptools: take the same wheel from the package index.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+             "-d", str(tmp_path / "wheels"), "setuptools==65.5.0"],
+            capture_output=True, text=True, timeout=300, check=True,
+        )
+        wheels = sorted((tmp_path / "wheels").glob("setuptools-65.5*.whl"))
+    assert wheels, "no setuptools 65.5 wheel: neither bundled with this Python nor downloadable"
     with zipfile.ZipFile(wheels[0]) as wheel:
         wheel.extractall(tmp_path)
     # -S: no site-packages, so the bundled setuptools is the only one.

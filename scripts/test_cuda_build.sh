@@ -54,5 +54,8 @@ PY
 
 step "pytest against the CUDA build"
 cd "$root/tests"
+# In the suite's own (alphabetical) order: on a CUDA torch without a driver,
+# torch.library.opcheck (test_kernels) leaves the CUDA device count nonzero,
+# and test_comm's invisible-device checks must run before it.
 python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-  test_info.py test_link_check.py test_kernels.py test_comm.py test_host_transfer.py test_host_cache.py
+  test_comm.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py test_link_check.py

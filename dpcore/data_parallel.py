@@ -180,6 +180,7 @@ class DataParallel(nn.Module):
         sync_batchnorm: bool = False,
         process_group: Any = None,
         broadcast_buffers: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         self._calls = _CallGuard()
@@ -187,6 +188,14 @@ class DataParallel(nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"sync_batchnorm: expected True or False, but got {sync_batchnorm!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected True or False, but got {cuda_graphs!r}")
+        if cuda_graphs and sync_batchnorm:
+            raise ValueError(
+                "cuda_graphs=True cannot be combined with sync_batchnorm=True: synchronized BatchNorm's replicas "
+                "meet on the host inside forward, which a CUDA graph cannot capture"
+            )
+        self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
         self.module = module
         self.dim = dim
@@ -200,12 +209,21 @@ class DataParallel(nn.Module):
         if device_ids is None:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             if not device_ids:
+                if cuda_graphs:
+                    raise ValueError(
+                        "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
+                    )
                 self.device_ids: list[torch.device] = []
                 self.output_device = None
                 self._cache = None
                 return
         self.device_ids = as_devices(device_ids, "device_ids")
         _check_device_list(self.device_ids)
+        if cuda_graphs and self.device_ids[0].type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs a CUDA device list, but device_ids is {[str(d) for d in self.device_ids]}: "
+                f"CUDA graphs capture CUDA work only"
+            )
         check_split(self.chunk_sizes, self.weights, len(self.device_ids))
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
         _check_usable(self.output_device, "output_device")

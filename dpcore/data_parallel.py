@@ -8,12 +8,13 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
+from dpcore._pytree import map_tensors
 from dpcore._split import as_int, check_split
 from dpcore.distributed import GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
@@ -21,6 +22,9 @@ from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
 from dpcore.sync_batchnorm import needs_sync, synchronized_apply
+
+if TYPE_CHECKING:
+    from dpcore._graphs import GraphRunner
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -163,7 +167,7 @@ class DataParallel(nn.Module):
     # Attributes a replica of this wrapper (DataParallel nested in a model
     # that is itself replicated) keeps for itself: its own replica cache and
     # its own call serialization.
-    _replica_private_attrs = ("_cache", "_calls")
+    _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
     def __init__(
         self,
@@ -184,6 +188,7 @@ class DataParallel(nn.Module):
     ) -> None:
         super().__init__()
         self._calls = _CallGuard()
+        self._graphs: GraphRunner | None = None
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         if not isinstance(sync_batchnorm, bool):
@@ -229,6 +234,8 @@ class DataParallel(nn.Module):
         _check_usable(self.output_device, "output_device")
         check_on_device(module, self.device_ids[0], "device_ids[0]")
         self._cache: ReplicaCache | None = None
+        if cuda_graphs:
+            self._graphs = _graph_runner()
         if process_group is not None:
             self._sync = GradientSync(
                 module, self.device_ids[0], process_group,
@@ -241,7 +248,7 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "_cache", "_calls"):
+            if name in ("module", "_cache", "_calls", "_graphs"):
                 raise
             return getattr(self.module, name)
 
@@ -272,11 +279,13 @@ class DataParallel(nn.Module):
         state = self.__dict__.copy()
         state["_cache"] = None
         state["_calls"] = None  # a lock cannot be pickled; each copy gets its own
+        state["_graphs"] = None  # CUDA graphs and streams neither
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._calls = _CallGuard()
+        self._graphs = _graph_runner() if state.get("cuda_graphs") else None
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         # A replica of this wrapper (nested in a replicated model) runs its
@@ -284,17 +293,22 @@ class DataParallel(nn.Module):
         replica = super()._replicate_for_data_parallel()
         replica._cache = None
         replica._calls = _CallGuard()
+        replica._graphs = _graph_runner() if self.cuda_graphs else None
         return replica
 
     # -- forward --------------------------------------------------------------
 
-    def _replicas(self, n: int) -> list[nn.Module]:
+    def _replica_cache(self) -> ReplicaCache:
+        """The replica cache, rebuilt first where the master's structure changed."""
         if self._cache is None or not self._cache.valid():
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
-        return self._cache.replicas(n)
+        return self._cache
+
+    def _replicas(self, n: int) -> list[nn.Module]:
+        return self._replica_cache().replicas(n)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._calls:
@@ -349,30 +363,55 @@ class DataParallel(nn.Module):
                 f"chunk, but {given}={self.chunk_sizes or self.weights} split the batch of {sum(sizes)} "
                 f"into {split}"
             )
-        n = len(args)
-        replicas = self._replicas(used[-1] + 1)
-        modules = [replicas[i] for i in used]
         devices = [self.device_ids[i] for i in used]
-        apply: Callable[..., list[Any]] = self._parallel_apply
-        if self.sync_batchnorm and n > 1 and needs_sync(self.module):
-            apply = functools.partial(synchronized_apply, modules, run=self._parallel_apply)
-        if criterion is not None:
-            total = sum(sizes)
-            calls = [_with_loss(m, criterion) for m in modules]
-            losses = apply(calls, args, kws, devices) if n > 1 else [calls[0](*args[0], **kws[0])]
-            _check_losses(losses, devices)
-            if total == 0:
-                return losses[0]
-            out = self.output_device
-            parts = [loss.to(out) * _loss_weight(criterion, size, total) for loss, size in zip(losses, sizes)]
-            return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-        if n == 1:
-            outputs = [modules[0](*args[0], **kws[0])]
+        make_call: Callable[[nn.Module], Callable[..., Any]] = (
+            (lambda m: m) if criterion is None else functools.partial(_with_loss, criterion=criterion)
+        )
+        outputs = None
+        if self._graphs is not None:
+            outputs = self._graphs.step(self, args, kws, used, make_call)
+        replayed = outputs is not None  # by replay (or an eager warm-up on the replica streams)
+        if replayed:
+            if not self.gather and criterion is None:
+                # Replayed outputs alias the graphs' static memory, which the next replay overwrites.
+                outputs = [map_tensors(torch.Tensor.clone, o) for o in outputs]
         else:
-            outputs = apply(modules, args, kws, devices)
+            outputs = self._run_eagerly(args, kws, used, make_call)
+        if criterion is not None:
+            _check_losses(outputs, devices)
+            total = sum(sizes)
+            if total == 0:
+                return outputs[0].clone() if replayed else outputs[0]
+            out = self.output_device
+            parts = [loss.to(out) * _loss_weight(criterion, size, total) for loss, size in zip(outputs, sizes)]
+            return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
         if not self.gather:
             return outputs
         return gather_outputs(outputs, self.output_device, dim=self.dim)
+
+    def _run_eagerly(
+        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]
+    ) -> list[Any]:
+        """The outputs of the replicas `used` on their chunks, run eagerly:
+        several on the worker pool (synchronized BatchNorm's replicas all at
+        once), one in this thread."""
+        replicas = self._replicas(used[-1] + 1)
+        calls = [make_call(replicas[i]) for i in used]
+        if len(calls) == 1:
+            return [calls[0](*args[0], **kws[0])]
+        devices = [self.device_ids[i] for i in used]
+        if self.sync_batchnorm and needs_sync(self.module):
+            modules = [replicas[i] for i in used]
+            return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+        return self._parallel_apply(calls, args, kws, devices)
+
+
+def _graph_runner() -> GraphRunner:
+    """A fresh CUDA-graph runner (dpcore._graphs is imported only where
+    cuda_graphs=True)."""
+    from dpcore._graphs import GraphRunner
+
+    return GraphRunner()
 
 
 class _CallGuard:

@@ -114,6 +114,12 @@ class ReplicaCache:
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
 
     @property
+    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
+        """(``dpcore._C.ReplicaBuffers``, master tensors, requires_grad) of
+        every bucket, in order."""
+        return self._bucket_plan
+
+    @property
     def buckets(self) -> list[Any]:
         """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order (none
         with a single device): their ``last_refresh_copied``."""
@@ -148,6 +154,51 @@ class ReplicaCache:
                 for bucket, masters, requires_grad in self._bucket_plan
             ]
             return [self.module, *self._set.sync(n - 1, outputs)]
+
+
+    def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
+        """Brings every bucket's replica buffers up to date with the master,
+        without touching the replica modules, and returns per bucket its
+        copies (device-major, as BroadcastBucket returns them) where the
+        bucket goes through autograd (grad mode on and a tensor of it
+        requiring grad), None for the others. For replayed CUDA graphs, which
+        read the buffers' memory directly."""
+        with self._lock:
+            grad_enabled = torch.is_grad_enabled()
+            out: list[tuple[torch.Tensor, ...] | None] = []
+            with _normal_mode():
+                for bucket, masters, requires_grad in self._bucket_plan:
+                    if grad_enabled and requires_grad:
+                        out.append(BroadcastBucket.apply(bucket, *masters))
+                    else:
+                        bucket.update(masters)
+                        out.append(None)
+            return out
+
+    def capture_replicas(self, n: int) -> tuple[list[nn.Module], list[list[tuple[int, int]]]]:
+        """The master plus n-1 refreshed replicas whose parameters are leaf
+        tensors viewing the persistent buffers (no autograd link to the
+        master), for capturing a CUDA graph of a replica, and for each replica
+        after the first, ``(bucket, copy index)`` of every parameter that
+        requires grad, in ``parameters()`` order: where
+        :meth:`refresh_copies` puts its autograd-linked counterpart."""
+        if n < 1 or n > len(self.devices):
+            raise ValueError(f"replicas: expected 1 <= n <= {len(self.devices)}, but got {n}")
+        with self._lock, _normal_mode(), torch.no_grad():
+            outputs: list[tuple[torch.Tensor, ...] | None] = []
+            where: dict[int, tuple[int, int]] = {}
+            for b, (bucket, masters, requires_grad) in enumerate(self._bucket_plan):
+                if not requires_grad:
+                    outputs.append(None)
+                    continue
+                copies = bucket.refresh(list(masters))
+                for k, copy in enumerate(copies):
+                    copy.requires_grad_(masters[k % len(masters)].requires_grad)
+                    where[id(copy)] = (b, k)
+                outputs.append(tuple(copies))
+            rows = self._set.sync(n - 1, outputs) if n > 1 else []
+        slots = [[where[id(p)] for p in row.parameters() if p.requires_grad] for row in rows]
+        return [self.module, *rows], slots
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:

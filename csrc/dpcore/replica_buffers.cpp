@@ -97,4 +97,9 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
   return result;
 }
 
+void ReplicaBuffers::invalidate() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  master_ptrs_.clear();  // the next refresh treats every entry as changed
+}
+
 } // namespace dpcore

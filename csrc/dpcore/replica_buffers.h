@@ -37,6 +37,11 @@ class ReplicaBuffers {
   // whatever the caller's mode (the copies must have version counters).
   TensorList2D refresh(at::TensorList tensors);
 
+  // Makes the next refresh copy every entry, as if every master tensor had
+  // changed: for writes that no version counter saw (a replayed CUDA graph
+  // updating buffers in place, on the master or on a copy).
+  void invalidate();
+
   // Whether the last refresh copied (false: it found nothing changed).
   bool last_refresh_copied() const { return copied_.load(); }
 

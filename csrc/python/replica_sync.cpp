@@ -432,6 +432,15 @@ void bind_replica_sync(py::module_& m) {
           py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
           "Brings the buffers up to date with `tensors` and returns fresh views of them, "
           "device-major: tensors[i] on targets[d] at d * len(tensors) + i.")
+      .def(
+          "update",
+          [](ReplicaBuffers& self, const std::vector<at::Tensor>& tensors) { self.refresh(tensors); },
+          py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+          "Brings the buffers up to date with `tensors`, as refresh does, without returning views.")
+      .def(
+          "invalidate", &ReplicaBuffers::invalidate, py::call_guard<py::gil_scoped_release>(),
+          "Makes the next refresh copy every entry: for in-place writes no version counter saw "
+          "(replayed CUDA graphs).")
       .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied);
 
   py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))

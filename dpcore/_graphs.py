@@ -1,0 +1,546 @@
+"""CUDA-graph-captured replicas: ``DataParallel(..., cuda_graphs=True)``.
+
+On a GPU the host, not the device, sets the pace of an eager replicated step:
+every replica's forward and backward is Python code that launches hundreds
+of kernels one at a time, and the replicas take turns under the GIL. Here
+each replica's forward and backward are captured once per input signature
+into CUDA graphs and replayed: one launch per graph, no Python per replica
+operation, and every replica on a stream of its own, so that replicas that
+share a device overlap.
+
+How a call of signature S goes (see :class:`GraphRunner`):
+
+* The first ``WARMUP_CALLS`` calls of S run eagerly, each replica in the
+  calling thread on its own stream (the thread and the streams that capture
+  and replay later), so that lazy initialization (cuBLAS handles and
+  workspaces, cuDNN autotuning, the caching allocator's first blocks)
+  happens outside any capture.
+* The next call captures, per replica: its forward on static input
+  placeholders (the module's parameters are the persistent per-device
+  replica buffers, whose addresses never change, and the master's own
+  parameters for replica 0), then its backward with
+  ``torch.autograd.grad`` into static gradient tensors; each replica in a
+  private memory pool, with a private random-number state. It then replays.
+* Later calls of S copy the scattered inputs into the placeholders and
+  replay; an autograd Function per replica replays the backward graph and
+  hands the static gradients on, so replica gradients reach the master
+  through the same reductions as in eager mode.
+
+What cannot be captured runs eagerly, with one warning naming the reason:
+module hooks, a host synchronization or other capture error inside forward
+(that signature then stays eager), an optimizer or other code that replaced
+a parameter's or buffer's storage (ditto), autocast with its weight cache
+on, a non-CUDA or unhashable argument. A forward of S called again before
+the backward of S's previous replay ran (the replay's activations are still
+needed) also runs eagerly for that call.
+
+The module is only imported where ``cuda_graphs=True``; nothing here runs
+on a CPU device list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from dpcore import _pytree as pt
+
+__all__ = ["GraphRunner", "call_signature", "hook_reason", "Uncapturable", "WARMUP_CALLS", "CACHE_SIZE"]
+
+#: Eager calls of a signature before it is captured (torch's
+#: make_graphed_callables warms up 3 times).
+WARMUP_CALLS = 3
+#: Captured signatures kept per wrapper; the least recently used is dropped.
+CACHE_SIZE = 8
+#: Signatures whose calls are counted towards their warm-up.
+_SEEN_SIZE = 64
+
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+class Uncapturable(Exception):
+    """A call that a CUDA graph cannot capture; the message says why."""
+
+
+def hook_reason(modules: Sequence[nn.Module]) -> str | None:
+    """Why `modules` (a module and all its submodules) cannot be captured
+    because of hooks, or None: a forward or backward hook on any of them, or
+    a global module hook, runs Python at call time that a replayed graph
+    would skip."""
+    from torch.nn.modules import module as module_mod
+
+    for name in _GLOBAL_HOOK_DICTS:
+        if getattr(module_mod, name, None):
+            return f"a global module hook is registered (torch.nn.modules.module.{name})"
+    for m in modules:
+        for name in _MODULE_HOOK_DICTS:
+            if getattr(m, name, None):
+                return f"a {type(m).__name__} module has a hook registered ({name})"
+    return None
+
+
+def _structure(obj: Any, path: str) -> Any:
+    """A hashable description of `obj`: its containers and their keys, every
+    tensor's shape, strides, dtype, device and requires_grad, and the value of
+    every other leaf (baked into a captured graph). Raises Uncapturable for a
+    tensor off CUDA or an unhashable leaf."""
+    node_kind = pt.kind(obj)
+    if node_kind == pt.TENSOR:
+        if obj.device.type != "cuda":
+            raise Uncapturable(f"{path} is a tensor on {obj.device}; a CUDA graph takes CUDA tensors only")
+        if obj.layout != torch.strided:
+            raise Uncapturable(f"{path} is a {obj.layout} tensor; a CUDA graph takes dense tensors only")
+        return (node_kind, tuple(obj.shape), obj.stride(), obj.dtype, obj.device.index, obj.requires_grad)
+    if node_kind == pt.NONE:
+        return None
+    if node_kind in pt.CONTAINERS:
+        kids = pt.children(obj, node_kind, path)
+        return (node_kind, type(obj), tuple(p for p, _ in kids), tuple(_structure(c, p) for p, c in kids))
+    value = obj.value if node_kind == pt.BROADCAST else obj
+    try:
+        hash(value)
+    except TypeError:
+        raise Uncapturable(
+            f"{path} is an unhashable {type(value).__name__}, which a captured graph would have to bake in"
+        ) from None
+    return (node_kind, type(value), value)
+
+
+def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The key a call's captured graphs are kept under: which replicas run
+    (`used`), each replica's argument structure (see _structure), grad mode,
+    inference mode, CUDA autocast state and every module's training flag.
+    Raises Uncapturable when the call cannot be captured."""
+    cuda_autocast = torch.is_autocast_enabled("cuda")
+    if cuda_autocast and torch.is_autocast_cache_enabled():
+        raise Uncapturable(
+            "autocast runs with its weight cache enabled; CUDA graphs need torch.autocast(..., cache_enabled=False)"
+        )
+    replicas = tuple(
+        _structure((a, k), f"replica {i}'s input") for i, (a, k) in zip(used, zip(args, kws))
+    )
+    autocast = (cuda_autocast, torch.get_autocast_dtype("cuda") if cuda_autocast else None)
+    return (
+        tuple(used),
+        replicas,
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        autocast,
+        tuple(m.training for m in modules),
+    )
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors in `obj`, in the order pt.map_tensors visits them."""
+    out: list[torch.Tensor] = []
+
+    def visit(node: Any) -> None:
+        node_kind = pt.kind(node)
+        if node_kind == pt.TENSOR:
+            out.append(node)
+        elif node_kind in pt.CONTAINERS:
+            for _, child in pt.children(node, node_kind, ""):
+                visit(child)
+
+    visit(obj)
+    return out
+
+
+def _refill(template: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """`template` with its tensors replaced, in order, by `tensors`."""
+    it = iter(tensors)
+    return pt.map_tensors(lambda _: next(it), template)
+
+
+class _Token:
+    """Lives as long as one replay's autograd node; says whether its backward ran."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+@contextlib.contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, rng: torch.Generator) -> Iterator[None]:
+    """Captures the CUDA work of the block on `stream` into `graph` (memory
+    from `pool`), with `rng` as the device's default generator state: the
+    graph registers that state, so its replays draw fresh numbers from it.
+    On an error inside the block the capture is ended and discarded, and the
+    previous stream and generator state are restored in every case."""
+    device = stream.device
+    generator = torch.cuda.default_generators[device.index]
+    previous = generator.graphsafe_get_state()
+    generator.graphsafe_set_state(rng)
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+    finally:
+        generator.graphsafe_set_state(previous)
+
+
+class _ReplicaGraph:
+    """One replica's captured forward (and backward) for one signature.
+
+    Guarantees: ``forward`` computes, by replay, what the replica's call on
+    the given inputs computes eagerly (the master's current parameters and
+    buffers, read from the memory captured); with grad, its outputs carry an
+    autograd node whose backward replays the captured backward and returns
+    the gradients of the inputs and parameters that require grad."""
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        params: list[torch.Tensor],
+        stream: torch.cuda.Stream,
+        rng: torch.Generator,
+    ) -> None:
+        self.stream = stream
+        self.device = stream.device
+        leaves = _leaves((args, kwargs))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            self.static_inputs = [
+                torch.empty_like(t).requires_grad_(t.requires_grad) for t in leaves
+            ]
+        self.input_needs_grad = [t.requires_grad for t in leaves]
+        static_args, static_kwargs = _refill((args, kwargs), self.static_inputs)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.fwd = torch.cuda.CUDAGraph()
+        grad = torch.is_grad_enabled()
+        with _capturing(self.fwd, self.pool, stream, rng):
+            output = call(*static_args, **static_kwargs)
+        outputs = _leaves(output)
+        self.output_needs_grad = [grad and o.requires_grad for o in outputs]
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self.static_grad_outputs: list[torch.Tensor] = []
+        self.static_grads: list[torch.Tensor | None] = []
+        self.num_params = len(params)
+        if any(self.output_needs_grad):
+            surface = [s for s, g in zip(self.static_inputs, self.input_needs_grad) if g] + list(params)
+            differentiable = [o for o, g in zip(outputs, self.output_needs_grad) if g]
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                self.static_grad_outputs = [torch.empty_like(o) for o in differentiable]
+            self.bwd = torch.cuda.CUDAGraph()
+            with _capturing(self.bwd, self.pool, stream, rng):
+                grads = torch.autograd.grad(
+                    differentiable, surface, self.static_grad_outputs, allow_unused=True
+                ) if surface else ()
+            self.static_grads = list(grads)
+        # The captured autograd graph is not needed any more (its saved
+        # tensors live in the pool, written by each replay).
+        self.static_outputs = [o.detach() for o in outputs]
+        self.template = _refill(output, self.static_outputs)
+        self._pending: weakref.ref[_Token] | None = None
+
+    def busy(self) -> bool:
+        """Whether the last replay's backward is still to come (its autograd
+        node is alive and has not run): a replay now would overwrite the
+        activations it needs."""
+        token = self._pending() if self._pending is not None else None
+        return token is not None and not token.done
+
+    def forward(self, leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor], caller: torch.cuda.Stream) -> Any:
+        """Replays the forward on the inputs `leaves` (the call's tensors, in
+        _leaves order) and the replica's parameters `params` (those that
+        require grad, in capture order); returns the output, whose tensors
+        alias this graph's static memory until the next replay. The inputs
+        are copied on `caller` (the caller's current stream on this device),
+        which then waits for the replay."""
+        with torch.no_grad(), torch.cuda.device(self.device):
+            for placeholder, value in zip(self.static_inputs, leaves):
+                if placeholder.data_ptr() != value.data_ptr():
+                    placeholder.copy_(value)
+        self.stream.wait_stream(caller)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if self.bwd is None:
+                self.fwd.replay()
+                outputs: Sequence[torch.Tensor] = self.static_outputs
+            else:
+                differentiable = [t for t, g in zip(leaves, self.input_needs_grad) if g]
+                token = _Token()
+                self._pending = weakref.ref(token)
+                outputs = _Replay.apply(self, token, *differentiable, *params)
+        caller.wait_stream(self.stream)
+        return _refill(self.template, outputs)
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """Replays the backward with `grads` (one per forward output) and
+        returns the static gradients of the differentiable inputs and the
+        parameters, in forward-argument order."""
+        assert self.bwd is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            slots = iter(self.static_grad_outputs)
+            for grad, needed in zip(grads, self.output_needs_grad):
+                if not needed:
+                    continue
+                slot = next(slots)
+                if grad is None:
+                    slot.zero_()
+                elif slot.data_ptr() != grad.data_ptr():
+                    slot.copy_(grad)
+                    grad.record_stream(self.stream)  # read here, maybe freed on its own stream
+            self.bwd.replay()
+        return tuple(g.detach() if g is not None else None for g in self.static_grads)
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd node of one replay: ``_Replay.apply(graph, token,
+    *differentiable_inputs, *params)`` replays the graph's forward and returns
+    its static outputs; backward replays its backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: _ReplicaGraph, token: _Token, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.graph = graph
+        ctx.token = token
+        graph.fwd.replay()
+        outputs = tuple(o.detach() for o in graph.static_outputs)
+        frozen = [o for o, g in zip(outputs, graph.output_needs_grad) if not g]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        result = ctx.graph.backward(grads)
+        ctx.token.done = True
+        return (None, None) + result
+
+
+class _Entry:
+    """The captured graphs of one signature: one _ReplicaGraph per replica
+    that runs, and what they assumed about the master."""
+
+    def __init__(self, graphs: list[_ReplicaGraph], slots: list[list[tuple[int, int]]], master_ptrs: tuple[int, ...]):
+        self.graphs = graphs
+        self.slots = slots  # per replica (after the first): (bucket, copy index) of each parameter
+        self.master_ptrs = master_ptrs
+
+
+def _master_ptrs(module: nn.Module) -> tuple[int, ...]:
+    """Where the master's parameters and buffers live (replica 0's graph
+    reads and updates them in place)."""
+    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+
+
+class GraphRunner:
+    """The CUDA-graph side of one DataParallel: per-replica streams and
+    random-number states, the captured signatures (at most CACHE_SIZE, least
+    recently used dropped) and the warm-up counts.
+
+    ``step(...)`` returns the replicas' outputs (losses with a criterion) for
+    one call, by replay, capture or eager warm-up, or None where the call must
+    run on the ordinary eager path (the reason has been warned about once).
+    """
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self._seen: OrderedDict[Any, int] = OrderedDict()
+        self._refused: dict[Any, str] = {}
+        self._warned: set[str] = set()
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._rng: dict[int, torch.Generator] = {}
+        self._cache: Any = None
+        self._modules: list[nn.Module] = []
+        self._buffer_buckets: list[Any] = []
+
+    # -- bookkeeping ------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drops every capture and count (after a structural change of the
+        master, whose replica buffers were rebuilt)."""
+        if self._entries:
+            torch.cuda.synchronize()  # no replay may still read what is freed
+        self._entries.clear()
+        self._seen.clear()
+        self._refused.clear()
+
+    def _bind(self, cache: Any, module: nn.Module) -> None:
+        """Follows the wrapper's current replica cache."""
+        if cache is self._cache:
+            return
+        self.reset()
+        self._cache = cache
+        self._modules = list(module.modules())
+        buffers = {id(b) for b in module.buffers()}
+        self._buffer_buckets = [
+            bucket for bucket, masters, _ in cache.bucket_plan if any(id(t) in buffers for t in masters)
+        ]
+
+    def _warn(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"DataParallel(cuda_graphs=True): running eagerly: {reason}", RuntimeWarning, stacklevel=4)
+
+    def stream(self, index: int, device: torch.device) -> torch.cuda.Stream:
+        """Replica `index`'s own stream on `device`."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _generator(self, index: int, device: torch.device) -> torch.Generator:
+        """Replica `index`'s private random-number state on `device`: a clone
+        of the device's default generator with a seed of its own, derived from
+        the device's initial seed, so replicas (and replays) never repeat one
+        another's numbers and a run seeded with torch.manual_seed repeats."""
+        rng = self._rng.get(index)
+        if rng is None:
+            default = torch.cuda.default_generators[device.index]
+            rng = default.clone_state()
+            rng.manual_seed((default.initial_seed() + 0x9E3779B97F4A7C15 * (index + 1)) % (1 << 63))
+            self._rng[index] = rng
+        return rng
+
+    # -- one call -----------------------------------------------------------
+
+    def step(
+        self,
+        owner: Any,
+        args: list[tuple[Any, ...]],
+        kws: list[dict[str, Any]],
+        used: list[int],
+        make_call: Callable[[nn.Module], Callable[..., Any]],
+    ) -> list[Any] | None:
+        """The outputs of the replicas `used` (indices into owner.device_ids)
+        on their scattered `args`/`kws`, or None for the eager path."""
+        cache = owner._replica_cache()
+        self._bind(cache, owner.module)
+        reason = hook_reason(self._modules)
+        if reason is not None:
+            self._warn(reason)
+            return None
+        try:
+            key = call_signature(args, kws, used, self._modules)
+        except Uncapturable as e:
+            self._warn(str(e))
+            return None
+        refused = self._refused.get(key)
+        if refused is not None:
+            self._warn(refused)
+            return None
+        entry = self._entries.get(key)
+        if entry is None:
+            seen = self._seen.pop(key, 0) + 1
+            self._seen[key] = seen
+            while len(self._seen) > _SEEN_SIZE:
+                self._seen.popitem(last=False)
+            if seen <= WARMUP_CALLS:
+                return self._warm_up(owner, cache, args, kws, used, make_call)
+            try:
+                entry = self._capture(owner, cache, args, kws, used, make_call)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self._refused[key] = f"capture failed ({type(e).__name__}: {first_line})"
+                self._warn(self._refused[key])
+                return None
+            self._entries[key] = entry
+            while len(self._entries) > CACHE_SIZE:
+                torch.cuda.synchronize()
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        if _master_ptrs(owner.module) != entry.master_ptrs:
+            del self._entries[key]
+            self._refused[key] = (
+                "a parameter or buffer of the module now lives at another address than when its graphs were "
+                "captured (an optimizer or other code replaced it instead of updating it in place)"
+            )
+            self._warn(self._refused[key])
+            return None
+        if any(g.busy() for g in entry.graphs):
+            self._warn(
+                "forward was called again before the backward of the previous call with the same input "
+                "signature ran; a replay would overwrite the activations that backward needs, so such calls "
+                "run eagerly"
+            )
+            return None
+        return self._replay(owner, cache, entry, args, kws, used)
+
+    def _warm_up(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> list[Any]:
+        """An eager call, each replica in this thread on its own stream."""
+        replicas = owner._replicas(used[-1] + 1)
+        outputs = []
+        callers = []
+        for j, i in enumerate(used):
+            device = owner.device_ids[i]
+            stream = self.stream(i, device)
+            caller = torch.cuda.current_stream(device)
+            callers.append((caller, stream))
+            stream.wait_stream(caller)
+            for t in _leaves((args[j], kws[j])):
+                t.record_stream(stream)  # allocated on the caller's stream, read on this one
+            try:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    outputs.append(make_call(replicas[i])(*args[j], **kws[j]))
+            except BaseException as e:
+                e.add_note(f"raised in replica {i} on device {device}")
+                raise
+        for caller, stream in callers:
+            caller.wait_stream(stream)
+        return outputs
+
+    def _capture(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> _Entry:
+        """Captures every replica of `used` for this call's signature."""
+        replicas, slots = cache.capture_replicas(used[-1] + 1)
+        torch.cuda.synchronize()
+        graphs = []
+        for j, i in enumerate(used):
+            device = owner.device_ids[i]
+            replica = replicas[i]
+            params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+            graphs.append(
+                _ReplicaGraph(
+                    make_call(replica), args[j], kws[j], params, self.stream(i, device), self._generator(i, device)
+                )
+            )
+        used_slots = [slots[i - 1] if i > 0 else [] for i in used]
+        return _Entry(graphs, used_slots, _master_ptrs(owner.module))
+
+    def _replay(self, owner: Any, cache: Any, entry: _Entry, args: list[Any], kws: list[Any], used: list[int]) -> list[Any]:
+        """Refreshes the replica buffers from the master and replays."""
+        copies = cache.refresh_copies()
+        grad = torch.is_grad_enabled()
+        master_params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
+        outputs = []
+        for j, i in enumerate(used):
+            graph = entry.graphs[j]
+            if not grad or graph.bwd is None:
+                params: list[torch.Tensor] = []
+            elif i == 0:
+                params = master_params
+            else:
+                params = [copies[b][k] for b, k in entry.slots[j]]
+            caller = torch.cuda.current_stream(graph.device)
+            outputs.append(graph.forward(_leaves((args[j], kws[j])), params, caller))
+        # The replays updated buffers (BatchNorm statistics) of the master and
+        # of the replicas in place, which no version counter saw: the next
+        # refresh must copy them again.
+        for bucket in self._buffer_buckets:
+            bucket.invalidate()
+        return outputs

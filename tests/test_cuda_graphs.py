@@ -1,0 +1,392 @@
+"""DataParallel(cuda_graphs=True): graph-captured replicas.
+
+The CPU tests check the argument rules and the pure parts of dpcore._graphs
+(call signatures, hook detection, what cannot be captured); the CUDA tests
+(skipped without a GPU) check that replayed steps equal eager dpcore, the
+fallbacks and re-capture.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpcore
+from dpcore import _graphs
+from conftest import CUDA_PARAMS, requires_cuda
+
+STEPS = _graphs.WARMUP_CALLS + 3  # warm-up, the capture, then replays
+
+
+# -- argument rules (CPU) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_cuda_graphs_must_be_bool(value: Any) -> None:
+    with pytest.raises(TypeError, match=r"cuda_graphs: expected True or False"):
+        dpcore.DataParallel(nn.Linear(2, 2), ["cpu", "cpu"], cuda_graphs=value)
+
+
+def test_cuda_graphs_on_cpu_list_is_value_error() -> None:
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device list, but device_ids is \['cpu', 'cpu'\]"):
+        dpcore.DataParallel(nn.Linear(2, 2), ["cpu", "cpu"], cuda_graphs=True)
+
+
+def test_cuda_graphs_with_sync_batchnorm_is_value_error() -> None:
+    with pytest.raises(ValueError, match=r"cannot be combined with sync_batchnorm=True"):
+        dpcore.DataParallel(nn.BatchNorm1d(2), ["cpu", "cpu"], cuda_graphs=True, sync_batchnorm=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+def test_cuda_graphs_without_gpu_or_devices_is_value_error() -> None:
+    with pytest.raises(ValueError, match=r"cuda_graphs=True needs CUDA devices, but no device_ids were given"):
+        dpcore.DataParallel(nn.Linear(2, 2), cuda_graphs=True)
+
+
+def test_cuda_graphs_off_keeps_the_eager_path_and_pickles() -> None:
+    dp = dpcore.DataParallel(nn.Linear(3, 2), ["cpu", "cpu"])
+    assert dp.cuda_graphs is False and dp._graphs is None
+    copy = pickle.loads(pickle.dumps(dp))
+    assert copy._graphs is None
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(copy(x), dp(x))
+
+
+# -- signatures and hooks (CPU) -----------------------------------------------
+
+
+def _key(args: list[tuple[Any, ...]], kws: list[dict[str, Any]] | None = None, modules: list[nn.Module] | None = None) -> Any:
+    kws = kws if kws is not None else [{} for _ in args]
+    return _graphs.call_signature(args, kws, list(range(len(args))), modules or [])
+
+
+def test_signature_bakes_non_tensor_leaves_and_containers() -> None:
+    assert _key([(1, "a")]) == _key([(1, "a")])
+    assert _key([(1, "a")]) != _key([(2, "a")])
+    assert _key([(1,)]) != _key([(1.0,)])  # equal values of different types are different graphs
+    assert _key([([1, 2],)]) != _key([((1, 2),)])
+    assert _key([()], [{"k": None}]) != _key([()], [{"j": None}])
+    assert _key([(1,), (1,)]) != _key([(1,)])  # how many replicas run
+
+
+def test_signature_follows_grad_mode_and_training_flags() -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    modules = list(m.modules())
+    with torch.no_grad():
+        frozen = _key([(1,)], modules=modules)
+    assert frozen != _key([(1,)], modules=modules)
+    train = _key([(1,)], modules=modules)
+    m[1].eval()
+    assert _key([(1,)], modules=modules) != train
+
+
+def test_signature_refuses_cpu_tensors_and_unhashable_leaves() -> None:
+    with pytest.raises(_graphs.Uncapturable, match=r"replica 0's input\[0\]\[0\] is a tensor on cpu"):
+        _key([(torch.zeros(2),)])
+    with pytest.raises(_graphs.Uncapturable, match=r"replica 1's input\[1\]\['opts'\] is an unhashable _Unhashable"):
+        _key([(), ()], [{}, {"opts": _Unhashable()}])
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_hook_reason_names_the_module_and_the_hook() -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert _graphs.hook_reason(list(m.modules())) is None
+    handle = m[1].register_forward_hook(lambda *a: None)
+    assert _graphs.hook_reason(list(m.modules())) == "a ReLU module has a hook registered (_forward_hooks)"
+    handle.remove()
+    handle = m[0].register_full_backward_hook(lambda *a: None)
+    assert "Linear module has a hook registered (_backward_hooks)" in str(_graphs.hook_reason(list(m.modules())))
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    try:
+        assert "global module hook" in str(_graphs.hook_reason(list(m.modules())))
+    finally:
+        handle.remove()
+    assert _graphs.hook_reason(list(m.modules())) is None
+
+
+# -- CUDA: replays equal eager dpcore -------------------------------------------
+
+
+def _mlp(seed: int = 0, dropout: float = 0.0, batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(6, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 3)]
+    return nn.Sequential(*layers).double()
+
+
+def _pair(devices: list[Any], **options: Any) -> tuple[Any, Any]:
+    """The same model wrapped eagerly and with CUDA graphs."""
+    model_options = options.pop("model", {})
+    eager = dpcore.DataParallel(_mlp(**model_options).cuda(), devices, **options)
+    graphed_model = _mlp(**model_options).cuda()
+    graphed_model.load_state_dict(eager.module.state_dict())
+    graphed = dpcore.DataParallel(graphed_model, devices, cuda_graphs=True, **options)
+    return eager, graphed
+
+
+def _train_steps(dp: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Output and master gradients after each SGD step over `batches`."""
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    trace = []
+    for x, y in batches:
+        opt.zero_grad()
+        out = dp(x)
+        nn.functional.cross_entropy(out, y).backward()
+        trace.append((out.detach().clone(), [p.grad.clone() for p in dp.module.parameters()]))
+        opt.step()
+    return trace
+
+
+def _batches(n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(batch, 6, generator=g, dtype=torch.float64).cuda(), torch.randint(0, 3, (batch,), generator=g).cuda())
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("devices", CUDA_PARAMS)
+def test_graphed_steps_equal_eager(devices: list[Any]) -> None:
+    eager, graphed = _pair(devices)
+    batches = _batches(STEPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing falls back
+        got = _train_steps(graphed, batches)
+    want = _train_steps(eager, batches)
+    for (out, grads), (out_e, grads_e) in zip(got, want):
+        torch.testing.assert_close(out, out_e, rtol=1e-12, atol=1e-12)
+        for g, g_e in zip(grads, grads_e):
+            torch.testing.assert_close(g, g_e, rtol=1e-12, atol=1e-12)
+    assert len(graphed._graphs._entries) == 1  # captured, and replayed since
+
+
+class _Counting(nn.Module):
+    """Counts the Python calls of its forward (a replay makes none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_replays_run_no_python_forward() -> None:
+    model = _Counting().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], cuda_graphs=True)
+    x = torch.randn(4, 4, device="cuda")
+    for _ in range(_graphs.WARMUP_CALLS + 1):  # warm-up, then the capture (replica 0 is the master)
+        dp(x).sum().backward()
+    before = model.calls
+    for _ in range(3):
+        dp(x).sum().backward()
+    assert model.calls == before
+
+
+@pytest.mark.parametrize("devices", CUDA_PARAMS)
+def test_batchnorm_statistics_advance_as_in_eager(devices: list[Any]) -> None:
+    eager, graphed = _pair(devices, model={"batchnorm": True})
+    batches = _batches(STEPS)
+    _train_steps(graphed, batches)
+    _train_steps(eager, batches)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(graphed.module[1], name), getattr(eager.module[1], name), rtol=1e-12, atol=1e-12)
+    graphed.eval()
+    eager.eval()
+    x = batches[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x), eager(x), rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_dropout_draws_fresh_numbers_every_replay_and_replica() -> None:
+    model = nn.Dropout(0.5).cuda()
+    dp = dpcore.DataParallel(model, [0, 0], cuda_graphs=True, gather=False)
+    x = torch.ones(2, 4096, device="cuda")
+    masks = []
+    with torch.no_grad():
+        for _ in range(_graphs.WARMUP_CALLS + 4):
+            outs = dp(x)
+            masks.append([o != 0 for o in outs])
+    assert dp._graphs._entries, "the signature was captured"
+    replays = masks[_graphs.WARMUP_CALLS :]
+    for a, b in zip(replays, replays[1:]):
+        assert not torch.equal(a[0], b[0])  # fresh numbers every replay
+    for replica_masks in replays:
+        assert not torch.equal(replica_masks[0], replica_masks[1])  # replicas draw different numbers
+        assert 0.4 < replica_masks[0].float().mean().item() < 0.6
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> tuple[torch.Tensor, dict[str, Any]]:
+        h = self.lin(batch["x"]) * scale
+        return h, {"sum": h.sum(dim=1), "tag": "t"}
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_nested_inputs_outputs_and_gather_false() -> None:
+    torch.manual_seed(0)
+    model = _Nested().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], cuda_graphs=True, gather=False)
+    x = torch.randn(6, 4, dtype=torch.float64, device="cuda")
+    kept = []
+    for _ in range(STEPS):
+        outs = dp({"x": x}, scale=2.0)
+        kept.append(outs)
+    for j, (h, extra) in enumerate(kept[-1]):
+        want = model.lin(x[3 * j : 3 * j + 3]) * 2.0
+        torch.testing.assert_close(h, want)
+        torch.testing.assert_close(extra["sum"], want.sum(dim=1))
+        assert extra["tag"] == "t"
+    # outputs handed out are not overwritten by later replays
+    torch.testing.assert_close(kept[-2][0][0], kept[-1][0][0])
+    assert kept[-2][0][0].data_ptr() != kept[-1][0][0].data_ptr()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_criterion_and_inference_graphs() -> None:
+    eager, graphed = _pair([0, 0, 0], criterion=nn.CrossEntropyLoss())
+    batches = _batches(STEPS, batch=10)
+    for dp in (eager, graphed):
+        dp.losses = []
+        opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = dp(x, y)
+            loss.backward()
+            dp.losses.append(loss.detach())
+            opt.step()
+    torch.testing.assert_close(torch.stack(graphed.losses), torch.stack(eager.losses), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # a forward-only signature of its own
+        for _ in range(STEPS):
+            torch.testing.assert_close(graphed(*batches[0]), eager(*batches[0]), rtol=1e-12, atol=1e-12)
+    assert len(graphed._graphs._entries) == 2
+
+
+# -- CUDA: fallbacks and re-capture -------------------------------------------
+
+
+def _run(dp: Any, steps: int = STEPS, batch: int = 8) -> None:
+    for x, y in _batches(steps, batch):
+        nn.functional.cross_entropy(dp(x), y).backward()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_module_hook_falls_back_with_one_warning() -> None:
+    eager, graphed = _pair([0, 0])
+    graphed.module[0].register_forward_hook(lambda m, i, o: o * 2)
+    eager.module[0].register_forward_hook(lambda m, i, o: o * 2)
+    x = _batches(1)[0][0]
+    with pytest.warns(RuntimeWarning, match=r"running eagerly: a Linear module has a hook registered") as record:
+        outs = [graphed(x) for _ in range(STEPS)]
+    assert len([w for w in record if "cuda_graphs" in str(w.message)]) == 1
+    torch.testing.assert_close(outs[-1], eager(x), rtol=1e-12, atol=1e-12)
+    assert not graphed._graphs._entries
+
+
+class _Syncs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * 2 if h.sum().item() > 0 else h  # data-dependent: a host synchronization
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_host_sync_in_forward_falls_back_for_that_signature() -> None:
+    model = _Syncs().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], cuda_graphs=True)
+    x = _batches(1)[0][0]
+    with pytest.warns(RuntimeWarning, match=r"running eagerly: capture failed"):
+        outs = [dp(x) for _ in range(STEPS)]
+    h = model.lin(x)
+    want = h * 2 if h.sum().item() > 0 else h
+    torch.testing.assert_close(outs[-1], want)
+    assert not dp._graphs._entries and len(dp._graphs._refused) == 1
+    # the device is usable afterwards
+    torch.testing.assert_close(dp(x), want)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_replaced_parameter_storage_falls_back() -> None:
+    eager, graphed = _pair([0, 0])
+    _run(graphed)
+    assert graphed._graphs._entries
+    with torch.no_grad():
+        for dp in (eager, graphed):
+            dp.module[0].weight.data = dp.module[0].weight.data * 0.5  # a new tensor, not an in-place update
+    x = _batches(1)[0][0]
+    with pytest.warns(RuntimeWarning, match=r"now lives at another address"):
+        got = graphed(x)
+    torch.testing.assert_close(got, eager(x), rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_forward_twice_before_backward_stays_exact() -> None:
+    eager, graphed = _pair([0, 0])
+    _run(graphed)
+    _run(eager)
+    x1, x2 = _batches(2)[0][0], _batches(2)[1][0]
+    for dp in (eager, graphed):
+        dp.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (dp(x1).sum() + dp(x2).square().sum()).backward()
+    for p, q in zip(graphed.module.parameters(), eager.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_new_signatures_are_captured_and_the_cache_is_bounded() -> None:
+    eager, graphed = _pair([0, 0])
+    sizes = [4 + 2 * k for k in range(_graphs.CACHE_SIZE + 2)]
+    for size in sizes:
+        _run(graphed, batch=size)
+    assert len(graphed._graphs._entries) == _graphs.CACHE_SIZE
+    x = _batches(1, batch=sizes[0])[0][0]  # evicted: warms up and is captured again
+    for _ in range(STEPS):
+        got = graphed(x)
+    torch.testing.assert_close(got, eager(x), rtol=1e-12, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_structural_change_drops_the_captures() -> None:
+    eager, graphed = _pair([0, 0])
+    _run(graphed)
+    assert graphed._graphs._entries
+    for dp in (eager, graphed):
+        dp.module[0].bias.requires_grad_(False)  # a structural change: the replica cache is rebuilt
+    x = _batches(1)[0][0]
+    got = graphed(x)
+    assert not graphed._graphs._entries
+    torch.testing.assert_close(got, eager(x), rtol=1e-12, atol=1e-12)

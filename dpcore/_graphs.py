@@ -191,13 +191,30 @@ def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream
             graph.capture_begin(pool=pool)
             try:
                 yield
+                graph.capture_end()
             except BaseException:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
+                _abandon(graph, pool, device)
                 raise
-            graph.capture_end()
     finally:
         generator.graphsafe_set_state(previous)
+
+
+#: Graphs whose capture failed. Kept alive: torch's caching allocator may
+#: still hold the capture's pool filter, which refers to its graph.
+_ABANDONED: list[torch.cuda.CUDAGraph] = []
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
+    """Ends a failed capture as far as torch lets one: the stream leaves
+    capture mode (capture_end raises for an invalidated capture before it
+    tells the allocator, so that is done here too) and the graph is kept."""
+    with contextlib.suppress(Exception):
+        graph.capture_end()
+    end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end_pool is not None:
+        with contextlib.suppress(Exception):
+            end_pool(device.index, pool)
+    _ABANDONED.append(graph)
 
 
 class _ReplicaGraph:
@@ -262,18 +279,22 @@ class _ReplicaGraph:
         token = self._pending() if self._pending is not None else None
         return token is not None and not token.done
 
-    def forward(self, leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor], caller: torch.cuda.Stream) -> Any:
-        """Replays the forward on the inputs `leaves` (the call's tensors, in
-        _leaves order) and the replica's parameters `params` (those that
-        require grad, in capture order); returns the output, whose tensors
-        alias this graph's static memory until the next replay. The inputs
-        are copied on `caller` (the caller's current stream on this device),
-        which then waits for the replay."""
+    def load(self, leaves: Sequence[torch.Tensor]) -> None:
+        """Copies the call's input tensors (`leaves`, in _leaves order) into
+        the placeholders, on the caller's current stream of this device (so
+        the inputs are only ever read on the stream that made them); the
+        replica's stream must wait for that stream before :meth:`launch`."""
         with torch.no_grad(), torch.cuda.device(self.device):
             for placeholder, value in zip(self.static_inputs, leaves):
                 if placeholder.data_ptr() != value.data_ptr():
                     placeholder.copy_(value)
-        self.stream.wait_stream(caller)
+
+    def launch(self, leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Any:
+        """Replays the forward on this replica's stream and returns the
+        output, whose tensors alias this graph's static memory until the next
+        replay. With a backward graph, the output tensors carry a _Replay
+        node whose inputs are the differentiable `leaves` and `params` (the
+        replica's parameters that require grad, in capture order)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self.bwd is None:
                 self.fwd.replay()
@@ -283,7 +304,6 @@ class _ReplicaGraph:
                 token = _Token()
                 self._pending = weakref.ref(token)
                 outputs = _Replay.apply(self, token, *differentiable, *params)
-        caller.wait_stream(self.stream)
         return _refill(self.template, outputs)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
@@ -366,6 +386,7 @@ class GraphRunner:
         self._cache: Any = None
         self._modules: list[nn.Module] = []
         self._buffer_buckets: list[Any] = []
+        self._devices: list[torch.device] = []
 
     # -- bookkeeping ------------------------------------------------------
 
@@ -373,10 +394,15 @@ class GraphRunner:
         """Drops every capture and count (after a structural change of the
         master, whose replica buffers were rebuilt)."""
         if self._entries:
-            torch.cuda.synchronize()  # no replay may still read what is freed
+            self._synchronize()  # no replay may still read what is freed
         self._entries.clear()
         self._seen.clear()
         self._refused.clear()
+
+    def _synchronize(self) -> None:
+        """Waits for all work on the wrapper's devices."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
 
     def _bind(self, cache: Any, module: nn.Module) -> None:
         """Follows the wrapper's current replica cache."""
@@ -384,6 +410,7 @@ class GraphRunner:
             return
         self.reset()
         self._cache = cache
+        self._devices = list(dict.fromkeys(cache.devices))
         self._modules = list(module.modules())
         buffers = {id(b) for b in module.buffers()}
         self._buffer_buckets = [
@@ -454,14 +481,14 @@ class GraphRunner:
                 entry = self._capture(owner, cache, args, kws, used, make_call)
             except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
                 with contextlib.suppress(Exception):
-                    torch.cuda.synchronize()
+                    self._synchronize()
                 first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self._refused[key] = f"capture failed ({type(e).__name__}: {first_line})"
                 self._warn(self._refused[key])
                 return None
             self._entries[key] = entry
             while len(self._entries) > CACHE_SIZE:
-                torch.cuda.synchronize()
+                self._synchronize()
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
@@ -508,7 +535,7 @@ class GraphRunner:
     def _capture(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> _Entry:
         """Captures every replica of `used` for this call's signature."""
         replicas, slots = cache.capture_replicas(used[-1] + 1)
-        torch.cuda.synchronize()
+        self._synchronize()
         graphs = []
         for j, i in enumerate(used):
             device = owner.device_ids[i]
@@ -527,6 +554,15 @@ class GraphRunner:
         copies = cache.refresh_copies()
         grad = torch.is_grad_enabled()
         master_params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
+        leaves = [_leaves((a, k)) for a, k in zip(args, kws)]
+        callers = [torch.cuda.current_stream(graph.device) for graph in entry.graphs]
+        for graph, inputs in zip(entry.graphs, leaves):
+            graph.load(inputs)
+        # Every replica stream waits for the copies before any replays, and the
+        # callers wait for the replays only after all were launched: the
+        # replicas of one device overlap.
+        for graph, caller in zip(entry.graphs, callers):
+            graph.stream.wait_stream(caller)
         outputs = []
         for j, i in enumerate(used):
             graph = entry.graphs[j]
@@ -535,9 +571,10 @@ class GraphRunner:
             elif i == 0:
                 params = master_params
             else:
-                params = [copies[b][k] for b, k in entry.slots[j]]
-            caller = torch.cuda.current_stream(graph.device)
-            outputs.append(graph.forward(_leaves((args[j], kws[j])), params, caller))
+                params = [copies[b][k] for b, k in entry.slots[j]]  # type: ignore[index]
+            outputs.append(graph.launch(leaves[j], params))
+        for graph, caller in zip(entry.graphs, callers):
+            caller.wait_stream(graph.stream)
         # The replays updated buffers (BatchNorm statistics) of the master and
         # of the replicas in place, which no version counter saw: the next
         # refresh must copy them again.

@@ -133,6 +133,24 @@ class DataParallel(nn.Module):
             the module's device here.
         broadcast_buffers: with a process group, broadcast buffers from rank
             0 before each forward (as DDP's option of that name).
+        cuda_graphs: capture each replica's forward and backward into CUDA
+            graphs and replay them (see dpcore/_graphs.py). Per input
+            signature (which replicas run; every argument's structure,
+            shapes, strides, dtypes and requires_grad, non-tensor argument
+            values; grad and inference mode; autocast; every submodule's
+            training flag) the first 3 calls run eagerly, each replica on a
+            stream of its own, the 4th captures and every later one replays:
+            one launch per replica and graph, replicas on one device
+            overlapping. Results equal eager dpcore's (BatchNorm statistics
+            too; dropout draws fresh numbers every replay from a per-replica
+            generator state). Module hooks, host synchronizations in forward,
+            parameters whose storage was replaced rather than updated in
+            place, autocast with its cache on, and non-CUDA or unhashable
+            arguments run eagerly, with one warning naming the reason. A
+            replay runs no Python of the module: attributes other than
+            ``training`` that forward reads are those of the capture, and
+            replayed gradients support no double backward. CUDA device lists
+            only (else ValueError); not with ``sync_batchnorm``.
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every

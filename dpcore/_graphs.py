@@ -323,7 +323,11 @@ class _ReplicaGraph:
                     slot.copy_(grad)
                     grad.record_stream(self.stream)  # read here, maybe freed on its own stream
             self.bwd.replay()
-        return tuple(g.detach() if g is not None else None for g in self.static_grads)
+        # The static tensors themselves, not fresh aliases: autograd steals a
+        # gradient only from a tensor nothing else refers to, and a stolen
+        # one would become a parameter's .grad that the next replay
+        # overwrites; referenced, they are copied or summed out of place.
+        return tuple(self.static_grads)
 
 
 class _Replay(torch.autograd.Function):

@@ -253,7 +253,9 @@ def test_nested_inputs_outputs_and_gather_false() -> None:
     kept = []
     for _ in range(STEPS):
         outs = dp({"x": x}, scale=2.0)
+        sum(h.sum() + extra["sum"].sum() for h, extra in outs).backward()
         kept.append(outs)
+    assert dp._graphs._entries, "the signature was captured"
     for j, (h, extra) in enumerate(kept[-1]):
         want = model.lin(x[3 * j : 3 * j + 3]) * 2.0
         torch.testing.assert_close(h, want)
@@ -390,3 +392,21 @@ def test_structural_change_drops_the_captures() -> None:
     got = graphed(x)
     assert not graphed._graphs._entries
     torch.testing.assert_close(got, eager(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("devices", CUDA_PARAMS)
+def test_gradients_accumulate_across_replays(devices: list[Any]) -> None:
+    """Without zero_grad, replayed gradients add up as eager ones do (a
+    master .grad never aliases a graph's static gradient memory)."""
+    eager, graphed = _pair(devices)
+    batches = _batches(STEPS + 2)
+    for dp in (eager, graphed):
+        for x, y in batches[:STEPS]:
+            dp.zero_grad()
+            nn.functional.cross_entropy(dp(x), y).backward()
+        dp.zero_grad()
+        for x, y in batches[STEPS:]:  # two replays accumulate
+            nn.functional.cross_entropy(dp(x), y).backward()
+    assert graphed._graphs._entries
+    for p, q in zip(graphed.module.parameters(), eager.module.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -58,4 +58,5 @@ cd "$root/tests"
 # torch.library.opcheck (test_kernels) leaves the CUDA device count nonzero,
 # and test_comm's invisible-device checks must run before it.
 python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-  test_comm.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py test_link_check.py
+  test_comm.py test_cuda_graphs.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
+  test_link_check.py

@@ -220,11 +220,13 @@ def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> No
 class _ReplicaGraph:
     """One replica's captured forward (and backward) for one signature.
 
-    Guarantees: ``forward`` computes, by replay, what the replica's call on
-    the given inputs computes eagerly (the master's current parameters and
-    buffers, read from the memory captured); with grad, its outputs carry an
-    autograd node whose backward replays the captured backward and returns
-    the gradients of the inputs and parameters that require grad."""
+    Guarantees: :meth:`load` then :meth:`launch` compute, by replay, what
+    the replica's call on the given inputs computes eagerly (with the
+    parameters and buffers the captured memory holds then: the master's own
+    for replica 0, the refreshed replica buffers for the others); with grad,
+    the outputs carry an autograd node whose backward replays the captured
+    backward and returns the gradients of the inputs and parameters that
+    require grad."""
 
     def __init__(
         self,

@@ -169,10 +169,11 @@ def _refill(template: Any, tensors: Sequence[torch.Tensor]) -> Any:
 class _Token:
     """Lives as long as one replay's autograd node; says whether its backward ran."""
 
-    __slots__ = ("done", "__weakref__")
+    __slots__ = ("done", "replay", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, replay: int) -> None:
         self.done = False
+        self.replay = replay  # which replay of its graph
 
 
 @contextlib.contextmanager
@@ -236,7 +237,19 @@ class _ReplicaGraph:
         params: list[torch.Tensor],
         stream: torch.cuda.Stream,
         rng: torch.Generator,
+        *,
+        keep: Any = None,
+        copy_grads: bool = False,
     ) -> None:
+        # What the captured memory belongs to (the replica buffers) lives as
+        # long as this graph, which a pending autograd node may outlive the
+        # wrapper's cache with.
+        self.keep = keep
+        # The only replica (replica 0 alone): its parameter gradients reach
+        # the caller directly (torch.autograd.grad, tensor hooks), so they are
+        # handed on as copies rather than as static memory.
+        self.copy_grads = copy_grads
+        self.replays = 0
         self.stream = stream
         self.device = stream.device
         leaves = _leaves((args, kwargs))
@@ -303,7 +316,8 @@ class _ReplicaGraph:
                 outputs: Sequence[torch.Tensor] = self.static_outputs
             else:
                 differentiable = [t for t, g in zip(leaves, self.input_needs_grad) if g]
-                token = _Token()
+                self.replays += 1
+                token = _Token(self.replays)
                 self._pending = weakref.ref(token)
                 outputs = _Replay.apply(self, token, *differentiable, *params)
         return _refill(self.template, outputs)
@@ -329,6 +343,8 @@ class _ReplicaGraph:
         # gradient only from a tensor nothing else refers to, and a stolen
         # one would become a parameter's .grad that the next replay
         # overwrites; referenced, they are copied or summed out of place.
+        if self.copy_grads:
+            return tuple(g.clone() if g is not None else None for g in self.static_grads)
         return tuple(self.static_grads)
 
 
@@ -351,6 +367,12 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.token.replay != ctx.graph.replays:
+            raise RuntimeError(
+                "DataParallel(cuda_graphs=True): backward through a replayed call whose activations a later call "
+                "with the same input signature has overwritten (a second backward with retain_graph=True after "
+                "another forward); run such steps with cuda_graphs=False"
+            )
         result = ctx.graph.backward(grads)
         ctx.token.done = True
         return (None, None) + result
@@ -388,7 +410,7 @@ class GraphRunner:
         self._refused: dict[Any, str] = {}
         self._warned: set[str] = set()
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._rng: dict[int, torch.Generator] = {}
+        self._captures = 0
         self._cache: Any = None
         self._modules: list[nn.Module] = []
         self._buffer_buckets: list[Any] = []
@@ -436,17 +458,37 @@ class GraphRunner:
         return stream
 
     def _generator(self, index: int, device: torch.device) -> torch.Generator:
-        """Replica `index`'s private random-number state on `device`: a clone
-        of the device's default generator with a seed of its own, derived from
-        the device's initial seed, so replicas (and replays) never repeat one
-        another's numbers and a run seeded with torch.manual_seed repeats."""
-        rng = self._rng.get(index)
-        if rng is None:
-            default = torch.cuda.default_generators[device.index]
-            rng = default.clone_state()
-            rng.manual_seed((default.initial_seed() + 0x9E3779B97F4A7C15 * (index + 1)) % (1 << 63))
-            self._rng[index] = rng
+        """A fresh random-number state for one capture of replica `index` on
+        `device`: a clone of the device's default generator with a seed of
+        its own, derived from the device's initial seed, the replica and a
+        capture count, so replicas and signatures never repeat one another's
+        numbers and a run seeded with torch.manual_seed repeats. Fresh per
+        capture: a failed capture leaves its state unusable (torch marks it
+        capturing and only a successful capture_end clears that), and it is
+        thrown away with the failed graphs."""
+        self._captures += 1
+        default = torch.cuda.default_generators[device.index]
+        rng = default.clone_state()
+        rng.manual_seed(
+            (default.initial_seed() + 0x9E3779B97F4A7C15 * (index + 1) + 0xBF58476D1CE4E5B9 * self._captures)
+            % (1 << 63)
+        )
         return rng
+
+    @contextlib.contextmanager
+    def _master_stream(self, owner: Any) -> Iterator[torch.cuda.Stream]:
+        """Replica 0's stream, after the caller's stream of that device, as
+        the current stream: where the autograd nodes that touch the master's
+        parameters (BroadcastBucket, and so the parameters' AccumulateGrad
+        nodes) are made. A node keeps the stream it was made on, and one made
+        on the caller's (default) stream would make capturing replica 0's
+        backward wait for a stream that is not capturing, which invalidates
+        the capture; made here, every such node is on replica 0's stream."""
+        device = owner.device_ids[0]
+        stream = self.stream(0, device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield stream
 
     # -- one call -----------------------------------------------------------
 
@@ -517,7 +559,8 @@ class GraphRunner:
 
     def _warm_up(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> list[Any]:
         """An eager call, each replica in this thread on its own stream."""
-        replicas = owner._replicas(used[-1] + 1)
+        with self._master_stream(owner) as master:
+            replicas = owner._replicas(used[-1] + 1)
         outputs = []
         callers = []
         for j, i in enumerate(used):
@@ -526,6 +569,7 @@ class GraphRunner:
             caller = torch.cuda.current_stream(device)
             callers.append((caller, stream))
             stream.wait_stream(caller)
+            stream.wait_stream(master)
             for t in _leaves((args[j], kws[j])):
                 t.record_stream(stream)  # allocated on the caller's stream, read on this one
             try:
@@ -549,7 +593,8 @@ class GraphRunner:
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             graphs.append(
                 _ReplicaGraph(
-                    make_call(replica), args[j], kws[j], params, self.stream(i, device), self._generator(i, device)
+                    make_call(replica), args[j], kws[j], params, self.stream(i, device), self._generator(i, device),
+                    keep=cache, copy_grads=len(used) == 1,
                 )
             )
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
@@ -557,7 +602,8 @@ class GraphRunner:
 
     def _replay(self, owner: Any, cache: Any, entry: _Entry, args: list[Any], kws: list[Any], used: list[int]) -> list[Any]:
         """Refreshes the replica buffers from the master and replays."""
-        copies = cache.refresh_copies()
+        with self._master_stream(owner) as master:
+            copies = cache.refresh_copies()
         grad = torch.is_grad_enabled()
         master_params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
         leaves = [_leaves((a, k)) for a, k in zip(args, kws)]
@@ -569,6 +615,7 @@ class GraphRunner:
         # replicas of one device overlap.
         for graph, caller in zip(entry.graphs, callers):
             graph.stream.wait_stream(caller)
+            graph.stream.wait_stream(master)
         outputs = []
         for j, i in enumerate(used):
             graph = entry.graphs[j]

@@ -374,7 +374,7 @@ def test_new_signatures_are_captured_and_the_cache_is_bounded() -> None:
     for size in sizes:
         _run(graphed, batch=size)
     assert len(graphed._graphs._entries) == _graphs.CACHE_SIZE
-    x = _batches(1, batch=sizes[0])[0][0]  # evicted: warms up and is captured again
+    x = _batches(1, batch=sizes[0])[0][0]  # evicted (its warm-up count is kept): captured again
     for _ in range(STEPS):
         got = graphed(x)
     torch.testing.assert_close(got, eager(x), rtol=1e-12, atol=1e-12)
@@ -410,3 +410,63 @@ def test_gradients_accumulate_across_replays(devices: list[Any]) -> None:
     assert graphed._graphs._entries
     for p, q in zip(graphed.module.parameters(), eager.module.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+class _DropoutOrSync(nn.Module):
+    """Dropout; with a batch of 5 rows per replica also a host synchronization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 5 and x.sum().item() > float("inf"):
+            return x
+        return self.drop(x)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_failed_capture_leaves_other_signatures_replaying() -> None:
+    """A capture that fails (signature B) does not break the random-number
+    state the captured signature A replays with."""
+    dp = dpcore.DataParallel(_DropoutOrSync().cuda(), [0, 0], cuda_graphs=True, gather=False)
+    a, b = torch.ones(8, 1024, device="cuda"), torch.ones(10, 1024, device="cuda")
+    with torch.no_grad():
+        for _ in range(STEPS):
+            dp(a)
+        with pytest.warns(RuntimeWarning, match=r"capture failed"):
+            for _ in range(STEPS):
+                dp(b)
+        first, second = dp(a), dp(a)
+    assert len(dp._graphs._entries) == 1 and len(dp._graphs._refused) == 1
+    assert not torch.equal(first[0] != 0, second[0] != 0)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_backward_after_a_later_replay_is_refused() -> None:
+    eager, graphed = _pair([0, 0])
+    _run(graphed)
+    x = _batches(1)[0][0]
+    loss = graphed(x).sum()
+    loss.backward(retain_graph=True)
+    graphed(x).sum().backward()  # replays again, overwriting the first call's activations
+    with pytest.raises(RuntimeError, match=r"activations a later call with the same input signature has overwritten"):
+        loss.backward()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_single_replica_gradients_are_not_static_memory() -> None:
+    """With replica 0 alone, torch.autograd.grad returns copies that later
+    replays do not overwrite."""
+    _, graphed = _pair([0])
+    _run(graphed)
+    x1, x2 = _batches(2)[0][0], _batches(2)[1][0]
+    params = list(graphed.module.parameters())
+    g1 = torch.autograd.grad(graphed(x1).sum(), params)
+    kept = [g.clone() for g in g1]
+    torch.autograd.grad(graphed(x2).square().sum(), params)
+    for g, k in zip(g1, kept):
+        torch.testing.assert_close(g, k, rtol=0, atol=0)

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import bench_command, environment, measure, measure_against
+from dpcore.bench._common import bench_command, environment, measure, measure_against, synchronize
 
 #: (row name, model factory, input shape without the batch, batch size, sync_batchnorm).
 ModelSpec = tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]
@@ -276,8 +276,7 @@ def _graphed_step(
         warnings.simplefilter("always")
         for _ in range(GRAPH_WARMUP):
             step()
-        for index in sorted({d.index for d in devices}):
-            torch.cuda.synchronize(index)
+        synchronize(devices)  # a capture's failure shows here, not in the first timed call
     return step, list(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
 
 

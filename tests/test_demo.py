@@ -193,6 +193,23 @@ def test_cuda_graphs_on_the_default_cpu_list_is_an_option_error(
     assert "cpu, cpu, cpu, cpu" in last
 
 
+def test_cuda_graphs_under_torchrun_need_cuda_devices_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hybrid mode allows --cuda-graphs (the process-group wrapper is a
+    DataParallel with the same options), so a torchrun launch on a CPU list
+    gets the CPU-list error, not a torchrun one."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--cuda-graphs", "--devices", "cpu:2"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cuda-graphs: needs CUDA devices, but --devices cpu:2 is cpu, cpu" in last
+    assert "torchrun" not in last
+
+
 @pytest.mark.parametrize("devices", ["cpu:2", "0,0"])
 def test_cuda_graphs_refuse_sync_batchnorm(devices: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before the devices are looked at, so on any machine."""

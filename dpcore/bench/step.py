@@ -21,8 +21,10 @@ Besides these overhead-dominated models, a wide MLP (50 Linear layers of
 BasicBlock / Bottleneck with BatchNorm, per-replica statistics, 100
 classes). On a CUDA list they run at their full sizes (MLP batch 512;
 resnet18-style 256 x 3 x 64 x 64; resnet50-style 128 x 3 x 128 x 128); on a
-CPU list and with ``--quick`` at much smaller batches and images, so that a
-CPU run stays short. Each row's name states the batch it ran.
+CPU list at much smaller batches and images, and with ``--quick`` narrower
+too (MLP 50x128, ResNets an eighth as wide) and timed in one alternating
+round, so that a quick CPU run stays short. Each row's name states the
+widths, batch and image size it ran.
 
 CUDA graphs (``--cuda-graphs``, default ``auto``): on a CUDA list every
 model is also measured with ``dpcore.DataParallel(..., cuda_graphs=True)``,
@@ -289,7 +291,9 @@ def run(
 ) -> dict[str, Any]:
     """Measures every model on `devices`; returns the JSON-ready result. Each
     measurement runs at least `repeats` steps and `min_seconds` (defaults:
-    10 and 0.5 s with `quick`, else 30 and 2 s). `cuda_graphs` ("auto",
+    10 and 0.5 s with `quick`, else 30 and 2 s; with `quick`, the wide MLP
+    and the ResNets alternate with their baselines in one round instead of
+    five: indicative figures for a short run). `cuda_graphs` ("auto",
     "on" or "off"): whether graphed rows are measured; "auto" measures them
     on a CUDA list only, "on" raises ValueError on a CPU list (see
     graphs_note). The result's "cuda_graphs" entry holds the choice,
@@ -301,7 +305,11 @@ def run(
     first = devices[0]
     k = len(devices)
     rows: list[dict[str, Any]] = []
+    overhead_models = {spec[0] for spec in _models(quick)}
     for name, factory, shape, batch, sync_bn in models(quick, first.type == "cuda" and not quick, k):
+        # With quick, the larger models get the shortest protocol: one
+        # alternating round, one warm-up call before the other timings.
+        short = quick and name not in overhead_models
         torch.manual_seed(0)
         model = factory().to(first)
         x = torch.randn(batch, *shape, device=first)
@@ -312,11 +320,11 @@ def run(
         xs, ys = x.chunk(k), y.chunk(k)
 
         def measure_step(fn: Callable[[], Any]) -> float:
-            return measure(fn, devices, warmup=3, repeats=repeats, min_seconds=min_seconds)
+            return measure(fn, devices, warmup=1 if short else 3, repeats=repeats, min_seconds=min_seconds)
 
         def alternate(fn: Callable[[], Any], baseline: Callable[[], Any]) -> tuple[float, float]:
             # fn and its baseline alternate, so machine noise hits both alike.
-            return measure_against(fn, baseline, devices, rounds=5, repeats=max(2, repeats // 5))
+            return measure_against(fn, baseline, devices, rounds=1 if short else 5, repeats=max(2, repeats // 5))
 
         def dp_step() -> None:
             _train_step(dp, opt, x, y)

@@ -299,6 +299,8 @@ def run(
     graphs_note). The result's "cuda_graphs" entry holds the choice,
     whether graphed rows were measured, and the note saying why not."""
     note = graphs_note(devices, cuda_graphs)
+    if note is not None:
+        print(f"  graphed rows not measured ({note})")
     repeats = repeats or (10 if quick else 30)
     if min_seconds is None:
         min_seconds = 0.5 if quick else 2.0

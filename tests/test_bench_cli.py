@@ -316,5 +316,36 @@ def test_graphed_rows_and_their_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert row["graphed_vs_plain"] == pytest.approx(row["graphed_ms"] / row["plain_full_batch_ms"])
         assert row["torch_dp_vs_graphed"] is None  # torch.nn.DataParallel runs on CUDA lists only
         assert row["graphed_warnings"] == ["cuda_graphs: capture failed, running eagerly"]
-    assert plain["graphed_note"] is None
+    assert plain["graphed_note"] is None and plain["graphed_error"] is None
     assert "per-replica BatchNorm" in synced["graphed_note"]
+
+
+def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A RuntimeError of the cuda_graphs=True wrapper: the row records it,
+    the other rows still run, the JSON is written, and the command exits 1
+    naming the models."""
+    real = bench_step.dpcore.DataParallel
+
+    class Failing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    def make(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> torch.nn.Module:
+        return Failing() if kwargs.pop("cuda_graphs", False) else real(module, device_ids=device_ids, **kwargs)
+
+    monkeypatch.setattr(bench_step.dpcore, "DataParallel", make)
+    monkeypatch.setattr(bench_step, "graphs_note", lambda devices, choice: None)
+    tiny = [(f"tiny MLP {i}", lambda: bench_step.mlp(2, 8), (8,), 4, False) for i in (1, 2)]
+    monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: tiny)
+    out = tmp_path / "step.json"
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main(["--devices", "cpu:2", "--quick", "--repeats", "1", "--min-seconds", "0", "--json", str(out)])
+    assert exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["graphed_error"] for r in rows] == [
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    ] * 2
+    assert all(r["graphed_ms"] is None and r["dpcore_ms"] > 0 for r in rows)
+    assert "cuda_graphs=True FAILED" in capsys.readouterr().out

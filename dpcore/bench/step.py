@@ -37,7 +37,9 @@ least 4 for resnet18, the MLP 50x64 and the small CNN rows). A
 synchronized-BatchNorm row is graphed with per-replica statistics (CUDA
 graphs cannot capture synchronized BatchNorm; the row's note says so).
 Warnings raised during the warm-up (a fallback to eager, say) are recorded in
-the row. On a CPU list graphed rows are not measured and the JSON's
+the row; a RuntimeError of the graphed wrapper is recorded in the row's
+``graphed_error``, the other rows still run, and the command exits with
+status 1 after writing the results. On a CPU list graphed rows are not measured and the JSON's
 ``cuda_graphs`` entry says why; ``--cuda-graphs on`` there exits with status
 2, ``--cuda-graphs off`` skips them on a CUDA list too.
 
@@ -51,6 +53,7 @@ model and batch.
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -357,10 +360,15 @@ def run(
                 print(f"  torch.nn.DataParallel unavailable here: {error}".splitlines()[0])
         t_graphed = None
         graphed_warnings: list[str] = []
+        graphed_error = None
         if note is None:
-            graphed_step, graphed_warnings = _graphed_step(model, devices, opt, x, y)
-            t_graphed = measure_step(graphed_step)
-            del graphed_step  # its graphs and their memory pool go before the next model's
+            try:
+                graphed_step, graphed_warnings = _graphed_step(model, devices, opt, x, y)
+                t_graphed = measure_step(graphed_step)
+                del graphed_step  # its graphs and their memory pool go before the next model's
+            except RuntimeError as error:  # recorded; main() exits 1 after writing the results
+                graphed_error = f"{type(error).__name__}: {error}".splitlines()[0]
+                print(f"  {name}: cuda_graphs=True FAILED: {graphed_error}")
         rows.append({
             "model": name,
             "devices": k,
@@ -383,6 +391,7 @@ def run(
                 if t_graphed is not None and sync_bn else None
             ),
             "graphed_warnings": graphed_warnings,
+            "graphed_error": graphed_error,
         })
         print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}")
         if t_unsynced is not None:
@@ -448,7 +457,18 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, de
         parser.error(str(error))
 
 
-main = bench_command("bench_step", __doc__, run, COLUMNS, _add_options, _check_options)
+_command = bench_command("bench_step", __doc__, run, COLUMNS, _add_options, _check_options)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The command line (see the module docstring): runs, prints and writes
+    the results; then exits with status 1, naming the models, when
+    cuda_graphs=True failed on any of them (their rows' "graphed_error")."""
+    result = _command(argv)
+    failed = [row["model"] for row in result["rows"] if row.get("graphed_error")]
+    if failed:
+        sys.exit(f"bench_step: cuda_graphs=True failed on {'; '.join(failed)} (graphed_error in the results)")
+    return result
 
 
 if __name__ == "__main__":

@@ -206,8 +206,7 @@ def check_agreement(
     twice: with dpcore.DataParallel over `devices` (loss inside each replica,
     BatchNorm synchronized if `sync_batchnorm`, forward and backward
     replayed from CUDA graphs after the warm-up if `cuda_graphs`) and with
-    the bare model on
-    devices[0], on the batches `order` of (x, y).
+    the bare model on devices[0], on the batches `order` of (x, y).
     With a `process_group` of P processes, the DataParallel is the hybrid one
     and this process feeds it its share ``index.tensor_split(P)[rank]`` of
     each global batch, while the single-device run takes the whole batch; the

@@ -63,6 +63,7 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         }
         assert step["cuda_graphs"]["note"] == "cuda_graphs: CUDA lists only"
         assert all(row["graphed_ms"] is None and row["torch_dp_vs_graphed"] is None for row in step["rows"])
+        assert step["targets"] == []
     else:
         assert step["cuda_graphs"]["measured"] is True
         assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"])
@@ -349,3 +350,19 @@ def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
     ] * 2
     assert all(r["graphed_ms"] is None and r["dpcore_ms"] > 0 for r in rows)
     assert "cuda_graphs=True FAILED" in capsys.readouterr().out
+
+
+def test_check_targets_reports_met_and_missed() -> None:
+    rows = [
+        {"model": "resnet18-style, batch 256 x 3 x 64 x 64", "graphed_vs_plain": 1.6, "torch_dp_vs_graphed": 4.0},
+        {"model": "MLP 50x64, batch 32", "graphed_vs_plain": 0.9, "torch_dp_vs_graphed": None},
+        {"model": "small CNN, batch 32", "graphed_vs_plain": 0.9, "torch_dp_vs_graphed": 3.9},
+    ]
+    checked = bench_step.check_targets(rows)
+    assert [(t["model"].split(",")[0], t["column"], t["met"]) for t in checked] == [
+        ("resnet18-style", "graphed_vs_plain", False),  # 1.6 > 1.5
+        ("resnet18-style", "torch_dp_vs_graphed", True),  # 4.0 >= 4: the bound itself is met
+        ("small CNN", "torch_dp_vs_graphed", False),
+    ]
+    assert checked[0]["value"] == 1.6 and checked[0]["op"] == "<=" and checked[0]["bound"] == 1.5
+    assert bench_step.check_targets([]) == []

@@ -44,7 +44,9 @@ status 1 after writing the results. On a CPU list graphed rows are not measured 
 2, ``--cuda-graphs off`` skips them on a CUDA list too.
 
 Every ratio is between two figures measured in the same run, on the same
-model and batch.
+model and batch. The JSON's ``targets`` lists the issue's graphed-row targets
+(``GRAPH_TARGETS``) with the values measured and whether each is met; a
+missed target is reported, not a failure.
 
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
     python bench/bench_step.py --devices 0,0,0,0 --repeats 10 --min-seconds 0.25
@@ -77,6 +79,17 @@ CUDA_ONLY = "cuda_graphs: CUDA lists only"
 
 #: Choices of --cuda-graphs (and of run's `cuda_graphs`).
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
+
+#: The issue's targets for the graphed rows, stated for [0, 0, 0, 0]: (row
+#: name, column, "<=" or ">=", bound). Checked wherever the row has the
+#: column; reported, never a failure.
+GRAPH_TARGETS: list[tuple[str, str, str, float]] = [
+    ("resnet18-style, batch 256 x 3 x 64 x 64", "graphed_vs_plain", "<=", 1.5),
+    ("resnet18-style, batch 256 x 3 x 64 x 64", "torch_dp_vs_graphed", ">=", 4.0),
+    ("MLP 50x64, batch 32", "torch_dp_vs_graphed", ">=", 4.0),
+    ("small CNN, batch 32", "torch_dp_vs_graphed", ">=", 4.0),
+    ("small CNN + BatchNorm, batch 32, sync", "torch_dp_vs_graphed", ">=", 4.0),
+]
 
 
 def mlp(depth: int = 50, width: int = 64) -> nn.Module:
@@ -265,6 +278,20 @@ def graphs_note(devices: Sequence[torch.device], cuda_graphs: str) -> str | None
     return None
 
 
+def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GRAPH_TARGETS against `rows`: one {"model", "column", "op", "bound",
+    "value", "met"} per target whose row is present with a value in that
+    column (none on a CPU list, where nothing is graphed)."""
+    by_name = {row["model"]: row for row in rows}
+    checked = []
+    for model, column, op, bound in GRAPH_TARGETS:
+        value = by_name.get(model, {}).get(column)
+        if value is not None:
+            met = value <= bound if op == "<=" else value >= bound
+            checked.append({"model": model, "column": column, "op": op, "bound": bound, "value": value, "met": met})
+    return checked
+
+
 def _graphed_step(
     model: nn.Module, devices: Sequence[torch.device], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[Callable[[], None], list[str]]:
@@ -401,10 +428,15 @@ def run(
                   + ("" if t_torch_dp is None else f", torch DP / graphed {t_torch_dp / t_graphed:.2f}"))
             for line in graphed_warnings:
                 print(f"  {name}: cuda_graphs warning: {line}")
+    targets = check_targets(rows)
+    for target in targets:
+        print(f"  target {'met' if target['met'] else 'MISSED'}: {target['model']}: {target['column']} "
+              f"{target['value']:.3f} {target['op']} {target['bound']:g}")
     return {
         "benchmark": "step",
         "devices": [str(d) for d in devices],
         "env": environment(),
+        "targets": targets,
         "cuda_graphs": {
             "choice": cuda_graphs,
             "measured": note is None,

@@ -39,9 +39,10 @@ graphs cannot capture synchronized BatchNorm; the row's note says so).
 Warnings raised during the warm-up (a fallback to eager, say) are recorded in
 the row; a RuntimeError of the graphed wrapper is recorded in the row's
 ``graphed_error``, the other rows still run, and the command exits with
-status 1 after writing the results. On a CPU list graphed rows are not measured and the JSON's
-``cuda_graphs`` entry says why; ``--cuda-graphs on`` there exits with status
-2, ``--cuda-graphs off`` skips them on a CUDA list too.
+status 1 after writing the results. On a CPU list graphed rows are not
+measured and the JSON's ``cuda_graphs`` entry says why; ``--cuda-graphs on``
+there exits with status 2, ``--cuda-graphs off`` skips them on a CUDA list
+too.
 
 Every ratio is between two figures measured in the same run, on the same
 model and batch. The JSON's ``targets`` lists the issue's graphed-row targets

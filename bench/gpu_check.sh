@@ -12,7 +12,10 @@
 #   4. the CUDA tests (device lists on the one GPU, repeats included) in 8
 #      pytest-xdist workers with a per-test timeout, so that a hang or a crash
 #      fails its own test and the others still run;
-#   5. bench_comm, bench_kernels and bench_step on [0, 0, 0, 0];
+#   5. bench_comm, bench_kernels and bench_step on [0, 0, 0, 0] (bench_step
+#      with its cuda_graphs=True rows, --cuda-graphs on, at 10 repeats and
+#      0.25 s per measurement so that its six models fit the step's timeout;
+#      the CUDA tests of step 4 include the demo with --cuda-graphs);
 #   6. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
 # Writes into $OUT: log.txt (everything), one <step>.log per step,
 # pytest-*.xml (JUnit) and the benchmarks' JSON.
@@ -123,7 +126,8 @@ step cuda-tests "CUDA tests ($cuda_how)" 180 "$py" -m pytest "${pytest_args[@]}"
   ${cuda_workers[@]+"${cuda_workers[@]}"} -m cuda "$root/tests" --junitxml="$OUT/pytest-cuda.xml"
 step bench-comm "bench_comm [0,0,0,0]" 90 "$py" "$root/bench/bench_comm.py" --devices 0,0,0,0 --json "$OUT/comm.json"
 step bench-kernels "bench_kernels [0,0,0,0]" 90 "$py" "$root/bench/bench_kernels.py" --devices 0,0,0,0 --json "$OUT/kernels.json"
-step bench-step "bench_step [0,0,0,0]" 90 "$py" "$root/bench/bench_step.py" --devices 0,0,0,0 --json "$OUT/step.json"
+step bench-step "bench_step [0,0,0,0], eager and CUDA graphs" 90 "$py" "$root/bench/bench_step.py" --devices 0,0,0,0 \
+  --cuda-graphs on --repeats 10 --min-seconds 0.25 --json "$OUT/step.json"
 step link-tests "libstdc++ link and info tests" 90 "$py" -m pytest "${pytest_args[@]}" \
   "$root/tests/test_link_check.py" "$root/tests/test_info.py" --junitxml="$OUT/pytest-link.xml"
 echo

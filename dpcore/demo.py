@@ -20,10 +20,20 @@ check holds with BatchNorm too, running statistics included. ``--batchnorm``
 alone adds the layers with per-replica statistics, as torch.nn.DataParallel
 has them: a single device cannot reproduce those, so the check is skipped.
 
+``--cuda-graphs`` trains with ``DataParallel(..., cuda_graphs=True)``: after
+a few eager warm-up steps per input signature, each replica's forward and
+backward are replayed from CUDA graphs. The float64 check then runs
+``CHECK_STEPS_GRAPHED`` steps with the same option, so that it also compares
+replayed steps, not only the eager warm-up. CUDA device lists only (a CPU
+list is an option error, exit status 2), and not with ``--sync-batchnorm``;
+the evaluation wrapper stays eager (one call per epoch, at another batch
+size).
+
     python -m dpcore.demo                       # every GPU, else cpu:4
     python -m dpcore.demo --devices cpu:2 --epochs 5
     python -m dpcore.demo --devices 0,0         # two replicas on GPU 0
     python -m dpcore.demo --sync-batchnorm      # BatchNorm, synchronized
+    python -m dpcore.demo --devices 0,0 --cuda-graphs
 
 Started by torchrun (RANK and WORLD_SIZE set), it trains one model over
 several processes with hybrid data parallelism (``DataParallel(...,
@@ -32,7 +42,8 @@ process on its own ``--devices`` (CUDA indices are offset by the local rank
 times one more than the largest index, so ``--devices 0,1`` gives local rank 1
 GPUs 2 and 3), its share of each global batch from a DistributedSampler, the
 float64 check against one device on the global batch, logs and the
-checkpoint from rank 0 only:
+checkpoint from rank 0 only. ``--cuda-graphs`` works there too (CUDA
+devices): the hybrid wrapper is a DataParallel with the same options.
 
     torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
 
@@ -61,6 +72,10 @@ from dpcore.bench._common import parse_devices, print_table
 #: every parameter element after each step.
 CHECK_STEPS = 3
 CHECK_ATOL = 1e-10
+
+#: How many steps the check runs with --cuda-graphs: enough for
+#: DataParallel's eager warm-up and capture to be followed by replays.
+CHECK_STEPS_GRAPHED = 8
 
 DEFAULTS = {"epochs": 12, "batch_size": 64, "lr": 0.1, "seed": 0}
 
@@ -185,11 +200,13 @@ def check_agreement(
     atol: float = CHECK_ATOL,
     process_group: Any = None,
     sync_batchnorm: bool = False,
+    cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """Runs `steps` training steps in float64 from `model`'s current weights
     twice: with dpcore.DataParallel over `devices` (loss inside each replica,
-    BatchNorm synchronized if `sync_batchnorm`) and with the bare model on
-    devices[0], on the batches `order` of (x, y).
+    BatchNorm synchronized if `sync_batchnorm`, forward and backward
+    replayed from CUDA graphs after the warm-up if `cuda_graphs`) and with
+    the bare model on devices[0], on the batches `order` of (x, y).
     With a `process_group` of P processes, the DataParallel is the hybrid one
     and this process feeds it its share ``index.tensor_split(P)[rank]`` of
     each global batch, while the single-device run takes the whole batch; the
@@ -206,7 +223,7 @@ def check_agreement(
     parallel = copy.deepcopy(model).double()
     dp = dpcore.DataParallel(
         parallel, device_ids=list(devices), criterion=criterion, process_group=process_group,
-        sync_batchnorm=sync_batchnorm,
+        sync_batchnorm=sync_batchnorm, cuda_graphs=cuda_graphs,
     )
     rank, world = 0, 1
     if process_group is not None:
@@ -306,6 +323,11 @@ def _parser() -> argparse.ArgumentParser:
         "--sync-batchnorm", action="store_true",
         help="add BatchNorm after every hidden layer, synchronized across the replicas (implies --batchnorm)",
     )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay each replica's forward and backward from CUDA graphs after a warm-up "
+        "(DataParallel(cuda_graphs=True)); CUDA devices only, not with --sync-batchnorm",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
     parser.add_argument(
         "--checkpoint", default=None, metavar="FILE",
@@ -321,6 +343,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs: expected at least 1, but got {args.epochs}")
+    if args.cuda_graphs and args.sync_batchnorm:
+        parser.error(
+            "--cuda-graphs: not with --sync-batchnorm (synchronized BatchNorm meets on the host inside "
+            "forward, which a CUDA graph cannot capture)"
+        )
     if args.sync_batchnorm:
         args.batchnorm = True
     if args.batch_size < (2 if args.batchnorm else 1):
@@ -349,6 +376,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
     except ValueError as error:
         message = str(error)
         parser.error(message if message.startswith("--devices") else f"--devices: {message}")
+    if args.cuda_graphs and devices[0].type != "cuda":
+        given = f"--devices {spec}" if args.devices is not None else f"the default --devices {spec} (no GPU visible)"
+        parser.error(
+            f"--cuda-graphs: needs CUDA devices, but {given} is {', '.join(str(d) for d in devices)}: "
+            f"CUDA graphs capture CUDA work only"
+        )
     return args, devices, spec
 
 
@@ -357,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Returns the summary: {"devices", "epochs", "batch_size", "lr", "seed",
     "train_samples", "test_samples",
+    "cuda_graphs" (whether --cuda-graphs was given),
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed,
     None when it was skipped: per-replica BatchNorm), "agreement_check" (its details, see
@@ -410,16 +444,18 @@ def _run(
     names = ", ".join(str(d) for d in devices)
     where = f"{world} processes x {len(devices)} devices" if group is not None else f"{len(devices)} device(s)"
     batchnorm = "synchronized" if args.sync_batchnorm else "per-replica" if args.batchnorm else "none"
+    graphs = ", CUDA graphs" if args.cuda_graphs else ""
     say(
         f"dpcore.demo: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on {where} "
-        f"[{names}] ({spec}); "
+        f"[{names}] ({spec}{graphs}); "
         f"{len(y_train)} train / {len(y_test)} test images, batch {args.batch_size}, "
         f"{args.epochs} epoch(s), SGD lr {args.lr} (momentum 0.9, cosine decay), seed {args.seed}"
     )
 
     # The check's batches are the run's first ones (repeated when the whole
-    # run has fewer than CHECK_STEPS batches).
-    first_batches = list(itertools.islice(itertools.cycle(itertools.chain(*epoch_orders)), CHECK_STEPS))
+    # run has fewer than the check's steps).
+    check_steps = CHECK_STEPS_GRAPHED if args.cuda_graphs else CHECK_STEPS
+    first_batches = list(itertools.islice(itertools.cycle(itertools.chain(*epoch_orders)), check_steps))
     check: dict[str, Any] | None = None
     if batchnorm == "per-replica":
         say(
@@ -428,8 +464,8 @@ def _run(
         )
     else:
         check = check_agreement(
-            model, devices, x_train, y_train, first_batches, args.lr, process_group=group,
-            sync_batchnorm=args.sync_batchnorm,
+            model, devices, x_train, y_train, first_batches, args.lr, steps=check_steps, process_group=group,
+            sync_batchnorm=args.sync_batchnorm, cuda_graphs=args.cuda_graphs,
         )
         worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
         if not check["ok"]:
@@ -448,7 +484,8 @@ def _run(
 
     criterion = nn.CrossEntropyLoss()
     trainer = dpcore.DataParallel(
-        model, device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm
+        model, device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm,
+        cuda_graphs=args.cuda_graphs,
     )
     # Every rank evaluates the whole test set (the same weights, the same result); no collective.
     evaluator = dpcore.DataParallel(model, device_ids=devices)  # gathers the logits on devices[0]
@@ -506,6 +543,7 @@ def _run(
         "lr": args.lr,
         "seed": args.seed,
         "batchnorm": batchnorm,
+        "cuda_graphs": args.cuda_graphs,
         "train_samples": len(y_train),
         "test_samples": len(y_test),
         "final_accuracy": history[-1]["test_accuracy"],

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from dpcore.bench import __main__ as bench_cli
 from dpcore.bench import comm as bench_comm
+from dpcore.bench import step as bench_step
 from conftest import TESTS_DIR, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,8 +49,24 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         assert copy["traffic_bytes"] == 2 * size and copy["ratio_to_copy"] == pytest.approx(1.0)
 
     step = json.loads((out / "step.json").read_text())
-    assert step["benchmark"] == "step" and len(step["rows"]) == 3
+    assert step["benchmark"] == "step"
+    assert [row["model"] for row in step["rows"]] == [name for name, *_ in bench_step.models(True, False, 4)]
+    assert [row["model"] for row in step["rows"]][3:] == [
+        "MLP 50x128, batch 32",
+        "resnet18-style (width / 8), batch 8 x 3 x 16 x 16",
+        "resnet50-style (width / 8), batch 8 x 3 x 16 x 16",
+    ]
     assert all(row["dpcore_ms"] > 0 and row["ratio"] > 0 for row in step["rows"])
+    if step["devices"][0] == "cpu":  # no graphed rows, and the JSON says why
+        assert step["cuda_graphs"] == {
+            "choice": "auto", "measured": False, "note": bench_step.CUDA_ONLY, "warmup_calls": None
+        }
+        assert step["cuda_graphs"]["note"] == "cuda_graphs: CUDA lists only"
+        assert all(row["graphed_ms"] is None and row["torch_dp_vs_graphed"] is None for row in step["rows"])
+        assert step["targets"] == []
+    else:
+        assert step["cuda_graphs"]["measured"] is True
+        assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"])
     synced = [row for row in step["rows"] if row["sync_ratio"] is not None]
     assert [row["model"] for row in synced] == ["small CNN + BatchNorm, batch 32, sync"]
     assert synced[0]["unsynced_ms"] > 0 and synced[0]["sync_ratio"] > 0
@@ -57,7 +76,10 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
     printed = capsys.readouterr().out
-    for marker in ("[1/3]", "[2/3]", "[3/3]", "x copy_", "K x 1/K plain ms", "x unsynced", "256 KiB", "wrote"):
+    for marker in (
+        "[1/3]", "[2/3]", "[3/3]", "x copy_", "K x 1/K plain ms", "x unsynced", "256 KiB", "wrote",
+        "graphed ms", "graphed x plain", "torch DP / graphed",
+    ):
         assert marker in printed
 
 
@@ -143,3 +165,204 @@ def test_bench_modules_make_torch_cuda_comm_available() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["scatter", "gather"]
+
+
+# -- bench_step: the model list, --cuda-graphs and the graphed rows ----------
+
+
+def test_step_models_full_size_are_the_issues() -> None:
+    """On a CUDA list without --quick: the issue's batches and images, and
+    ResNets of the published sizes (torchvision's parameter counts with a
+    100-class head); built, not run."""
+    specs = {name: (factory, shape, batch, sync) for name, factory, shape, batch, sync in bench_step.models(False, True, 4)}
+    assert list(specs)[3:] == [
+        "MLP 50x1024, batch 512",
+        "resnet18-style, batch 256 x 3 x 64 x 64",
+        "resnet50-style, batch 128 x 3 x 128 x 128",
+    ]
+    assert specs["MLP 50x1024, batch 512"][1:] == ((1024,), 512, False)
+    assert specs["resnet18-style, batch 256 x 3 x 64 x 64"][1:] == ((3, 64, 64), 256, False)
+    assert specs["resnet50-style, batch 128 x 3 x 128 x 128"][1:] == ((3, 128, 128), 128, False)
+    counts = [sum(p.numel() for p in specs[name][0]().parameters()) for name in list(specs)[3:]]
+    assert counts == [50 * (1024 * 1024 + 1024), 11_227_812, 23_712_932]
+    # The first rows are those bench_distributed runs too.
+    assert [s[0] for s in bench_step.models(False, True, 4)[:3]] == [s[0] for s in bench_step._models(False)]
+
+
+@pytest.mark.parametrize("replicas", [4, 6])
+def test_step_models_small_sizes_keep_two_samples_per_replica(replicas: int) -> None:
+    """CPU lists: full-width ResNets on 32 x 32 images, at least 2 samples per
+    replica (BatchNorm's 1 x 1 last stage); their forward and backward run on
+    each replica's chunk in training mode."""
+    rows = bench_step.models(False, False, replicas)
+    assert rows[3][0] == "MLP 50x1024, batch 32"
+    batch = max(8, 2 * replicas)
+    for name, factory, shape, size, sync in rows[4:]:
+        assert size == batch and shape == (3, 32, 32) and not sync
+        assert name.endswith(f"batch {batch} x 3 x 32 x 32")
+    torch.manual_seed(0)
+    for _, factory, shape, size, _ in bench_step.models(True, False, replicas)[4:]:
+        model = factory()
+        chunk = torch.randn(size // replicas, *shape)
+        out = model(chunk)
+        assert out.shape == (size // replicas, 100)
+        out.sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [("auto", bench_step.CUDA_ONLY), ("off", "cuda_graphs: not measured (--cuda-graphs off)")],
+)
+def test_graphs_note_on_a_cpu_list(choice: str, expected: str) -> None:
+    assert bench_step.graphs_note([torch.device("cpu")] * 2, choice) == expected
+
+
+def test_graphs_note_refuses_on_with_a_cpu_list_and_unknown_choices() -> None:
+    with pytest.raises(ValueError, match=r"--cuda-graphs on needs a CUDA device list, but --devices is \['cpu', 'cpu'\]"):
+        bench_step.graphs_note([torch.device("cpu")] * 2, "on")
+    with pytest.raises(ValueError, match="--cuda-graphs: expected one of auto, on, off, but got 'yes'"):
+        bench_step.graphs_note([torch.device("cpu")], "yes")
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "detail"),
+    [
+        (["--devices", "cpu:2", "--cuda-graphs", "on"], "--cuda-graphs", "cpu"),
+        (["--devices", "cpu:2", "--cuda-graphs", "always"], "--cuda-graphs", "invalid choice"),
+        (["--devices", "cpu:2", "--min-seconds", "-1"], "--min-seconds", "-1.0"),
+        (["--devices", "cpu:2", "--min-seconds", "nan"], "--min-seconds", "nan"),
+    ],
+)
+def test_step_bad_options_exit_2_before_measuring(
+    argv: list[str], option: str, detail: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main([*argv, "--json", str(tmp_path / "never.json")])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("bench_step: error:") and option in last and detail in last
+    assert out == "" and not (tmp_path / "never.json").exists()
+
+
+class _RecordingDataParallel(torch.nn.Module):
+    """Stands in for dpcore.DataParallel where CUDA graphs cannot run: records
+    the cuda_graphs argument and the calls, warns in its first two calls
+    as a fallback to eager might (the same two-line warning), and runs the
+    module itself."""
+
+    made: list[_RecordingDataParallel] = []
+
+    def __init__(self, module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.cuda_graphs = kwargs.pop("cuda_graphs", False)
+        self.calls = 0
+        _RecordingDataParallel.made.append(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= 2:
+            warnings.warn("cuda_graphs: capture failed, running eagerly\nsecond line")
+        return self.module(x)
+
+
+def test_graphed_step_warms_up_and_records_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    _RecordingDataParallel.made = []
+    monkeypatch.setattr(bench_step.dpcore, "DataParallel", _RecordingDataParallel)
+    torch.manual_seed(0)
+    model = bench_step.mlp(2, 8)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step, caught = bench_step._graphed_step(model, [torch.device("cpu")] * 2, opt, x, y)
+    (wrapper,) = _RecordingDataParallel.made
+    assert wrapper.cuda_graphs is True and wrapper.module is model
+    assert wrapper.calls == bench_step.GRAPH_WARMUP >= 5
+    assert caught == ["cuda_graphs: capture failed, running eagerly"]  # first lines, once each
+    step()
+    assert wrapper.calls == bench_step.GRAPH_WARMUP + 1
+
+
+def test_graphed_rows_and_their_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The graphed columns, as a CUDA list fills them (here on a CPU list,
+    with the graphed wrapper stood in for): each ratio is the row's own
+    figures, measured in the run; the sync-BatchNorm row's graphed wrapper
+    has per-replica statistics and says so."""
+    _RecordingDataParallel.made = []
+    real = bench_step.dpcore.DataParallel
+
+    def make(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> torch.nn.Module:
+        if kwargs.get("cuda_graphs"):
+            assert not kwargs.get("sync_batchnorm")
+            return _RecordingDataParallel(module, device_ids, **kwargs)
+        return real(module, device_ids=device_ids, **kwargs)
+
+    monkeypatch.setattr(bench_step.dpcore, "DataParallel", make)
+    monkeypatch.setattr(bench_step, "graphs_note", lambda devices, choice: None)
+    picked = [  # tiny models: the columns are under test, not the timings
+        ("tiny MLP", lambda: bench_step.mlp(2, 8), (8,), 4, False),
+        ("tiny BatchNorm, sync", lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)), (8,), 4, True),
+    ]
+    monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: picked)
+    result = bench_step.run([torch.device("cpu")] * 2, quick=True, repeats=1, min_seconds=0.0)
+    assert result["cuda_graphs"] == {"choice": "auto", "measured": True, "note": None, "warmup_calls": bench_step.GRAPH_WARMUP}
+    assert len(_RecordingDataParallel.made) == 2
+    # The warm-up calls, then measure()'s own warm-up call (quick, not an
+    # overhead model: the short protocol) and at least one timed call.
+    assert all(w.cuda_graphs and w.calls >= bench_step.GRAPH_WARMUP + 2 for w in _RecordingDataParallel.made)
+    plain, synced = result["rows"]
+    for row in (plain, synced):
+        assert row["graphed_ms"] > 0
+        assert row["graphed_vs_plain"] == pytest.approx(row["graphed_ms"] / row["plain_full_batch_ms"])
+        assert row["torch_dp_vs_graphed"] is None  # torch.nn.DataParallel runs on CUDA lists only
+        assert row["graphed_warnings"] == ["cuda_graphs: capture failed, running eagerly"]
+    assert plain["graphed_note"] is None and plain["graphed_error"] is None
+    assert "per-replica BatchNorm" in synced["graphed_note"]
+
+
+def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A RuntimeError of the cuda_graphs=True wrapper: the row records it,
+    the other rows still run, the JSON is written, and the command exits 1
+    naming the models."""
+    real = bench_step.dpcore.DataParallel
+
+    class Failing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    def make(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> torch.nn.Module:
+        return Failing() if kwargs.pop("cuda_graphs", False) else real(module, device_ids=device_ids, **kwargs)
+
+    monkeypatch.setattr(bench_step.dpcore, "DataParallel", make)
+    monkeypatch.setattr(bench_step, "graphs_note", lambda devices, choice: None)
+    tiny = [(f"tiny MLP {i}", lambda: bench_step.mlp(2, 8), (8,), 4, False) for i in (1, 2)]
+    monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: tiny)
+    out = tmp_path / "step.json"
+    with pytest.raises(SystemExit) as exc:
+        bench_step.main(["--devices", "cpu:2", "--quick", "--repeats", "1", "--min-seconds", "0", "--json", str(out)])
+    assert exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["graphed_error"] for r in rows] == [
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    ] * 2
+    assert all(r["graphed_ms"] is None and r["dpcore_ms"] > 0 for r in rows)
+    assert "cuda_graphs=True FAILED" in capsys.readouterr().out
+
+
+def test_check_targets_reports_met_and_missed() -> None:
+    rows = [
+        {"model": "resnet18-style, batch 256 x 3 x 64 x 64", "graphed_vs_plain": 1.6, "torch_dp_vs_graphed": 4.0},
+        {"model": "MLP 50x64, batch 32", "graphed_vs_plain": 0.9, "torch_dp_vs_graphed": None},
+        {"model": "small CNN, batch 32", "graphed_vs_plain": 0.9, "torch_dp_vs_graphed": 3.9},
+    ]
+    checked = bench_step.check_targets(rows)
+    assert [(t["model"].split(",")[0], t["column"], t["met"]) for t in checked] == [
+        ("resnet18-style", "graphed_vs_plain", False),  # 1.6 > 1.5
+        ("resnet18-style", "torch_dp_vs_graphed", True),  # 4.0 >= 4: the bound itself is met
+        ("small CNN", "torch_dp_vs_graphed", False),
+    ]
+    assert checked[0]["value"] == 1.6 and checked[0]["op"] == "<=" and checked[0]["bound"] == 1.5
+    assert bench_step.check_targets([]) == []

@@ -122,6 +122,105 @@ def test_one_epoch_on_a_repeated_gpu() -> None:
     assert summary["devices"] == ["cuda:0", "cuda:0"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON)
+def test_cuda_graphs_on_a_repeated_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """--cuda-graphs on [0, 0]: the float64 check runs CHECK_STEPS_GRAPHED
+    steps with cuda_graphs=True (replays included) and passes; the run trains."""
+    summary = demo.main(["--epochs", "1", "--devices", "0,0", "--no-progress", "--cuda-graphs"])
+    assert summary["cuda_graphs"] is True and summary["agreement"] is True
+    check = summary["agreement_check"]
+    assert check["steps"] == demo.CHECK_STEPS_GRAPHED
+    assert all(0.0 <= d <= demo.CHECK_ATOL for d in check["max_abs_diff"] + check["loss_diff"])
+    assert summary["devices"] == ["cuda:0", "cuda:0"] and len(summary["history"]) == 1
+    assert math.isfinite(summary["history"][0]["loss"]) and 0.0 <= summary["final_accuracy"] <= 1.0
+    out = capsys.readouterr().out
+    assert "CUDA graphs" in out and f"the first {demo.CHECK_STEPS_GRAPHED} steps" in out
+
+
+def test_cuda_graphs_reach_the_check_and_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cuda-graphs is passed as cuda_graphs=True to the check's and the
+    training wrapper (the evaluation wrapper stays eager), and the check runs
+    CHECK_STEPS_GRAPHED steps. On CPU, where DataParallel refuses
+    cuda_graphs=True, through a DataParallel that records the option and
+    drops it, after options parsed as if the devices were CUDA ones."""
+    import dpcore
+
+    real_dp, real_parse = dpcore.DataParallel, demo._parse
+    seen: list[bool] = []
+
+    def recording(module: torch.nn.Module, **kwargs: Any) -> Any:
+        seen.append(kwargs.pop("cuda_graphs", False))
+        return real_dp(module, **kwargs)
+
+    def parse_as_cuda(argv: Any) -> Any:
+        args, devices, spec = real_parse([a for a in argv if a != "--cuda-graphs"])
+        args.cuda_graphs = True
+        return args, devices, spec
+
+    monkeypatch.setattr(dpcore, "DataParallel", recording)
+    monkeypatch.setattr(demo, "_parse", parse_as_cuda)
+    summary = demo.main(["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress", "--cuda-graphs"])
+    assert seen == [True, True, False]  # the check's, the trainer's, the evaluator's
+    assert summary["cuda_graphs"] is True and summary["agreement"] is True
+    assert summary["agreement_check"]["steps"] == demo.CHECK_STEPS_GRAPHED
+
+
+@pytest.mark.parametrize("devices", [["--devices", "cpu:2"], ["--devices", "cpu"]])
+def test_cuda_graphs_on_a_cpu_list_is_an_option_error(
+    devices: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--cuda-graphs", *devices])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("python -m dpcore.demo: error: --cuda-graphs: needs CUDA devices")
+    assert f"--devices {devices[1]} is cpu" in last and "CUDA graphs capture CUDA work only" in last
+    assert out == ""  # nothing ran
+
+
+def test_cuda_graphs_on_the_default_cpu_list_is_an_option_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --devices on a machine without a GPU (cpu:4 stands in where one is present)."""
+    monkeypatch.setattr(demo, "_default_devices", lambda: "cpu:4")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--cuda-graphs"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cuda-graphs: needs CUDA devices, but the default --devices cpu:4" in last
+    assert "cpu, cpu, cpu, cpu" in last
+
+
+def test_cuda_graphs_under_torchrun_need_cuda_devices_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hybrid mode allows --cuda-graphs (the process-group wrapper is a
+    DataParallel with the same options), so a torchrun launch on a CPU list
+    gets the CPU-list error, not a torchrun one."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--cuda-graphs", "--devices", "cpu:2"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--cuda-graphs: needs CUDA devices, but --devices cpu:2 is cpu, cpu" in last
+    assert "torchrun" not in last
+
+
+@pytest.mark.parametrize("devices", ["cpu:2", "0,0"])
+def test_cuda_graphs_refuse_sync_batchnorm(devices: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before the devices are looked at, so on any machine."""
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--cuda-graphs", "--sync-batchnorm", "--devices", devices])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert "--cuda-graphs: not with --sync-batchnorm" in last and out == ""
+
+
 def test_same_seed_same_run() -> None:
     args = ["--epochs", "1", "--devices", "cpu:2", "--limit", "150", "--no-progress", "--seed", "3"]
     first, second = demo.main(args), demo.main(args)
@@ -225,6 +324,8 @@ def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
         demo.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--devices", "--epochs", "--batch-size", "--seed", "--lr", "--batchnorm", "--sync-batchnorm"):
+    for option in (
+        "--devices", "--epochs", "--batch-size", "--seed", "--lr", "--batchnorm", "--sync-batchnorm", "--cuda-graphs",
+    ):
         assert option in out
     assert "--limit" not in out

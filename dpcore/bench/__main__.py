@@ -6,7 +6,8 @@
 2. comm sweep: the collectives' bandwidth against payload size for single
    tensors (256 KiB to 64 MiB), with the copy_ of each payload as roofline;
 3. step: the steady-state training step of dpcore.DataParallel against the
-   same arithmetic without data parallelism.
+   same arithmetic without data parallelism (on a CUDA list also with
+   ``cuda_graphs=True``; see dpcore/bench/step.py).
 
 Writes comm.json (the comm rows, plus the sweep under "sweep"), step.json
 and comm_bandwidth.png (GB/s against payload size) into --out.

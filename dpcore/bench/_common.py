@@ -171,13 +171,16 @@ def bench_command(
     run: Callable[..., dict[str, Any]],
     columns: Sequence[tuple[str, str, str]],
     add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+    check_options: Callable[[argparse.ArgumentParser, argparse.Namespace, list[torch.device]], None] | None = None,
 ) -> Callable[[Sequence[str] | None], dict[str, Any]]:
     """The ``main(argv=None)`` of a benchmark, with the command line every
     benchmark shares: --devices, --quick, --repeats, --json. It runs
     `run(devices, quick=, repeats=)`, prints the table of its rows, writes
     the JSON and returns the result. Bad --devices exit 2 naming it.
     `add_options(parser)` adds a benchmark's own options; their values are
-    passed to `run` as keyword arguments too."""
+    passed to `run` as keyword arguments too. `check_options(parser, args,
+    devices)` runs before `run` and refuses a bad combination through
+    ``parser.error`` (exit status 2, nothing measured)."""
 
     def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,6 +194,8 @@ def bench_command(
         args = parser.parse_args(argv)
         extra = {key: value for key, value in vars(args).items() if key not in shared}
         spec, devices = devices_from_args(parser, args.devices, default_devices())
+        if check_options is not None:
+            check_options(parser, args, devices)
         print(f"{name} on {spec}")
         result = run(devices, quick=args.quick, repeats=args.repeats, **extra)
         print()

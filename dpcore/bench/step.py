@@ -16,11 +16,48 @@ The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
 ``sync_batchnorm=False`` (per-replica statistics), measured alternately (the
 issue's target: at most 1.3 on CPU lists).
 
+Besides these overhead-dominated models, a wide MLP (50 Linear layers of
+1024) and a ResNet-18-style and a ResNet-50-style network (written here:
+BasicBlock / Bottleneck with BatchNorm, per-replica statistics, 100
+classes). On a CUDA list they run at their full sizes (MLP batch 512;
+resnet18-style 256 x 3 x 64 x 64; resnet50-style 128 x 3 x 128 x 128); on a
+CPU list at much smaller batches and images, and with ``--quick`` narrower
+too (MLP 50x128, ResNets an eighth as wide) and timed in one alternating
+round, so that a quick CPU run stays short. Each row's name states the
+widths, batch and image size it ran.
+
+CUDA graphs (``--cuda-graphs``, default ``auto``): on a CUDA list every
+model is also measured with ``dpcore.DataParallel(..., cuda_graphs=True)``,
+its own wrapper over the same model, after ``GRAPH_WARMUP`` untimed calls
+(its eager warm-up and capture happen there). Reported: its step time,
+``graphed x plain`` (graphed over the plain single-device full-batch step;
+the issue's target for resnet18 at batch 256 on [0, 0, 0, 0]: at most 1.5)
+and ``torch DP / graphed`` (torch.nn.DataParallel over graphed; targets: at
+least 4 for resnet18, the MLP 50x64 and the small CNN rows). A
+synchronized-BatchNorm row is graphed with per-replica statistics (CUDA
+graphs cannot capture synchronized BatchNorm; the row's note says so).
+Warnings raised during the warm-up (a fallback to eager, say) are recorded in
+the row; a RuntimeError of the graphed wrapper is recorded in the row's
+``graphed_error``, the other rows still run, and the command exits with
+status 1 after writing the results. On a CPU list graphed rows are not
+measured and the JSON's ``cuda_graphs`` entry says why; ``--cuda-graphs on``
+there exits with status 2, ``--cuda-graphs off`` skips them on a CUDA list
+too.
+
+Every ratio is between two figures measured in the same run, on the same
+model and batch. The JSON's ``targets`` lists the issue's graphed-row targets
+(``GRAPH_TARGETS``) with the values measured and whether each is met; a
+missed target is reported, not a failure.
+
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
+    python bench/bench_step.py --devices 0,0,0,0 --repeats 10 --min-seconds 0.25
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +65,32 @@ import torch
 from torch import nn
 
 import dpcore
-from dpcore.bench._common import bench_command, environment, measure, measure_against
+from dpcore.bench._common import bench_command, environment, measure, measure_against, synchronize
+
+#: (row name, model factory, input shape without the batch, batch size, sync_batchnorm).
+ModelSpec = tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]
+
+#: Untimed calls of a cuda_graphs=True wrapper before its step is timed (the
+#: timing itself adds measure()'s own warm-up calls): its eager warm-up and
+#: the capture happen there, so the timed calls are replays.
+GRAPH_WARMUP = 8
+
+#: Why graphed rows are missing on a CPU list (the JSON's cuda_graphs.note).
+CUDA_ONLY = "cuda_graphs: CUDA lists only"
+
+#: Choices of --cuda-graphs (and of run's `cuda_graphs`).
+CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
+
+#: The issue's targets for the graphed rows, stated for [0, 0, 0, 0]: (row
+#: name, column, "<=" or ">=", bound). Checked wherever the row has the
+#: column; reported, never a failure.
+GRAPH_TARGETS: list[tuple[str, str, str, float]] = [
+    ("resnet18-style, batch 256 x 3 x 64 x 64", "graphed_vs_plain", "<=", 1.5),
+    ("resnet18-style, batch 256 x 3 x 64 x 64", "torch_dp_vs_graphed", ">=", 4.0),
+    ("MLP 50x64, batch 32", "torch_dp_vs_graphed", ">=", 4.0),
+    ("small CNN, batch 32", "torch_dp_vs_graphed", ">=", 4.0),
+    ("small CNN + BatchNorm, batch 32, sync", "torch_dp_vs_graphed", ">=", 4.0),
+]
 
 
 def mlp(depth: int = 50, width: int = 64) -> nn.Module:
@@ -57,12 +119,126 @@ def small_cnn_bn() -> nn.Module:
     )
 
 
-def _models(quick: bool) -> list[tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]]:
-    """(name, factory, input shape without batch, batch size, sync_batchnorm)."""
+def _conv_bn(cin: int, cout: int, kernel: int, stride: int = 1) -> list[nn.Module]:
+    """A bias-free convolution ("same" padding for odd kernels) and its BatchNorm."""
+    return [nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout)]
+
+
+class _Residual(nn.Module):
+    """relu(body(x) + shortcut(x)); the shortcut is the identity, or a strided
+    1x1 convolution with BatchNorm where the shape changes."""
+
+    def __init__(self, body: list[nn.Module], cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*body)
+        self.shortcut = (
+            nn.Sequential(*_conv_bn(cin, cout, 1, stride)) if stride != 1 or cin != cout else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def basic_block(cin: int, width: int, stride: int) -> nn.Module:
+    """ResNet's BasicBlock: two 3x3 convolutions of `width` channels (the
+    first with `stride`), BatchNorm after each; `width` channels out."""
+    return _Residual([*_conv_bn(cin, width, 3, stride), nn.ReLU(), *_conv_bn(width, width, 3)], cin, width, stride)
+
+
+def bottleneck(cin: int, width: int, stride: int) -> nn.Module:
+    """ResNet's Bottleneck: 1x1 down to `width`, 3x3 with `stride`, 1x1 up to
+    4 x `width` channels, BatchNorm after each."""
+    body = [
+        *_conv_bn(cin, width, 1), nn.ReLU(),
+        *_conv_bn(width, width, 3, stride), nn.ReLU(),
+        *_conv_bn(width, 4 * width, 1),
+    ]
+    return _Residual(body, cin, 4 * width, stride)
+
+
+def resnet(
+    block: Callable[[int, int, int], nn.Module],
+    depths: Sequence[int],
+    expansion: int,
+    classes: int = 100,
+    base: int = 64,
+) -> nn.Module:
+    """A ResNet for 3-channel images: 7x7/2 stem of `base` channels with
+    BatchNorm and a 3x3/2 max-pool, four stages of `depths` blocks at widths
+    `base` x 1, 2, 4, 8 (64 .. 512 as in the paper; each stage after the
+    first starts with stride 2; a block puts out `expansion` x width
+    channels), global average pooling and a linear layer to `classes`.
+    Spatial size is divided by 32 before the pooling."""
+    layers: list[nn.Module] = [*_conv_bn(3, base, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1)]
+    cin = base
+    for stage, (width, depth) in enumerate(zip((base, 2 * base, 4 * base, 8 * base), depths)):
+        for i in range(depth):
+            layers.append(block(cin, width, 2 if stage > 0 and i == 0 else 1))
+            cin = width * expansion
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def resnet18(base: int = 64) -> nn.Module:
+    """ResNet-18-style (BasicBlock, 2-2-2-2; 11.2 M parameters at `base`
+    64), 100 classes."""
+    return resnet(basic_block, (2, 2, 2, 2), 1, base=base)
+
+
+def resnet50(base: int = 64) -> nn.Module:
+    """ResNet-50-style (Bottleneck, 3-4-6-3; 23.7 M parameters at `base`
+    64), 100 classes."""
+    return resnet(bottleneck, (3, 4, 6, 3), 4, base=base)
+
+
+def _models(quick: bool) -> list[ModelSpec]:
+    """The overhead-dominated models (bench_distributed runs these too)."""
     return [
         ("MLP 50x64, batch 32", mlp, (64,), 32, False),
         ("small CNN, batch 32", small_cnn, (3, 32, 32), 32, False),
         ("small CNN + BatchNorm, batch 32, sync", small_cnn_bn, (3, 32, 32), 32, True),
+    ]
+
+
+def models(quick: bool, full_size: bool, replicas: int) -> list[ModelSpec]:
+    """Every model of this benchmark: _models, then a wide MLP and the two
+    ResNets, each row's name stating its widths, batch and image size.
+
+    `full_size` (a CUDA list without `quick`): the issue's sizes, MLP
+    50x1024 at batch 512, resnet18-style at 256 x 3 x 64 x 64,
+    resnet50-style at 128 x 3 x 128 x 128. Otherwise (CPU lists): MLP 50x1024
+    at batch 32, both ResNets at full width on 3 x 32 x 32 images at batch
+    8. With `quick` the wide MLP is 50x128 and the ResNets an eighth as wide
+    (8 .. 64 channels, on 3 x 16 x 16 images): a step of the full-width
+    ones takes from 0.2 to 0.5 s on a 2-core CPU, too long for a smoke run.
+    ResNet batches hold at least 2 samples per replica of the `replicas`
+    (their last stage is 1 x 1 there, where BatchNorm needs 2 values)."""
+    small = max(8, 2 * replicas)
+    if full_size:
+        width, mlp_batch, r18, r50, base = 1024, 512, (256, 64), (128, 128), 64
+    elif quick:
+        width, mlp_batch, r18, r50, base = 128, 32, (small, 16), (small, 16), 8
+    else:
+        width, mlp_batch, r18, r50, base = 1024, 32, (small, 32), (small, 32), 64
+    quarter = "" if base == 64 else f" (width / {64 // base})"
+
+    def wide() -> nn.Module:
+        return mlp(50, width)
+
+    def r18_model() -> nn.Module:
+        return resnet18(base)
+
+    def r50_model() -> nn.Module:
+        return resnet50(base)
+
+    def image(kind: str, size: tuple[int, int]) -> str:
+        return f"{kind}-style{quarter}, batch {size[0]} x 3 x {size[1]} x {size[1]}"
+
+    return [
+        *_models(quick),
+        (f"MLP 50x{width}, batch {mlp_batch}", wide, (width,), mlp_batch, False),
+        (image("resnet18", r18), r18_model, (3, r18[1], r18[1]), r18[0], False),
+        (image("resnet50", r50), r50_model, (3, r50[1], r50[1]), r50[0], False),
     ]
 
 
@@ -84,22 +260,89 @@ def _split_step(
     opt.step()
 
 
+def graphs_note(devices: Sequence[torch.device], cuda_graphs: str) -> str | None:
+    """Why no graphed rows are measured on `devices` with --cuda-graphs
+    `cuda_graphs`, or None when they are (a CUDA list, "auto" or "on").
+    Raises ValueError naming --cuda-graphs for an unknown choice or for "on"
+    with a CPU list."""
+    if cuda_graphs not in CUDA_GRAPHS_CHOICES:
+        raise ValueError(f"--cuda-graphs: expected one of {', '.join(CUDA_GRAPHS_CHOICES)}, but got {cuda_graphs!r}")
+    if cuda_graphs == "off":
+        return "cuda_graphs: not measured (--cuda-graphs off)"
+    if devices[0].type != "cuda":
+        if cuda_graphs == "on":
+            raise ValueError(
+                f"--cuda-graphs on needs a CUDA device list, but --devices is {[str(d) for d in devices]}: "
+                f"CUDA graphs capture CUDA work only"
+            )
+        return CUDA_ONLY
+    return None
+
+
+def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GRAPH_TARGETS against `rows`: one {"model", "column", "op", "bound",
+    "value", "met"} per target whose row is present with a value in that
+    column (none on a CPU list, where nothing is graphed)."""
+    by_name = {row["model"]: row for row in rows}
+    checked = []
+    for model, column, op, bound in GRAPH_TARGETS:
+        value = by_name.get(model, {}).get(column)
+        if value is not None:
+            met = value <= bound if op == "<=" else value >= bound
+            checked.append({"model": model, "column": column, "op": op, "bound": bound, "value": value, "met": met})
+    return checked
+
+
+def _graphed_step(
+    model: nn.Module, devices: Sequence[torch.device], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Callable[[], None], list[str]]:
+    """A training step through a new ``cuda_graphs=True`` wrapper of `model`
+    on `devices` (per-replica BatchNorm statistics), already called
+    GRAPH_WARMUP times and synchronized; with the warnings those calls
+    raised (one line each)."""
+    graphed = dpcore.DataParallel(model, device_ids=list(devices), cuda_graphs=True)
+
+    def step() -> None:
+        _train_step(graphed, opt, x, y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(GRAPH_WARMUP):
+            step()
+        synchronize(devices)  # a capture's failure shows here, not in the first timed call
+    return step, list(dict.fromkeys(str(w.message).splitlines()[0] for w in caught))
+
+
 def run(
     devices: Sequence[torch.device],
     quick: bool = False,
     repeats: int | None = None,
     min_seconds: float | None = None,
+    cuda_graphs: str = "auto",
 ) -> dict[str, Any]:
     """Measures every model on `devices`; returns the JSON-ready result. Each
     measurement runs at least `repeats` steps and `min_seconds` (defaults:
-    10 and 0.5 s with `quick`, else 30 and 2 s)."""
+    10 and 0.5 s with `quick`, else 30 and 2 s; with `quick`, the wide MLP
+    and the ResNets alternate with their baselines in one round instead of
+    five: indicative figures for a short run). `cuda_graphs` ("auto",
+    "on" or "off"): whether graphed rows are measured; "auto" measures them
+    on a CUDA list only, "on" raises ValueError on a CPU list (see
+    graphs_note). The result's "cuda_graphs" entry holds the choice,
+    whether graphed rows were measured, and the note saying why not."""
+    note = graphs_note(devices, cuda_graphs)
+    if note is not None:
+        print(f"  graphed rows not measured ({note})")
     repeats = repeats or (10 if quick else 30)
     if min_seconds is None:
         min_seconds = 0.5 if quick else 2.0
     first = devices[0]
     k = len(devices)
     rows: list[dict[str, Any]] = []
-    for name, factory, shape, batch, sync_bn in _models(quick):
+    overhead_models = {spec[0] for spec in _models(quick)}
+    for name, factory, shape, batch, sync_bn in models(quick, first.type == "cuda" and not quick, k):
+        # With quick, the larger models get the shortest protocol: one
+        # alternating round, one warm-up call before the other timings.
+        short = quick and name not in overhead_models
         torch.manual_seed(0)
         model = factory().to(first)
         x = torch.randn(batch, *shape, device=first)
@@ -110,11 +353,11 @@ def run(
         xs, ys = x.chunk(k), y.chunk(k)
 
         def measure_step(fn: Callable[[], Any]) -> float:
-            return measure(fn, devices, warmup=3, repeats=repeats, min_seconds=min_seconds)
+            return measure(fn, devices, warmup=1 if short else 3, repeats=repeats, min_seconds=min_seconds)
 
         def alternate(fn: Callable[[], Any], baseline: Callable[[], Any]) -> tuple[float, float]:
             # fn and its baseline alternate, so machine noise hits both alike.
-            return measure_against(fn, baseline, devices, rounds=5, repeats=max(2, repeats // 5))
+            return measure_against(fn, baseline, devices, rounds=1 if short else 5, repeats=max(2, repeats // 5))
 
         def dp_step() -> None:
             _train_step(dp, opt, x, y)
@@ -143,9 +386,21 @@ def run(
                 t_torch_dp = measure_step(lambda: _train_step(tdp, opt, x, y))
             except RuntimeError as error:
                 print(f"  torch.nn.DataParallel unavailable here: {error}".splitlines()[0])
+        t_graphed = None
+        graphed_warnings: list[str] = []
+        graphed_error = None
+        if note is None:
+            try:
+                graphed_step, graphed_warnings = _graphed_step(model, devices, opt, x, y)
+                t_graphed = measure_step(graphed_step)
+                del graphed_step  # its graphs and their memory pool go before the next model's
+            except RuntimeError as error:  # recorded; main() exits 1 after writing the results
+                graphed_error = f"{type(error).__name__}: {error}".splitlines()[0]
+                print(f"  {name}: cuda_graphs=True FAILED: {graphed_error}")
         rows.append({
             "model": name,
             "devices": k,
+            "batch": batch,
             "dpcore_ms": t_dp * 1e3,
             "sequential_split_ms": t_split * 1e3,
             "ratio": t_dp / t_split,
@@ -156,11 +411,41 @@ def run(
             "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
             "torch_dp_ms": None if t_torch_dp is None else t_torch_dp * 1e3,
             "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
+            "graphed_ms": None if t_graphed is None else t_graphed * 1e3,
+            "graphed_vs_plain": None if t_graphed is None else t_graphed / t_plain,
+            "torch_dp_vs_graphed": None if t_graphed is None or t_torch_dp is None else t_torch_dp / t_graphed,
+            "graphed_note": (
+                "per-replica BatchNorm statistics: cuda_graphs=True cannot capture synchronized BatchNorm"
+                if t_graphed is not None and sync_bn else None
+            ),
+            "graphed_warnings": graphed_warnings,
+            "graphed_error": graphed_error,
         })
         print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}")
         if t_unsynced is not None:
             print(f"  {name}: sync_batchnorm=False {t_unsynced * 1e3:.2f} ms, sync/unsynced {t_dp / t_unsynced:.3f}")
-    return {"benchmark": "step", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+        if t_graphed is not None:
+            print(f"  {name}: cuda_graphs=True {t_graphed * 1e3:.2f} ms, x plain step {t_graphed / t_plain:.3f}"
+                  + ("" if t_torch_dp is None else f", torch DP / graphed {t_torch_dp / t_graphed:.2f}"))
+            for line in graphed_warnings:
+                print(f"  {name}: cuda_graphs warning: {line}")
+    targets = check_targets(rows)
+    for target in targets:
+        print(f"  target {'met' if target['met'] else 'MISSED'}: {target['model']}: {target['column']} "
+              f"{target['value']:.3f} {target['op']} {target['bound']:g}")
+    return {
+        "benchmark": "step",
+        "devices": [str(d) for d in devices],
+        "env": environment(),
+        "targets": targets,
+        "cuda_graphs": {
+            "choice": cuda_graphs,
+            "measured": note is None,
+            "note": note,
+            "warmup_calls": GRAPH_WARMUP if note is None else None,
+        },
+        "rows": rows,
+    }
 
 
 COLUMNS = [
@@ -175,10 +460,48 @@ COLUMNS = [
     ("torch_replicate_ms", "torch replicate ms", ".3f"),
     ("torch_dp_ms", "torch DP ms", ".2f"),
     ("speedup_vs_torch_dp", "x torch DP", ".2f"),
+    ("graphed_ms", "graphed ms", ".2f"),
+    ("graphed_vs_plain", "graphed x plain", ".3f"),
+    ("torch_dp_vs_graphed", "torch DP / graphed", ".2f"),
 ]
 
 
-main = bench_command("bench_step", __doc__, run, COLUMNS)
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    """bench_step's own options: --cuda-graphs and --min-seconds."""
+    parser.add_argument(
+        "--cuda-graphs", choices=CUDA_GRAPHS_CHOICES, default="auto",
+        help="measure dpcore with cuda_graphs=True too: auto (default) on CUDA lists only, "
+        "on (a CPU list is an error), off",
+    )
+    parser.add_argument(
+        "--min-seconds", type=float, default=None,
+        help="least time per measurement (default 2 s, 0.5 s with --quick)",
+    )
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: list[torch.device]) -> None:
+    """Exits with status 2 (parser.error) for --min-seconds below 0 or
+    --cuda-graphs on with a CPU list."""
+    if args.min_seconds is not None and not args.min_seconds >= 0:
+        parser.error(f"--min-seconds: expected a number >= 0, but got {args.min_seconds}")
+    try:
+        graphs_note(devices, args.cuda_graphs)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+_command = bench_command("bench_step", __doc__, run, COLUMNS, _add_options, _check_options)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The command line (see the module docstring): runs, prints and writes
+    the results; then exits with status 1, naming the models, when
+    cuda_graphs=True failed on any of them (their rows' "graphed_error")."""
+    result = _command(argv)
+    failed = [row["model"] for row in result["rows"] if row.get("graphed_error")]
+    if failed:
+        sys.exit(f"bench_step: cuda_graphs=True failed on {'; '.join(failed)} (graphed_error in the results)")
+    return result
 
 
 if __name__ == "__main__":

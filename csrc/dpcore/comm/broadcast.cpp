@@ -110,8 +110,9 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
   // whole bucket, else one of those just packed, else one flattened for it.
   std::vector<at::Tensor> local;
   std::vector<at::Tensor> remote;
-  for (const at::Tensor& flat : flats) {
-    (normalize_device(flat.device()) == source ? local : remote).push_back(flat);
+  for (size_t d = 0; d < flats.size(); ++d) {
+    detail::check_flat(flats[d], layout, members.size(), "broadcast_flat_into", static_cast<int64_t>(d));
+    (normalize_device(flats[d].device()) == source ? local : remote).push_back(flats[d]);
   }
   if (!local.empty()) {
     c10::DeviceGuard guard(source);

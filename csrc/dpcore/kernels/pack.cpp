@@ -139,9 +139,6 @@ void pack_multi_cpu(at::TensorList tensors, const FlatLayout& layout, at::Tensor
 
 namespace detail {
 
-namespace {
-
-// The checks of one flat buffer: 'flat', or flats[index] when index >= 0.
 void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index) {
   // Only evaluated for a message, when a check fails.
   const auto name = [&] { return index < 0 ? std::string("'flat'") : c10::str("flats[", index, "]"); };
@@ -156,6 +153,8 @@ void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, 
       count == 0 || flat.scalar_type() == layout.dtype, op, ": expected ", name(), " of dtype ",
       layout.dtype, ", but it is ", flat.scalar_type());
 }
+
+namespace {
 
 // The checks of the tensors (as many as the layout's entries) against the
 // layout and the device of `flat` (named by `flat_name`).

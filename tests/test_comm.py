@@ -392,6 +392,27 @@ def test_broadcast_coalesced_repeated_devices_bitwise(any_devices: list[DeviceLi
         assert len(set(pointers)) == len(devices), i
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_coalesced_results_leave_the_garbage_collector_as_found(enabled: bool) -> None:
+    # The coalesced collectives wrap their results with the cyclic GC paused:
+    # afterwards it is enabled or disabled as before, and its collections
+    # still find the results (they stay tracked).
+    import gc
+
+    tensors = [rand((3,), seed=s) for s in range(2000)]
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        results = comm.broadcast_coalesced(tensors, ["cpu"] * 3)
+        assert gc.isenabled() == enabled
+        summed = comm.reduce_add_coalesced(results, "cpu")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert all(gc.is_tracked(t) for t in results[1][:10] + summed[:10])
+    assert all(torch.equal(s, 3 * t) for s, t in zip(summed, tensors))
+
+
 # --------------------------------------------------------------------------- broadcast_coalesced
 
 

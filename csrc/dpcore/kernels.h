@@ -10,6 +10,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "dpcore/common.h"
 #include "dpcore/flatten.h"
 
@@ -70,6 +73,25 @@ bool same_dense_layout(at::TensorList sources, const at::Tensor& out);
 // reduce_add_n with ATen ops, for any layout and device; half types are
 // accumulated in float.
 void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate);
+
+// One member of a pack_multi as bytes: `nbytes` from `src` to byte
+// `offset` of the flat buffers.
+struct PackBlock {
+  const char* src;
+  int64_t offset;
+  int64_t nbytes;
+};
+
+// pack_multi's members as blocks of bytes, what every backend copies.
+// `direct`: the members laid out as the layout says, read in place. The
+// others are written by ATen into `first_flat` first (in stream order on a
+// device), and `staged` holds their bytes there: the source for the other
+// flats. Empty members are left out.
+struct PackMultiPlan {
+  std::vector<PackBlock> direct;
+  std::vector<PackBlock> staged;
+};
+PackMultiPlan plan_pack_multi(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat);
 
 using PackFn = void (*)(at::TensorList, const FlatLayout&, const at::Tensor&);
 using PackMultiFn = void (*)(at::TensorList, const FlatLayout&, at::TensorList);

@@ -254,17 +254,10 @@ void copy_entries(at::TensorList tensors, const FlatLayout& layout, const at::Te
   copy_ranges(ranges, single_dest(), flat.device(), at::cuda::getCurrentCUDAStream());
 }
 
-// `nbytes` bytes from `src` to byte `offset` of flat buffers.
-struct Block {
-  const char* src;
-  int64_t offset;
-  int64_t nbytes;
-};
-
 // Copies every block into every buffer of `bases` from index `first` on:
 // one launch (one read of the blocks) per kMaxDests buffers.
 void copy_blocks(
-    const std::vector<Block>& blocks,
+    const std::vector<detail::PackBlock>& blocks,
     const std::vector<char*>& bases,
     size_t first,
     const at::Device& device,
@@ -298,33 +291,17 @@ void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList
   const at::Device device = flats[0].device();
   c10::cuda::CUDAGuard guard(device);
   c10::NoGradGuard no_grad;
-  const int64_t itemsize = static_cast<int64_t>(flats[0].element_size());
   std::vector<char*> bases;
   bases.reserve(flats.size());
   for (const at::Tensor& flat : flats) {
     bases.push_back(static_cast<char*>(flat.mutable_data_ptr()));
   }
-  // Members that are one block of bytes are read in place; the others go
-  // through ATen into flats[0] first (same stream, so before the kernels),
-  // and their bytes there are the source for the other buffers.
-  std::vector<Block> direct;
-  std::vector<Block> staged;
-  direct.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    const int64_t nbytes = t.numel() * itemsize;
-    if (nbytes == 0) continue;
-    const int64_t offset = layout.offsets[i] * itemsize;
-    if (layout.matches(i, t)) {
-      direct.push_back(Block{static_cast<const char*>(t.const_data_ptr()), offset, nbytes});
-    } else {
-      layout.view(flats[0], i).copy_(t, /*non_blocking=*/true);
-      staged.push_back(Block{bases[0] + offset, offset, nbytes});
-    }
-  }
+  // The members not laid out as `layout` says go through ATen into flats[0]
+  // first, on this stream, so before the kernels.
+  const detail::PackMultiPlan plan = detail::plan_pack_multi(tensors, layout, flats[0]);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  copy_blocks(direct, bases, 0, device, stream);
-  copy_blocks(staged, bases, 1, device, stream);
+  copy_blocks(plan.direct, bases, 0, device, stream);
+  copy_blocks(plan.staged, bases, 1, device, stream);
 }
 
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors) {

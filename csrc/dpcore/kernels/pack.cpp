@@ -91,39 +91,28 @@ void pack_multi_cpu(at::TensorList tensors, const FlatLayout& layout, at::Tensor
   if (layout.numel == 0) {
     return;
   }
-  const int64_t itemsize = static_cast<int64_t>(flats[0].element_size());
+  const detail::PackMultiPlan plan = detail::plan_pack_multi(tensors, layout, flats[0]);
   std::vector<char*> bases;
   bases.reserve(flats.size());
   for (const at::Tensor& flat : flats) {
     bases.push_back(static_cast<char*>(flat.mutable_data_ptr()));
   }
   std::vector<Piece> pieces;
-  pieces.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    const int64_t nbytes = t.numel() * itemsize;
-    if (nbytes == 0) {
-      continue;
-    }
-    const int64_t offset = layout.offsets[i] * itemsize;
-    const char* src = nullptr;
-    size_t first_dest = 0;
-    if (layout.matches(i, t)) {
-      src = static_cast<const char*>(t.const_data_ptr());
-    } else {
-      // Not one block of bytes (strided, or a lazy conjugate/negative bit):
-      // ATen writes it into the first buffer, whose bytes the others copy.
-      layout.view(flats[0], i).copy_(t);
-      src = bases[0] + offset;
-      first_dest = 1;
-    }
+  pieces.reserve(plan.direct.size());
+  const auto cut = [&](const std::vector<detail::PackBlock>& blocks, size_t first_dest) {
     if (first_dest == flats.size()) {
-      continue;
+      return;
     }
-    for (int64_t start = 0; start < nbytes; start += kMultiPieceBytes) {
-      pieces.push_back(Piece{src + start, offset + start, std::min(kMultiPieceBytes, nbytes - start), first_dest});
+    for (const detail::PackBlock& block : blocks) {
+      for (int64_t start = 0; start < block.nbytes; start += kMultiPieceBytes) {
+        pieces.push_back(Piece{
+            block.src + start, block.offset + start, std::min(kMultiPieceBytes, block.nbytes - start),
+            first_dest});
+      }
     }
-  }
+  };
+  cut(plan.direct, 0);
+  cut(plan.staged, 1);
   at::parallel_for(
       0, static_cast<int64_t>(pieces.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
         for (int64_t p = begin; p < end; ++p) {
@@ -181,6 +170,29 @@ void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at:
       " tensors (the layout's entries), but got ", tensors.size());
   check_flat(flat, layout, tensors.size(), op, -1);
   check_members(tensors, layout, flat, op, "'flat'");
+}
+
+PackMultiPlan plan_pack_multi(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat) {
+  const int64_t itemsize = static_cast<int64_t>(first_flat.element_size());
+  const char* base = tensors.empty() ? nullptr : static_cast<const char*>(first_flat.const_data_ptr());
+  PackMultiPlan plan;
+  plan.direct.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const int64_t nbytes = t.numel() * itemsize;
+    if (nbytes == 0) {
+      continue;
+    }
+    const int64_t offset = layout.offsets[i] * itemsize;
+    if (layout.matches(i, t)) {
+      plan.direct.push_back(PackBlock{static_cast<const char*>(t.const_data_ptr()), offset, nbytes});
+    } else {
+      // Not one block of bytes (strided, or a lazy conjugate/negative bit).
+      layout.view(first_flat, i).copy_(t, /*non_blocking=*/true);
+      plan.staged.push_back(PackBlock{base + offset, offset, nbytes});
+    }
+  }
+  return plan;
 }
 
 void check_pack_multi_args(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {

@@ -25,8 +25,9 @@ void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& fl
 
 // pack into every buffer of `flats` at once (all on `tensors`' device, each
 // as `flat` above): each tensor is read once and written K = flats.size()
-// times, so that K copies of a bucket on one device cost one read of it (one
-// kernel launch on CUDA). The result equals K separate packs, bit for bit.
+// times, so that K copies of a bucket on one device cost one read of it (on
+// CUDA one launch per 16 buffers, plus one for members that are not one
+// block of bytes). The result equals K separate packs, bit for bit.
 void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
 
 // The reverse of pack: copies each entry of `flat` into tensors[i].

@@ -320,6 +320,99 @@ def test_broadcast_mixed_device_types_in_list() -> None:
         comm.broadcast(rand((2,)), ["cpu", "meta"])
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as their bytes on the CPU (bitwise comparisons: NaN payloads, -0.0)."""
+    return t.resolve_conj().resolve_neg().cpu().contiguous().view(torch.uint8)
+
+
+def special_values(shape: Sequence[int], device: DeviceLike, seed: int = 0) -> torch.Tensor:
+    """float32 values with NaNs of several payloads, infinities and -0.0."""
+    values = rand(shape, device=device, seed=seed).reshape(-1)
+    words = values.view(torch.int32)
+    words[::5] = 0x7FC00001 + seed  # NaN payloads
+    values[1::5] = -0.0
+    values[2::7] = float("inf")
+    return values.reshape(tuple(shape))
+
+
+def bitwise_variants(device: DeviceLike) -> dict[str, torch.Tensor]:
+    """Tensors whose copies must come out bit for bit: special values in
+    several layouts, an empty one, a lazily conjugated complex one, large
+    enough to span several pieces."""
+    big = special_values((300, 400), device, 1)
+    return {
+        "contiguous": special_values((1000, 7), device, 2),
+        "misaligned": special_values((100003,), device, 3)[1:],
+        "transposed": big.t(),
+        "channels_last": special_values((2, 6, 40, 40), device, 4).contiguous(memory_format=torch.channels_last),
+        "stepped": big[:, ::3],
+        "empty": special_values((0, 3), device, 5),
+        "conj": torch.complex(special_values((50,), device, 6), special_values((50,), device, 7)).conj(),
+    }
+
+
+@pytest.mark.parametrize("name", ["contiguous", "misaligned", "transposed", "channels_last", "stepped", "empty", "conj"])
+def test_broadcast_repeated_device_copies_are_bitwise_and_own_memory(any_devices: list[DeviceLike], name: str) -> None:
+    # Every copy on a repeat of the source's device comes from one pack_multi.
+    source = bitwise_variants(any_devices[0])[name]
+    devices = list(any_devices) + [any_devices[0]] * 2
+    results = comm.broadcast(source, devices)
+    assert results[0] is source
+    pointers = {storage_ptr(source)}
+    for d, result in enumerate(results[1:], 1):
+        assert result.device == as_torch_device(devices[d])
+        assert result.shape == source.shape and result.dtype == source.dtype
+        assert torch.equal(bits(result), bits(source)), d
+        assert not result.is_conj() and not result.requires_grad
+        if name != "stepped":  # dense: the copy keeps its strides
+            assert result.stride() == source.stride(), d
+        if source.numel() > 0:
+            assert storage_ptr(result) not in pointers, d
+            pointers.add(storage_ptr(result))
+
+
+@pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
+def test_broadcast_coalesced_repeated_devices_bitwise(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+    variants = bitwise_variants(any_devices[0])
+    names = ["contiguous", "misaligned", "transposed", "channels_last", "stepped", "empty"]
+    tensors = [variants[name] for name in names] + [special_values((3500,), any_devices[0], seed) for seed in range(20)]
+    devices = list(any_devices) + [any_devices[0]] * 3
+    results = comm.broadcast_coalesced(tensors, devices, **buffer_kwargs(buffer_size))
+    for d in range(1, len(devices)):
+        for i, tensor in enumerate(tensors):
+            result = results[d][i]
+            assert torch.equal(bits(result), bits(tensor)), (d, i)
+            if i != names.index("stepped"):  # dense: the copy keeps its strides
+                assert result.stride() == tensor.stride(), (d, i)
+    # The outputs of one device never share memory with another device's.
+    for i, tensor in enumerate(tensors):
+        if tensor.numel() == 0:
+            continue
+        pointers = [results[d][i].data_ptr() for d in range(len(devices))]
+        assert len(set(pointers)) == len(devices), i
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_coalesced_results_leave_the_garbage_collector_as_found(enabled: bool) -> None:
+    # The coalesced collectives wrap their results with the cyclic GC paused:
+    # afterwards it is enabled or disabled as before, and its collections
+    # still find the results (they stay tracked).
+    import gc
+
+    tensors = [rand((3,), seed=s) for s in range(2000)]
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        results = comm.broadcast_coalesced(tensors, ["cpu"] * 3)
+        assert gc.isenabled() == enabled
+        summed = comm.reduce_add_coalesced(results, "cpu")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert all(gc.is_tracked(t) for t in results[1][:10] + summed[:10])
+    assert all(torch.equal(s, 3 * t) for s, t in zip(summed, tensors))
+
+
 # --------------------------------------------------------------------------- broadcast_coalesced
 
 

@@ -1,4 +1,4 @@
-"""The kernels as operators (torch.ops.dpcore.pack / unpack / reduce_add_n):
+"""The kernels as operators (torch.ops.dpcore.pack / pack_multi / unpack / reduce_add_n):
 the CPU implementation against plain torch for every dtype, odd sizes,
 misaligned views and many tiny tensors; the CUDA implementation against the
 CPU reference (skips only without a GPU); torch.library.opcheck on CPU (and
@@ -125,6 +125,43 @@ def test_pack_unpack_round_trip(device: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [0, 3])
+def test_unflatten_views_match_as_strided_and_are_independent(device: str, offset: int) -> None:
+    # The views unflatten builds directly (no dispatcher call each) are what
+    # as_strided on the flat buffer would give: shape, strides (channels_last
+    # and transposed kept, non-dense members contiguous), storage offset,
+    # dtype, device; each has its own version counter and no history.
+    tensors = _tensor_list(device, torch.float32)
+    n = sum(t.numel() for t in tensors)
+    flat = torch.zeros(n + offset, device=device)[offset:]
+    views = dpcore._C.unflatten(flat, tensors)
+    position = 0
+    for i, (t, v) in enumerate(zip(tensors, views)):
+        # _tensor_list's last member is its only non-dense one.
+        stride = torch.empty(t.shape).stride() if i == len(tensors) - 1 else t.stride()
+        expected = flat.as_strided(t.shape, stride, flat.storage_offset() + position)
+        assert (v.shape, v.stride(), v.storage_offset(), v.dtype, v.device) == (
+            expected.shape, expected.stride(), expected.storage_offset(), expected.dtype, expected.device)
+        assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert v.grad_fn is None and not v._is_view()
+        position += t.numel()
+    versions = [v._version for v in views]
+    flat_version = flat._version
+    for i, v in enumerate(views):
+        if v.numel() == 0:
+            continue
+        before = [w.clone() for w in views]
+        v.fill_(i + 1)
+        assert torch.all(v == i + 1)
+        for j, w in enumerate(views):
+            if j != i:
+                assert torch.equal(w, before[j]), (i, j)
+                assert w._version == versions[j], (i, j)
+        versions[i] = v._version
+    assert flat._version == flat_version
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_pack_many_tiny_tensors_matches_cat(device: str) -> None:
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3500, generator=g).to(device) for _ in range(3000)]
@@ -187,6 +224,96 @@ def test_kernels_resolve_lazy_conjugate_and_negative_views(device: str, kind: st
     assert torch.equal(lazy_out.resolve_conj().resolve_neg(), before + values)
 
 
+def _packed(tensors: list[torch.Tensor], device: str) -> torch.Tensor:
+    """The reference: one pack of `tensors` into a new flat buffer."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
+    torch.ops.dpcore.pack(tensors, flat)
+    return flat
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes on the CPU (bitwise comparisons: NaN, -0.0)."""
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8, torch.float64])
+@pytest.mark.parametrize("k", [1, 2, 3, 17])
+def test_pack_multi_equals_separate_packs(device: str, dtype: torch.dtype, k: int) -> None:
+    # Mixed and odd sizes, an empty tensor, a misaligned view, a transposed,
+    # a channels_last and a non-dense member; 17 flats: more destinations
+    # than one CUDA launch writes.
+    tensors = _tensor_list(device, dtype)
+    expected = _packed(tensors, device)
+    flats = [torch.full_like(expected, 3) for _ in range(k)]
+    torch.ops.dpcore.pack_multi(tensors, flats)
+    for flat in flats:
+        assert torch.equal(_bits(flat), _bits(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 4])
+def test_pack_multi_many_tensors_of_mixed_sizes(device: str, k: int) -> None:
+    # 3000 tensors: more ranges than the CUDA kernel's arguments hold (the
+    # range table path); sizes cross the 64 KiB chunk and 256 KiB group limits.
+    sizes = [(i * 7919) % 70000 if i % 50 == 0 else (i * 31) % 3500 for i in range(3000)]
+    tensors = [_values(n, torch.float32, device, i) for i, n in enumerate(sizes)]
+    expected = torch.cat([t.reshape(-1) for t in tensors])
+    flats = [torch.empty_like(expected) for _ in range(k)]
+    torch.ops.dpcore.pack_multi(tensors, flats)
+    for flat in flats:
+        assert torch.equal(flat, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_multi_misaligned_flats_and_special_values(device: str) -> None:
+    # Flats at different alignments (views one element in): the vector path
+    # must only be taken when every destination is aligned; NaN payloads
+    # and -0.0 come through bit for bit.
+    values = _values(4 * 1000 + 3, torch.float32, device, 1)
+    values[::7] = float("nan")
+    values[1::7] = -0.0
+    tensors = [values, _values(5, torch.float32, device, 2)]
+    n = values.numel() + 5
+    flats = [torch.empty(n, device=device), torch.empty(n + 1, device=device)[1:], torch.empty(n + 3, device=device)[3:]]
+    torch.ops.dpcore.pack_multi(tensors, flats)
+    expected = _packed(tensors, device)
+    for flat in flats:
+        assert torch.equal(_bits(flat), _bits(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["conj", "neg"])
+def test_pack_multi_lazy_conj_and_neg_members(device: str, kind: str) -> None:
+    # A member with a lazy bit is written by value (not by bytes) into every flat.
+    base = torch.complex(_values(6, torch.float32, device, 1), _values(6, torch.float32, device, 2))
+    lazy = base.conj() if kind == "conj" else torch._neg_view(base)
+    plain = base * 2
+    flats = [torch.empty(12, dtype=torch.complex64, device=device) for _ in range(3)]
+    torch.ops.dpcore.pack_multi([lazy, plain], flats)
+    expected = torch.cat([lazy.resolve_conj().resolve_neg(), plain])
+    for flat in flats:
+        assert torch.equal(flat, expected)
+
+
+def test_pack_multi_only_empty_tensors() -> None:
+    flats = [torch.empty(0), torch.empty(0)]
+    torch.ops.dpcore.pack_multi([torch.empty(0), torch.empty(3, 0)], flats)
+    torch.ops.dpcore.pack_multi([], [torch.empty(0)])
+
+
+def test_pack_multi_errors_name_the_flat() -> None:
+    tensors = [torch.ones(3), torch.ones(2)]
+    with pytest.raises(RuntimeError, match=r"pack_multi: expected at least one tensor in 'flats'"):
+        torch.ops.dpcore.pack_multi(tensors, [])
+    with pytest.raises(RuntimeError, match=r"expected flats\[1\] to have 5 elements, but it has 6"):
+        torch.ops.dpcore.pack_multi(tensors, [torch.empty(5), torch.empty(6)])
+    with pytest.raises(RuntimeError, match=r"expected flats\[2\] of dtype Float, but it is Double"):
+        torch.ops.dpcore.pack_multi(tensors, [torch.empty(5), torch.empty(5), torch.empty(5, dtype=torch.float64)])
+    with pytest.raises(RuntimeError, match=r"expected flats\[1\] to be a contiguous 1-D tensor"):
+        torch.ops.dpcore.pack_multi(tensors, [torch.empty(5), torch.empty(10)[::2]])
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_cuda_matches_cpu_reference() -> None:
@@ -216,6 +343,10 @@ def test_opcheck(device: str) -> None:
         torch.ops.dpcore.unpack.default, (torch.randn(11, device=device), [torch.empty(5, device=device), torch.empty(2, 3, device=device)])
     )
     torch.library.opcheck(
+        torch.ops.dpcore.pack_multi.default,
+        (tensors, [torch.empty(11, device=device) for _ in range(3)]),
+    )
+    torch.library.opcheck(
         torch.ops.dpcore.reduce_add_n.default,
         ([torch.randn(6, device=device) for _ in range(3)], torch.randn(6, device=device), True),
     )
@@ -228,3 +359,6 @@ def test_meta_shapes_trace() -> None:
     torch.ops.dpcore.pack(meta, torch.empty(11, device="meta"))
     with pytest.raises(RuntimeError, match="expected 'flat' to hold every element"):
         torch.ops.dpcore.pack(meta, torch.empty(10, device="meta"))
+    torch.ops.dpcore.pack_multi(meta, [torch.empty(11, device="meta"), torch.empty(11, device="meta")])
+    with pytest.raises(RuntimeError, match="pack_multi: expected 'flat' to hold every element"):
+        torch.ops.dpcore.pack_multi(meta, [torch.empty(11, device="meta"), torch.empty(12, device="meta")])

@@ -53,8 +53,10 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
 
 // Copies the bucket `members` (dense, one dtype, all on one device) laid out
 // as `layout` into every buffer of `flats` (1-D, layout.numel elements, each
-// on its own device): packed straight in for a buffer on the members'
-// device, else flattened once on that device and the flat copy sent over.
+// on its own device; all checked, by index, before any is written): the
+// buffers on the members' device by one pack_multi (the members read once),
+// the others by a copy of one flat buffer on that device (the member itself
+// when it is the whole bucket, else one of those packed, else one made).
 void broadcast_flat_into(
     at::TensorList members,
     const FlatLayout& layout,

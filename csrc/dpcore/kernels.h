@@ -2,12 +2,16 @@
 // (the reference, always built; kernels/) and, in a CUDA build, a CUDA one
 // (cuda/); the entry points below check their arguments and dispatch on the
 // device. The same kernels are PyTorch operators (torch.ops.dpcore.pack,
-// .unpack, .reduce_add_n): the schema and the Meta implementations are in
-// ops.cpp, and each backend registers its implementation at the bottom of its
-// own file (TORCH_LIBRARY_IMPL(dpcore, CPU/CUDA, m)).
+// .pack_multi, .unpack, .reduce_add_n): the schema and the Meta
+// implementations are in ops.cpp, and each backend registers its
+// implementation at the bottom of its own file (TORCH_LIBRARY_IMPL(dpcore,
+// CPU/CUDA, m)).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
 
 #include "dpcore/common.h"
 #include "dpcore/flatten.h"
@@ -18,6 +22,13 @@ namespace dpcore {
 // `flat` given by `layout`. `flat` is 1-D, contiguous, of layout.dtype and
 // layout.numel elements.
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat);
+
+// pack into every buffer of `flats` at once (all on `tensors`' device, each
+// as `flat` above): each tensor is read once and written K = flats.size()
+// times, so that K copies of a bucket on one device cost one read of it (on
+// CUDA one launch per 16 buffers, plus one for members that are not one
+// block of bytes). The result equals K separate packs, bit for bit.
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
 
 // The reverse of pack: copies each entry of `flat` into tensors[i].
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);
@@ -49,6 +60,13 @@ constexpr int64_t kTensorsPerTask = 16;
 // and of reduce_add_n, shared by the entry points above and by every
 // backend's operator implementation.
 void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op);
+// The checks of one flat buffer for `count` tensors laid out as `layout`
+// (defined, contiguous 1-D, layout.numel elements of layout.dtype), named
+// 'flat', or flats[index] when index >= 0.
+void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index);
+// pack_multi's: at least one flat, each as check_pack_args wants it, all on
+// one device.
+void check_pack_multi_args(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
 void check_reduce_add_n_args(at::TensorList sources, const at::Tensor& out);
 // Whether every source covers one dense block of memory with out's strides,
 // so that element j of each sits at the same offset from its data pointer.
@@ -57,7 +75,27 @@ bool same_dense_layout(at::TensorList sources, const at::Tensor& out);
 // accumulated in float.
 void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate);
 
+// One member of a pack_multi as bytes: `nbytes` from `src` to byte
+// `offset` of the flat buffers.
+struct PackBlock {
+  const char* src;
+  int64_t offset;
+  int64_t nbytes;
+};
+
+// pack_multi's members as blocks of bytes, what every backend copies.
+// `direct`: the members laid out as the layout says, read in place. The
+// others are written by ATen into `first_flat` first (in stream order on a
+// device), and `staged` holds their bytes there: the source for the other
+// flats. Empty members are left out.
+struct PackMultiPlan {
+  std::vector<PackBlock> direct;
+  std::vector<PackBlock> staged;
+};
+PackMultiPlan plan_pack_multi(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat);
+
 using PackFn = void (*)(at::TensorList, const FlatLayout&, const at::Tensor&);
+using PackMultiFn = void (*)(at::TensorList, const FlatLayout&, at::TensorList);
 using UnpackFn = void (*)(const at::Tensor&, const FlatLayout&, at::TensorList);
 using ReduceAddNFn = void (*)(at::TensorList, const at::Tensor&, bool);
 
@@ -70,6 +108,13 @@ void pack_op(at::TensorList tensors, const at::Tensor& flat) {
   const FlatLayout layout = FlatLayout::of(tensors);
   check_pack_args(tensors, layout, flat, "pack");
   kImpl(tensors, layout, flat);
+}
+
+template <PackMultiFn kImpl>
+void pack_multi_op(at::TensorList tensors, at::TensorList flats) {
+  const FlatLayout layout = FlatLayout::of(tensors);
+  check_pack_multi_args(tensors, layout, flats);
+  kImpl(tensors, layout, flats);
 }
 
 template <UnpackFn kImpl>
@@ -89,6 +134,7 @@ void reduce_add_n_op(at::TensorList sources, const at::Tensor& out, bool accumul
 // The backends' implementations: arguments already checked.
 namespace cpu {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat);
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate);
 void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool accumulate);
@@ -97,6 +143,7 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
 #ifdef DPCORE_WITH_CUDA
 namespace cuda {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat);
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate);
 } // namespace cuda

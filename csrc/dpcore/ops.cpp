@@ -1,5 +1,5 @@
-// The kernels as PyTorch operators: torch.ops.dpcore.pack, .unpack and
-// .reduce_add_n. Here: their schema, the Meta implementations (which check
+// The kernels as PyTorch operators: torch.ops.dpcore.pack, .pack_multi,
+// .unpack and .reduce_add_n. Here: their schema, the Meta implementations (which check
 // shapes and dtypes only, so the ops trace under torch.compile with fake
 // tensors) and the Conjugate/Negative fallthroughs. The backends register
 // their implementations at the bottom of their own files: CPU in
@@ -31,6 +31,13 @@ void pack_meta(at::TensorList tensors, const at::Tensor& flat) {
   check_flat_meta(tensors, flat, "pack");
 }
 
+void pack_multi_meta(at::TensorList tensors, at::TensorList flats) {
+  TORCH_CHECK(!flats.empty(), "pack_multi: expected at least one tensor in 'flats', but it is empty");
+  for (const at::Tensor& flat : flats) {
+    check_flat_meta(tensors, flat, "pack_multi");
+  }
+}
+
 void unpack_meta(const at::Tensor& flat, at::TensorList tensors) {
   check_flat_meta(tensors, flat, "unpack");
 }
@@ -55,6 +62,7 @@ void reduce_add_n_meta(at::TensorList sources, const at::Tensor& out, bool /*acc
 
 TORCH_LIBRARY(dpcore, m) {
   m.def("pack(Tensor[] tensors, Tensor(a!) flat) -> ()");
+  m.def("pack_multi(Tensor[] tensors, Tensor(a!)[] flats) -> ()");
   m.def("unpack(Tensor flat, Tensor(a!)[] tensors) -> ()");
   m.def("reduce_add_n(Tensor[] sources, Tensor(a!) out, bool accumulate=False) -> ()");
 }
@@ -65,18 +73,21 @@ TORCH_LIBRARY(dpcore, m) {
 // outputs with such a bit work, which the generic fallbacks refuse.
 TORCH_LIBRARY_IMPL(dpcore, Conjugate, m) {
   m.impl("pack", torch::CppFunction::makeFallthrough());
+  m.impl("pack_multi", torch::CppFunction::makeFallthrough());
   m.impl("unpack", torch::CppFunction::makeFallthrough());
   m.impl("reduce_add_n", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(dpcore, Negative, m) {
   m.impl("pack", torch::CppFunction::makeFallthrough());
+  m.impl("pack_multi", torch::CppFunction::makeFallthrough());
   m.impl("unpack", torch::CppFunction::makeFallthrough());
   m.impl("reduce_add_n", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(dpcore, Meta, m) {
   m.impl("pack", &dpcore::pack_meta);
+  m.impl("pack_multi", &dpcore::pack_multi_meta);
   m.impl("unpack", &dpcore::unpack_meta);
   m.impl("reduce_add_n", &dpcore::reduce_add_n_meta);
 }

@@ -13,6 +13,7 @@
 #include "dpcore/host_allocator.h"
 #include "dpcore/kernels.h"
 #include "python/bindings.h"
+#include "python/tensor_lists.h"
 
 namespace py = pybind11;
 
@@ -99,12 +100,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "broadcast_out",
       [](const at::Tensor& tensor, const Tensors& outs) { dpcore::broadcast_out(tensor, outs); },
       py::arg("tensor"), py::arg("out"), NoGil());
+  // The coalesced collectives return thousands of new tensors: the work runs
+  // without the GIL, the wrapping with it, in bulk (tensor_lists.h).
   m.def(
       "broadcast_coalesced",
       [](const Tensors& tensors, const Devices& devices, int64_t bucket_bytes) {
-        return dpcore::broadcast_coalesced(tensors, devices, bucket_bytes);
+        dpcore::TensorList2D result;
+        {
+          py::gil_scoped_release no_gil;
+          result = dpcore::broadcast_coalesced(tensors, devices, bucket_bytes);
+        }
+        return dpcore::python::to_python_lists(std::move(result));
       },
-      py::arg("tensors"), py::arg("devices"), py::arg("bucket_bytes"), NoGil());
+      py::arg("tensors"), py::arg("devices"), py::arg("bucket_bytes"));
   m.def(
       "reduce_add",
       [](const Tensors& inputs, std::optional<c10::Device> destination) {
@@ -112,8 +120,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("inputs"), py::arg("destination"), NoGil());
   m.def(
-      "reduce_add_coalesced", &dpcore::reduce_add_coalesced, py::arg("inputs"),
-      py::arg("destination"), py::arg("bucket_bytes"), NoGil());
+      "reduce_add_coalesced",
+      [](const dpcore::TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes) {
+        Tensors result;
+        {
+          py::gil_scoped_release no_gil;
+          result = dpcore::reduce_add_coalesced(inputs, destination, bucket_bytes);
+        }
+        return dpcore::python::to_python_list(std::move(result));
+      },
+      py::arg("inputs"), py::arg("destination"), py::arg("bucket_bytes"));
   m.def(
       "scatter",
       [](const at::Tensor& tensor, const Devices& devices,

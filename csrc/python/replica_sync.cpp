@@ -18,6 +18,7 @@
 #include "dpcore/flatten.h"
 #include "dpcore/replica_buffers.h"
 #include "python/bindings.h"
+#include "python/tensor_lists.h"
 
 namespace py = pybind11;
 
@@ -303,6 +304,7 @@ class ReplicaSet {
         fresh = entry.replicas->refresh(entry.tensors);
       }
       py::tuple result(rows * size);
+      GcPause pause;  // thousands of new objects at once (tensor_lists.h)
       for (size_t j = 0; j < rows; ++j) {
         for (size_t p = 0; p < size; ++p) {
           result[j * size + p] = py::cast(std::move(fresh[j][p]));
@@ -422,14 +424,17 @@ void bind_replica_sync(py::module_& m) {
           "refresh",
           [](ReplicaBuffers& self, const std::vector<at::Tensor>& tensors) {
             std::vector<at::Tensor> flat;
-            for (std::vector<at::Tensor>& row : self.refresh(tensors)) {
-              for (at::Tensor& t : row) {
-                flat.push_back(std::move(t));
+            {
+              py::gil_scoped_release no_gil;
+              for (std::vector<at::Tensor>& row : self.refresh(tensors)) {
+                for (at::Tensor& t : row) {
+                  flat.push_back(std::move(t));
+                }
               }
             }
-            return flat;
+            return to_python_list(std::move(flat));
           },
-          py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("tensors"),
           "Brings the buffers up to date with `tensors` and returns fresh views of them, "
           "device-major: tensors[i] on targets[d] at d * len(tensors) + i.")
       .def(

@@ -5,7 +5,9 @@ read plus bytes written that the operation must move: a broadcast to K
 devices moves the payload K-1 times, a K-way reduce reads K payloads and
 writes one, scatter and gather move it once) and the ratio to a ``copy_``
 moving the same traffic into a preallocated buffer on the first device,
-measured in the same run; and the ratio to torch's own path for the same
+measured in the same run (a broadcast to repeats of the source's device
+reads the source once for all its copies, so it can exceed 1.0); and the
+ratio to torch's own path for the same
 work (``torch.cuda.comm`` on CUDA; on CPU, torch's flatten/clone/unflatten,
 add, split+copy_ and cat).
 

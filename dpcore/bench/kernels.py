@@ -6,6 +6,10 @@ measured in the same run:
   over the same sum done with torch adds;
 * pack of 3000 tensors of 3500 floats: speedup over ``torch.cat`` of their
   flattened views;
+* pack_multi of the same tensors, and of one 64 MiB tensor, into 3 flat
+  buffers (a broadcast to [d, d, d, d]'s three copies): speedup over 3
+  separate packs, and (note) its ratio to ``copy_`` of the bytes written,
+  which one read and three writes can beat;
 * (CUDA only) scatter of a pageable CPU batch to the device list, as a
   fraction of one pinned host-to-device ``copy_`` of the same bytes, and
   gather back to the CPU against ``torch.cuda.comm.gather(..., destination=-1)``.
@@ -77,7 +81,22 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
     views = [t.view(-1) for t in tensors]
     t_cat = measure(lambda: torch.cat(views), [first], repeats=repeats)
     add(f"pack {count} x 3500 floats", t_pack, 2 * flat.numel() * 4, "torch.cat", t_cat)
-    del tensors, flat, views
+    del flat, views
+
+    # pack_multi: one read, three writes.
+    big = [torch.randn((16 if quick else 64) * MiB // 4, device=first)]
+    for label, members in ((f"{count} x 3500 floats", tensors), (f"1 x {big[0].numel() * 4 // MiB} MiB", big)):
+        n = sum(t.numel() for t in members)
+        flats = [torch.empty(n, device=first) for _ in range(3)]
+        t_multi = measure(lambda: torch.ops.dpcore.pack_multi(members, flats), [first], repeats=repeats)
+        t_packs = measure(lambda: [torch.ops.dpcore.pack(members, f) for f in flats], [first], repeats=repeats)
+        src = torch.empty(3 * n, device=first)
+        dst = torch.empty_like(src)
+        t_copy = measure(lambda: dst.copy_(src), [first], repeats=repeats)
+        add(f"pack_multi {label} -> 3 flats", t_multi, 4 * n * 4, "3 packs", t_packs,
+            f"{t_copy / t_multi:.2f} of a copy_ of the 3 flats' bytes ({t_copy * 1e3:.3f} ms)")
+        del flats, src, dst
+    del tensors, big
 
     if cuda:
         nbytes = (64 if quick else 256) * MiB

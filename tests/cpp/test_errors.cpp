@@ -140,6 +140,32 @@ TEST(Errors, PackAndUnpack) {
   }
 }
 
+TEST(Errors, PackMulti) {
+  const std::vector<at::Tensor> list = {values({2, 3}), values({4})};
+  const auto layout = dpcore::FlatLayout::of(list);  // 10 floats
+  const at::Tensor flat = at::empty({10});
+  // Sanity: the valid call does not throw.
+  EXPECT_NO_THROW(dpcore::pack_multi(list, layout, {flat, at::empty({10})}));
+  EXPECT_C10_ERROR("pack_multi: expected at least one tensor in 'flats', but it is empty",
+                   dpcore::pack_multi(list, layout, {}));
+  EXPECT_C10_ERROR("pack_multi: expected 2 tensors (the layout's entries), but got 1",
+                   dpcore::pack_multi({list[0]}, layout, {flat}));
+  EXPECT_C10_ERROR("pack_multi: expected flats[1] to be a defined tensor",
+                   dpcore::pack_multi(list, layout, {flat, at::Tensor()}));
+  EXPECT_C10_ERROR("pack_multi: expected flats[1] to be a contiguous 1-D tensor, but it has sizes [2, 5]",
+                   dpcore::pack_multi(list, layout, {flat, at::empty({2, 5})}));
+  EXPECT_C10_ERROR("pack_multi: expected flats[2] to have 10 elements, but it has 11",
+                   dpcore::pack_multi(list, layout, {flat, flat, at::empty({11})}));
+  EXPECT_C10_ERROR("pack_multi: expected flats[0] of dtype Float, but it is Double",
+                   dpcore::pack_multi(list, layout, {at::empty({10}, at::kDouble)}));
+  EXPECT_C10_ERROR("pack_multi: expected every flat buffer on cpu (the device of flats[0]), but flats[1] is on meta",
+                   dpcore::pack_multi(list, layout, {flat, meta_tensor({10})}));
+  EXPECT_C10_ERROR("pack_multi: expected tensor 1 on cpu (the device of flats[0]), but it is on meta",
+                   dpcore::pack_multi({list[0], meta_tensor({4})}, layout, {flat}));
+  EXPECT_C10_ERROR("pack_multi: expected tensor 0 of shape [2, 3], but it has shape [3, 2]",
+                   dpcore::pack_multi({values({3, 2}), list[1]}, layout, {flat}));
+}
+
 // -------------------------------------------------------------- reduce_add_n
 
 TEST(Errors, ReduceAddN) {
@@ -244,11 +270,17 @@ TEST(Errors, BroadcastFlatInto) {
   const auto layout = dpcore::FlatLayout::of(members);
   EXPECT_C10_ERROR("broadcast_flat_into: expected at least one tensor",
                    dpcore::broadcast_flat_into({}, layout, {at::empty({10})}));
-  // The buffers are checked as pack's 'flat'.
-  EXPECT_C10_ERROR("pack: expected 'flat' to have 10 elements, but it has 9",
+  // Every buffer is checked, named by its index in 'flats', before any is written.
+  EXPECT_C10_ERROR("broadcast_flat_into: expected flats[1] to have 10 elements, but it has 9",
                    dpcore::broadcast_flat_into(members, layout, {at::empty({10}), at::empty({9})}));
-  EXPECT_C10_ERROR("pack: expected 'flat' of dtype Float, but it is Half",
+  EXPECT_C10_ERROR("broadcast_flat_into: expected flats[0] of dtype Float, but it is Half",
                    dpcore::broadcast_flat_into(members, layout, {at::empty({10}, at::kHalf)}));
+  EXPECT_C10_ERROR("broadcast_flat_into: expected flats[2] to be a contiguous 1-D tensor",
+                   dpcore::broadcast_flat_into(members, layout, {at::empty({10}), meta_tensor({10}), at::empty({2, 5})}));
+  const at::Tensor untouched = at::full({10}, 5.0);
+  EXPECT_C10_ERROR("broadcast_flat_into: expected flats[1] to have 10 elements",
+                   dpcore::broadcast_flat_into(members, layout, {untouched, at::empty({9})}));
+  EXPECT_TRUE(at::equal(untouched, at::full({10}, 5.0)));
 }
 
 // ---------------------------------------------------------------- reduce_add

@@ -305,6 +305,53 @@ TEST(Pack, EmptyListAndMetaGenericPath) {
   dpcore::unpack(meta_flat, meta_layout, list);
 }
 
+// pack_multi writes what K packs would, bit for bit, whatever the strides,
+// sizes (pieces of 64 KiB and below), empty members and K.
+TEST(Pack, MultiEqualsSeparatePacks) {
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kByte}) {
+    const std::vector<at::Tensor> list = {
+        values({3, 5}, dtype, 1),
+        values({5, 3}, dtype, 2).t(),
+        values({6, 10}, dtype, 3).slice(1, 1, 10, 3),  // not dense: through flats[0]
+        values({2, 3, 4, 5}, dtype, 4).contiguous(at::MemoryFormat::ChannelsLast),
+        values({0, 2}, dtype),
+        values({}, dtype, 5),
+        values({400, 300}, dtype, 6),                  // several pieces
+        values({1, 7}, dtype, 9).expand({3, 7}),       // overlapping (stride 0)
+        values({100003}, dtype, 10).narrow(0, 1, 100002),  // misaligned, several pieces
+    };
+    const auto layout = dpcore::FlatLayout::of(list);
+    at::Tensor expected = at::full({layout.numel}, -1, dtype);
+    dpcore::pack(list, layout, expected);
+    for (const size_t k : {1, 2, 5}) {
+      std::vector<at::Tensor> flats;
+      for (size_t d = 0; d < k; ++d) {
+        flats.push_back(at::full({layout.numel}, 7, dtype));
+      }
+      dpcore::pack_multi(list, layout, flats);
+      for (size_t d = 0; d < k; ++d) {
+        EXPECT_TRUE(at::equal(flats[d], expected)) << dtype << " k=" << k << " flat " << d;
+      }
+    }
+  }
+  // A member with a lazy negative bit is written by value into every flat.
+  const at::Tensor base = values({6});
+  const std::vector<at::Tensor> lazy = {at::_neg_view(base), base};
+  const auto lazy_layout = dpcore::FlatLayout::of(lazy);
+  const std::vector<at::Tensor> flats = {at::empty({12}), at::empty({12}), at::empty({12})};
+  dpcore::pack_multi(lazy, lazy_layout, flats);
+  for (const at::Tensor& flat : flats) {
+    EXPECT_TRUE(same_values(flat, at::cat({-base, base})));
+  }
+}
+
+TEST(Pack, MultiEmptyAndMetaGenericPath) {
+  dpcore::pack_multi({}, dpcore::FlatLayout::of({}), {at::empty({0}), at::empty({0})});
+  const std::vector<at::Tensor> list = {dpcore_test::meta_tensor({2, 3}), dpcore_test::meta_tensor({4})};
+  const auto meta_layout = dpcore::FlatLayout::of(list);
+  dpcore::pack_multi(list, meta_layout, {dpcore_test::meta_tensor({10}), dpcore_test::meta_tensor({10})});
+}
+
 // -------------------------------------------------------------- reduce_add_n
 
 namespace {
@@ -430,7 +477,7 @@ TEST(ReduceAddLists, ManyTensors) {
 // the schema, Meta and Conjugate/Negative entries (ops.cpp) and the CPU
 // implementations registered at the bottom of kernels/*.cpp.
 TEST(Operators, RegisteredPerBackend) {
-  for (const char* name : {"dpcore::pack", "dpcore::unpack", "dpcore::reduce_add_n"}) {
+  for (const char* name : {"dpcore::pack", "dpcore::pack_multi", "dpcore::unpack", "dpcore::reduce_add_n"}) {
     const auto op = c10::Dispatcher::singleton().findSchema({name, ""});
     ASSERT_TRUE(op.has_value()) << name << " has no schema";
     for (const c10::DispatchKey key :

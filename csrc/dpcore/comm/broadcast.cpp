@@ -4,6 +4,9 @@
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
+#include <vector>
+
 #include "dpcore/comm.h"
 #include "dpcore/common.h"
 #include "dpcore/device.h"
@@ -32,16 +35,38 @@ std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::D
   const auto devices = check_devices(devices_in, "broadcast");
   c10::NoGradGuard no_grad;
   const c10::Device source = normalize_device(tensor.device());
-  std::vector<at::Tensor> result;
-  result.reserve(devices.size());
+  std::vector<at::Tensor> result(devices.size());
+  // The copies on the source device (after the first entry there, which is
+  // the tensor itself) are written by one pack_multi: the tensor is read once.
+  const bool dense = tensor.layout() == c10::kStrided;
+  std::optional<FlatLayout> layout;
+  std::vector<at::Tensor> local_flats;
   bool aliased = false;
-  for (const c10::Device& device : devices) {
-    if (!aliased && device == source) {
-      result.push_back(tensor);
+  for (size_t d = 0; d < devices.size(); ++d) {
+    const c10::Device& device = devices[d];
+    if (device != source) {
+      result[d] = copy_to(tensor, device);
+    } else if (!aliased) {
+      result[d] = tensor;
       aliased = true;
+    } else if (dense) {
+      if (!layout) {
+        layout = FlatLayout::of({tensor});
+      }
+      c10::DeviceGuard guard(device);
+      result[d] = empty_preserving(tensor, device);
+      // A fresh tensor with the layout's strides: always its own flat alias.
+      local_flats.push_back(flat_alias(result[d], *layout));
+      TORCH_INTERNAL_ASSERT(
+          local_flats.back().defined(), "broadcast: a new tensor of sizes ", result[d].sizes(),
+          " and strides ", result[d].strides(), " is not laid out as its source");
     } else {
-      result.push_back(copy_to(tensor, device));
+      result[d] = copy_to(tensor, device);
     }
+  }
+  if (!local_flats.empty()) {
+    c10::DeviceGuard guard(source);
+    pack_multi({tensor}, *layout, local_flats);
   }
   return result;
 }
@@ -79,20 +104,35 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
   TORCH_CHECK(!members.empty(), "broadcast_flat_into: expected at least one tensor");
   const c10::Device source = normalize_device(members[0].device());
   c10::NoGradGuard no_grad;
-  // For another device, the bucket is flattened once on the source and the
-  // flat buffer copied over; for a repeat of the source device, the members
-  // are packed straight into that buffer (one pass, no staging).
+  // Every buffer on the source device is written by one pack_multi (the
+  // members read once, no staging). For another device, the bucket is sent
+  // from one flat buffer on the source: the member itself when it is the
+  // whole bucket, else one of those just packed, else one flattened for it.
+  std::vector<at::Tensor> local;
+  std::vector<at::Tensor> remote;
+  for (size_t d = 0; d < flats.size(); ++d) {
+    detail::check_flat(flats[d], layout, members.size(), "broadcast_flat_into", static_cast<int64_t>(d));
+    (normalize_device(flats[d].device()) == source ? local : remote).push_back(flats[d]);
+  }
+  if (!local.empty()) {
+    c10::DeviceGuard guard(source);
+    pack_multi(members, layout, local);
+  }
+  if (remote.empty()) {
+    return;
+  }
   at::Tensor source_flat = flat_alias(members[0], layout);
-  for (const at::Tensor& flat : flats) {
-    c10::DeviceGuard guard(flat.device());
-    if (normalize_device(flat.device()) == source) {
-      pack(members, layout, flat);
+  if (!source_flat.defined()) {
+    if (!local.empty()) {
+      source_flat = local[0];
     } else {
-      if (!source_flat.defined()) {
-        source_flat = flatten(members, layout);
-      }
-      flat.copy_(source_flat, may_copy_async(flat.device()));
+      c10::DeviceGuard guard(source);
+      source_flat = flatten(members, layout);
     }
+  }
+  for (const at::Tensor& flat : remote) {
+    c10::DeviceGuard guard(flat.device());
+    flat.copy_(source_flat, may_copy_async(flat.device()));
   }
 }
 

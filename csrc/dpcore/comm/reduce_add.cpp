@@ -179,12 +179,8 @@ void reduce_bucket_cpu(
     }
     c10::DeviceGuard source_guard(list_devices[k]);
     at::Tensor staged = flatten(members, layout).to(dest, may_copy_async(dest));
-    std::vector<at::Tensor> views;
-    views.reserve(layout.size());
-    for (size_t j = 0; j < layout.size(); ++j) {
-      views.push_back(layout.view(staged, j));
-    }
-    sources.push_back(std::move(views));
+    // Read only: views built in bulk (no dispatcher call each) serve.
+    sources.push_back(layout.unflatten(staged));
   }
   reduce_add_lists(sources, results, /*accumulate=*/false);
 }

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dpcore/cuda/device_table.h"
 #include "dpcore/device.h"
 #include "dpcore/kernels.h"
 
@@ -124,18 +125,14 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
   const int64_t n = out.numel();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   // More sources than fit in the parameters: their pointers go to the device
-  // through pinned memory, in stream order (the caching host allocator keeps
-  // the pinned block until the copy has run; the device table is freed to
-  // the caching allocator on this stream, after the kernel in stream order).
+  // in stream order (device_table).
   at::Tensor table;
   if (sources.size() > static_cast<size_t>(kInlineSources)) {
-    at::Tensor host = at::empty(
-        {static_cast<int64_t>(sources.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    int64_t* entries = host.mutable_data_ptr<int64_t>();
-    for (size_t k = 0; k < sources.size(); ++k) {
-      entries[k] = reinterpret_cast<int64_t>(sources[k].const_data_ptr());
-    }
-    table = host.to(out.device(), /*non_blocking=*/true);
+    table = device_table(static_cast<int64_t>(sources.size()), out.device(), [&](int64_t* entries) {
+      for (size_t k = 0; k < sources.size(); ++k) {
+        entries[k] = reinterpret_cast<int64_t>(sources[k].const_data_ptr());
+      }
+    });
   }
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, out.scalar_type(), "dpcore::reduce_add_n_cuda", [&] {
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();

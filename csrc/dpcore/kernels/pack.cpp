@@ -1,13 +1,17 @@
-// pack / unpack: a list of tensors to and from one flat buffer.
+// pack / pack_multi / unpack: a list of tensors to and from flat buffers.
 // CPU implementation (the reference), the device dispatch, and the CPU
-// registration of the operators torch.ops.dpcore.pack / .unpack.
+// registration of the operators torch.ops.dpcore.pack / .pack_multi / .unpack.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "dpcore/kernels.h"
 
@@ -70,30 +74,85 @@ void copy_entries_generic(at::TensorList tensors, const FlatLayout& layout, cons
   }
 }
 
+// pack_multi's work is cut into pieces of at most this many bytes: a piece
+// is read once and written to every destination while it is in cache.
+constexpr int64_t kMultiPieceBytes = 64 * 1024;
+
+// `nbytes` bytes from `src` to byte `offset` of destinations [first_dest, K).
+struct Piece {
+  const char* src;
+  int64_t offset;
+  int64_t nbytes;
+  size_t first_dest;
+};
+
+void pack_multi_cpu(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
+  c10::NoGradGuard no_grad;
+  if (layout.numel == 0) {
+    return;
+  }
+  const detail::PackMultiPlan plan = detail::plan_pack_multi(tensors, layout, flats[0]);
+  std::vector<char*> bases;
+  bases.reserve(flats.size());
+  for (const at::Tensor& flat : flats) {
+    bases.push_back(static_cast<char*>(flat.mutable_data_ptr()));
+  }
+  std::vector<Piece> pieces;
+  pieces.reserve(plan.direct.size());
+  const auto cut = [&](const std::vector<detail::PackBlock>& blocks, size_t first_dest) {
+    if (first_dest == flats.size()) {
+      return;
+    }
+    for (const detail::PackBlock& block : blocks) {
+      for (int64_t start = 0; start < block.nbytes; start += kMultiPieceBytes) {
+        pieces.push_back(Piece{
+            block.src + start, block.offset + start, std::min(kMultiPieceBytes, block.nbytes - start),
+            first_dest});
+      }
+    }
+  };
+  cut(plan.direct, 0);
+  cut(plan.staged, 1);
+  at::parallel_for(
+      0, static_cast<int64_t>(pieces.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          const Piece& piece = pieces[p];
+          for (size_t k = piece.first_dest; k < bases.size(); ++k) {
+            std::memcpy(bases[k] + piece.offset, piece.src, static_cast<size_t>(piece.nbytes));
+          }
+        }
+      });
+}
+
 } // namespace
 
 namespace detail {
 
-void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
-  const size_t count = tensors.size();
+void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index) {
+  // Only evaluated for a message, when a check fails.
+  const auto name = [&] { return index < 0 ? std::string("'flat'") : c10::str("flats[", index, "]"); };
+  TORCH_CHECK(flat.defined(), op, ": expected ", name(), " to be a defined tensor");
   TORCH_CHECK(
-      layout.size() == count, op, ": expected ", layout.size(),
-      " tensors (the layout's entries), but got ", count);
+      flat.dim() == 1 && flat.is_contiguous(), op, ": expected ", name(),
+      " to be a contiguous 1-D tensor, but it has sizes ", flat.sizes(), " and strides ", flat.strides());
   TORCH_CHECK(
-      flat.dim() == 1 && flat.is_contiguous(), op,
-      ": expected 'flat' to be a contiguous 1-D tensor, but it has sizes ",
-      flat.sizes(), " and strides ", flat.strides());
-  TORCH_CHECK(
-      flat.numel() == layout.numel, op, ": expected 'flat' to have ", layout.numel,
+      flat.numel() == layout.numel, op, ": expected ", name(), " to have ", layout.numel,
       " elements, but it has ", flat.numel());
   TORCH_CHECK(
-      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected 'flat' of dtype ",
+      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected ", name(), " of dtype ",
       layout.dtype, ", but it is ", flat.scalar_type());
-  for (size_t i = 0; i < count; ++i) {
+}
+
+namespace {
+
+// The checks of the tensors (as many as the layout's entries) against the
+// layout and the device of `flat` (named by `flat_name`).
+void check_members(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op, const char* flat_name) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(
         t.device() == flat.device(), op, ": expected tensor ", i, " on ", flat.device(),
-        " (the device of 'flat'), but it is on ", t.device());
+        " (the device of ", flat_name, "), but it is on ", t.device());
     TORCH_CHECK(
         t.scalar_type() == layout.dtype, op, ": expected tensor ", i, " of dtype ",
         layout.dtype, ", but it is ", t.scalar_type());
@@ -103,11 +162,61 @@ void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at:
   }
 }
 
+} // namespace
+
+void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
+  TORCH_CHECK(
+      layout.size() == tensors.size(), op, ": expected ", layout.size(),
+      " tensors (the layout's entries), but got ", tensors.size());
+  check_flat(flat, layout, tensors.size(), op, -1);
+  check_members(tensors, layout, flat, op, "'flat'");
+}
+
+PackMultiPlan plan_pack_multi(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat) {
+  const int64_t itemsize = static_cast<int64_t>(first_flat.element_size());
+  const char* base = tensors.empty() ? nullptr : static_cast<const char*>(first_flat.const_data_ptr());
+  PackMultiPlan plan;
+  plan.direct.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const int64_t nbytes = t.numel() * itemsize;
+    if (nbytes == 0) {
+      continue;
+    }
+    const int64_t offset = layout.offsets[i] * itemsize;
+    if (layout.matches(i, t)) {
+      plan.direct.push_back(PackBlock{static_cast<const char*>(t.const_data_ptr()), offset, nbytes});
+    } else {
+      // Not one block of bytes (strided, or a lazy conjugate/negative bit).
+      layout.view(first_flat, i).copy_(t, /*non_blocking=*/true);
+      plan.staged.push_back(PackBlock{base + offset, offset, nbytes});
+    }
+  }
+  return plan;
+}
+
+void check_pack_multi_args(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
+  TORCH_CHECK(!flats.empty(), "pack_multi: expected at least one tensor in 'flats', but it is empty");
+  TORCH_CHECK(
+      layout.size() == tensors.size(), "pack_multi: expected ", layout.size(),
+      " tensors (the layout's entries), but got ", tensors.size());
+  for (size_t k = 0; k < flats.size(); ++k) {
+    check_flat(flats[k], layout, tensors.size(), "pack_multi", static_cast<int64_t>(k));
+    TORCH_CHECK(
+        flats[k].device() == flats[0].device(), "pack_multi: expected every flat buffer on ",
+        flats[0].device(), " (the device of flats[0]), but flats[", k, "] is on ", flats[k].device());
+  }
+  check_members(tensors, layout, flats[0], "pack_multi", "flats[0]");
+}
+
 } // namespace detail
 
 namespace cpu {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
   copy_entries_cpu<true>(tensors, layout, flat);
+}
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
+  pack_multi_cpu(tensors, layout, flats);
 }
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors) {
   copy_entries_cpu<false>(tensors, layout, flat);
@@ -124,6 +233,22 @@ void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& fl
 #endif
   } else {
     copy_entries_generic<true>(tensors, layout, flat);
+  }
+}
+
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
+  detail::check_pack_multi_args(tensors, layout, flats);
+  const at::Tensor& first = flats[0];
+  if (first.is_cpu()) {
+    cpu::pack_multi(tensors, layout, flats);
+#ifdef DPCORE_WITH_CUDA
+  } else if (first.is_cuda()) {
+    cuda::pack_multi(tensors, layout, flats);
+#endif
+  } else {
+    for (const at::Tensor& flat : flats) {
+      copy_entries_generic<true>(tensors, layout, flat);
+    }
   }
 }
 
@@ -151,5 +276,6 @@ at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {
 
 TORCH_LIBRARY_IMPL(dpcore, CPU, m) {
   m.impl("pack", &dpcore::detail::pack_op<&dpcore::cpu::pack>);
+  m.impl("pack_multi", &dpcore::detail::pack_multi_op<&dpcore::cpu::pack_multi>);
   m.impl("unpack", &dpcore::detail::unpack_op<&dpcore::cpu::unpack>);
 }

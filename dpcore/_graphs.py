@@ -63,6 +63,10 @@ CACHE_SIZE = 8
 #: Signatures whose calls are counted towards their warm-up.
 _SEEN_SIZE = 64
 
+#: The device type graphs capture (a test runs the orchestration on a
+#: stand-in for CUDA on the CPU).
+_DEVICE_TYPE = "cuda"
+
 _GLOBAL_HOOK_DICTS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",
@@ -100,7 +104,7 @@ def _structure(obj: Any, path: str) -> Any:
     tensor off CUDA or an unhashable leaf."""
     node_kind = pt.kind(obj)
     if node_kind == pt.TENSOR:
-        if obj.device.type != "cuda":
+        if obj.device.type != _DEVICE_TYPE:
             raise Uncapturable(f"{path} is a tensor on {obj.device}; a CUDA graph takes CUDA tensors only")
         if obj.layout != torch.strided:
             raise Uncapturable(f"{path} is a {obj.layout} tensor; a CUDA graph takes dense tensors only")
@@ -254,9 +258,9 @@ class _ReplicaGraph:
         self.device = stream.device
         leaves = _leaves((args, kwargs))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            self.static_inputs = [
-                torch.empty_like(t).requires_grad_(t.requires_grad) for t in leaves
-            ]
+            # Holding this call's values (not garbage): nothing at capture
+            # may see out-of-range indices or non-finite numbers.
+            self.static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
         self.input_needs_grad = [t.requires_grad for t in leaves]
         static_args, static_kwargs = _refill((args, kwargs), self.static_inputs)
         self.pool = torch.cuda.graph_pool_handle()

@@ -470,3 +470,212 @@ def test_single_replica_gradients_are_not_static_memory() -> None:
     torch.autograd.grad(graphed(x2).square().sum(), params)
     for g, k in zip(g1, kept):
         torch.testing.assert_close(g, k, rtol=0, atol=0)
+
+
+# -- the orchestration on a stand-in device (CPU) --------------------------------
+#
+# No GPU here: these run GraphRunner's Python (signatures, warm-up, capture
+# with autograd.grad, the _Replay autograd node, the gradient routing to the
+# master, the fallbacks) with torch.cuda's streams, generators and graphs
+# replaced by stand-ins on CPU tensors. A stand-in graph runs its captured
+# work once, at capture, and its replays do nothing, so the values after a
+# capture are not checked here (the CUDA tests above do that): only that
+# every path runs, what is replayed and when, and where gradients go.
+
+
+class _FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+class _FakeGenerator:
+    def __init__(self) -> None:
+        self.seed = 0
+
+    def clone_state(self) -> _FakeGenerator:
+        return _FakeGenerator()
+
+    def graphsafe_get_state(self) -> _FakeGenerator:
+        return self
+
+    def graphsafe_set_state(self, state: Any) -> None:
+        pass
+
+    def initial_seed(self) -> int:
+        return 7
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = seed
+
+
+class _FakeGraph:
+    capturing = False
+    log: list[str] = []
+
+    def capture_begin(self, pool: Any = None) -> None:
+        _FakeGraph.capturing = True
+        _FakeGraph.log.append("capture")
+
+    def capture_end(self) -> None:
+        _FakeGraph.capturing = False
+
+    def replay(self) -> None:
+        _FakeGraph.log.append("replay")
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torch.cuda's stream, generator and graph API on the CPU; returns the
+    log of captures and replays."""
+    import contextlib
+
+    streams: dict[Any, _FakeStream] = {}
+    generator = _FakeGenerator()
+    pools = iter(range(1, 1 << 30))
+    monkeypatch.setattr(_graphs, "_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.setdefault(str(device), _FakeStream()))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "default_generators", {None: generator})
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(pools)))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    _FakeGraph.log = []
+    _FakeGraph.capturing = False
+    return _FakeGraph.log
+
+
+def _stand_in_dp(model: nn.Module, n: int = 2, **options: Any) -> Any:
+    dp = dpcore.DataParallel(model, ["cpu"] * n, **options)
+    dp.cuda_graphs = True
+    dp._graphs = _graphs.GraphRunner()
+    return dp
+
+
+def test_stand_in_training_steps_capture_once_then_replay(stand_in_cuda: list[str]) -> None:
+    dp = _stand_in_dp(_mlp(), n=3)
+    params = list(dp.module.parameters())
+    batches = _batches_cpu(STEPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step, (x, y) in enumerate(batches):
+            dp.zero_grad()
+            out = dp(x)
+            assert out.shape == (8, 3)
+            nn.functional.cross_entropy(out, y).backward()
+            assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+    warm = _graphs.WARMUP_CALLS
+    # 3 replicas: forward and backward captured once each, then every later
+    # call is one forward replay and one backward replay per replica
+    assert stand_in_cuda.count("capture") == 3 * 2
+    assert stand_in_cuda.count("replay") == 3 * 2 * (STEPS - warm)
+    assert len(dp._graphs._entries) == 1
+    entry = next(iter(dp._graphs._entries.values()))
+    assert [len(s) for s in entry.slots] == [0, 4, 4]  # replicas 1, 2: every parameter through its bucket
+
+
+def test_stand_in_gradients_of_replicas_reach_the_master(stand_in_cuda: list[str]) -> None:
+    """After a capture, the master's gradient is replica 0's static gradient
+    plus the reduction of the others' (a stand-in replay leaves the static
+    gradients as the capture computed them)."""
+    dp = _stand_in_dp(_mlp(), n=2)
+    for x, y in _batches_cpu(_graphs.WARMUP_CALLS + 1):
+        dp.zero_grad()
+        nn.functional.cross_entropy(dp(x), y).backward()
+    entry = next(iter(dp._graphs._entries.values()))
+    g0, g1 = entry.graphs
+    for p, s0, s1 in zip(dp.module.parameters(), g0.static_grads, g1.static_grads):
+        torch.testing.assert_close(p.grad, s0 + s1, equal_nan=True)
+        assert p.grad.data_ptr() not in (s0.data_ptr(), s1.data_ptr())
+
+
+def test_stand_in_nested_outputs_criterion_and_no_grad(stand_in_cuda: list[str]) -> None:
+    dp = _stand_in_dp(_Nested(), n=2, gather=False)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for _ in range(STEPS):
+        outs = dp({"x": x}, scale=2.0)
+        sum(h.sum() + extra["sum"].sum() for h, extra in outs).backward()
+    assert [extra["tag"] for _, extra in outs] == ["t", "t"]
+    assert [h.shape for h, _ in outs] == [(3, 4), (3, 4)]
+    static = {o.data_ptr() for g in next(iter(dp._graphs._entries.values())).graphs for o in g.static_outputs}
+    assert all(h.data_ptr() not in static for h, _ in outs)  # gather=False hands out copies
+    crit = _stand_in_dp(_mlp(), n=2, criterion=nn.CrossEntropyLoss())
+    for x, y in _batches_cpu(STEPS):
+        loss = crit(x, y)
+        assert loss.dim() == 0
+        loss.backward()
+    with torch.no_grad():
+        for x, y in _batches_cpu(STEPS):
+            assert crit(x, y).dim() == 0
+    assert len(crit._graphs._entries) == 2  # a forward-only graph of its own
+    assert all(g.bwd is None for g in list(crit._graphs._entries.values())[1].graphs)
+
+
+class _CaptureSensitive(nn.Module):
+    """Raises as a host synchronization does inside a capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _FakeGraph.capturing:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return self.lin(x)
+
+
+def test_stand_in_fallbacks(stand_in_cuda: list[str]) -> None:
+    x, y = _batches_cpu(1)[0]
+    failing = _stand_in_dp(_CaptureSensitive(), n=2)
+    with pytest.warns(RuntimeWarning, match=r"capture failed \(RuntimeError: CUDA error: operation not permitted"):
+        for _ in range(STEPS):
+            torch.testing.assert_close(failing(x), failing.module.lin(x))
+    assert not failing._graphs._entries and len(failing._graphs._refused) == 1
+
+    dp = _stand_in_dp(_mlp(), n=2)
+    for _ in range(STEPS):
+        nn.functional.cross_entropy(dp(x), y).backward()
+    pending = dp(x)  # a replay whose backward is still to come
+    with pytest.warns(RuntimeWarning, match=r"forward was called again before the backward"):
+        eager = dp(x)
+    (pending.sum() + eager.sum()).backward()
+
+    loss = dp(x).sum()
+    loss.backward(retain_graph=True)
+    dp(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"activations a later call with the same input signature has overwritten"):
+        loss.backward()
+
+    with torch.no_grad():
+        dp.module[0].weight.data = dp.module[0].weight.data.clone()
+    with pytest.warns(RuntimeWarning, match=r"now lives at another address"):
+        dp(x)
+
+    hooked = _stand_in_dp(_mlp(), n=2)
+    hooked.module[0].register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(RuntimeWarning, match=r"a Linear module has a hook registered"):
+        for _ in range(STEPS):
+            hooked(x)
+    assert not hooked._graphs._entries
+
+
+def test_stand_in_bounded_cache_and_structural_change(stand_in_cuda: list[str]) -> None:
+    dp = _stand_in_dp(_mlp(), n=2)
+    for size in range(4, 4 + 2 * (_graphs.CACHE_SIZE + 2), 2):
+        for x, y in _batches_cpu(STEPS, batch=size):
+            nn.functional.cross_entropy(dp(x), y).backward()
+    assert len(dp._graphs._entries) == _graphs.CACHE_SIZE
+    dp.module[0].bias.requires_grad_(False)
+    x, y = _batches_cpu(1)[0]
+    dp(x)
+    assert not dp._graphs._entries
+
+
+def _batches_cpu(n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]

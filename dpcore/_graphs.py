@@ -384,18 +384,22 @@ class _Replay(torch.autograd.Function):
 
 class _Entry:
     """The captured graphs of one signature: one _ReplicaGraph per replica
-    that runs, and what they assumed about the master."""
+    that runs, and what they assumed about the master. The master's tensor
+    objects are fixed while the replica cache is valid (any change of them
+    rebuilds it), so they are listed once here rather than walked per call."""
 
-    def __init__(self, graphs: list[_ReplicaGraph], slots: list[list[tuple[int, int]]], master_ptrs: tuple[int, ...]):
+    def __init__(self, graphs: list[_ReplicaGraph], slots: list[list[tuple[int, int]]], module: nn.Module):
         self.graphs = graphs
         self.slots = slots  # per replica (after the first): (bucket, copy index) of each parameter
-        self.master_ptrs = master_ptrs
+        # replica 0's parameter surface (the master's parameters that require grad, in capture order)
+        self.master_params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        # what replica 0's graph reads and updates in place
+        self.master_tensors = [*module.parameters(), *module.buffers()]
+        self.master_ptrs = self.current_ptrs()
 
-
-def _master_ptrs(module: nn.Module) -> tuple[int, ...]:
-    """Where the master's parameters and buffers live (replica 0's graph
-    reads and updates them in place)."""
-    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+    def current_ptrs(self) -> tuple[int, ...]:
+        """Where the master's parameters and buffers live now."""
+        return tuple(t.data_ptr() for t in self.master_tensors)
 
 
 class GraphRunner:
@@ -544,7 +548,7 @@ class GraphRunner:
                 self._entries.popitem(last=False)
         else:
             self._entries.move_to_end(key)
-        if _master_ptrs(owner.module) != entry.master_ptrs:
+        if entry.current_ptrs() != entry.master_ptrs:
             del self._entries[key]
             self._refused[key] = (
                 "a parameter or buffer of the module now lives at another address than when its graphs were "
@@ -602,14 +606,13 @@ class GraphRunner:
                 )
             )
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
-        return _Entry(graphs, used_slots, _master_ptrs(owner.module))
+        return _Entry(graphs, used_slots, owner.module)
 
     def _replay(self, owner: Any, cache: Any, entry: _Entry, args: list[Any], kws: list[Any], used: list[int]) -> list[Any]:
         """Refreshes the replica buffers from the master and replays."""
         with self._master_stream(owner) as master:
             copies = cache.refresh_copies()
         grad = torch.is_grad_enabled()
-        master_params = [p for p in owner.module.parameters() if p.requires_grad] if grad else []
         leaves = [_leaves((a, k)) for a, k in zip(args, kws)]
         callers = [torch.cuda.current_stream(graph.device) for graph in entry.graphs]
         for graph, inputs in zip(entry.graphs, leaves):
@@ -626,7 +629,7 @@ class GraphRunner:
             if not grad or graph.bwd is None:
                 params: list[torch.Tensor] = []
             elif i == 0:
-                params = master_params
+                params = entry.master_params
             else:
                 params = [copies[b][k] for b, k in entry.slots[j]]  # type: ignore[index]
             outputs.append(graph.launch(leaves[j], params))

@@ -359,6 +359,20 @@ class DataParallel(nn.Module):
             with self._sync.no_sync():
                 yield
 
+    def mark_parameters_changed(self) -> None:
+        """Makes the next forward copy every parameter and buffer of the
+        module to every replica. Needed only after writes that bypass version
+        counters outside any optimizer step: an EMA, clipping or weight
+        surgery written through ``.data`` (or by a custom kernel). In-place
+        updates under ``torch.no_grad()`` and ``step()`` of any
+        ``torch.optim.Optimizer`` (fused ones and those writing ``p.data``
+        included) are seen without it. For a few known tensors,
+        ``torch.autograd.graph.increment_version(tensors)`` does the same at
+        a smaller cost."""
+        with self._calls:
+            if self._cache is not None:
+                self._cache.invalidate()
+
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         criterion = self.criterion
         if criterion is not None:

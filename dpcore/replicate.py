@@ -28,6 +28,7 @@ from torch.nn.parameter import is_lazy
 from dpcore import _C
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastBucket
+from dpcore._step_hook import track
 
 __all__ = ["replicate", "check_on_device", "ReplicaCache", "DEFAULT_BUCKET_BYTES"]
 
@@ -85,6 +86,12 @@ class ReplicaCache:
       devices[1..n-1], whose parameters and buffers equal the master's at the
       time of the call and whose gradients flow to the master's parameters
       through autograd (``backward``, ``autograd.grad``, double backward).
+    * Every change of a master tensor reaches the replicas at the next call:
+      in-place updates through their version counters, and ``step()`` of any
+      ``torch.optim.Optimizer`` over them (fused kernels and writes through
+      ``.data`` inside ``step()`` included, see dpcore._step_hook); other
+      writes that bypass version counters need :meth:`invalidate`. A bucket
+      none of whose tensors changed is not copied.
     * Attribute changes and train/eval switches on the master reach every
       replica at the next call; hooks registered on a replica stay there.
     * A structural change of the master (a parameter or buffer added,
@@ -112,6 +119,10 @@ class ReplicaCache:
             self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes)
         # (ReplicaBuffers, master tensors, requires_grad) per bucket.
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
+        if self._bucket_plan:
+            # Optimizer steps that bump no version counter (fused kernels,
+            # writes through .data) still mark these tensors changed.
+            track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
 
     @property
     def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
@@ -135,6 +146,14 @@ class ReplicaCache:
         a parameter, buffer or child added, removed or replaced, or a tensor's
         dtype, device, shape or requires_grad changed (checked in C++)."""
         return self._set.valid()
+
+    def invalidate(self) -> None:
+        """Makes the next refresh copy every master tensor to every replica:
+        for writes that no version counter saw and no optimizer step
+        covered (an EMA or clipping written through ``.data``)."""
+        with self._lock:
+            for bucket in self.buckets:
+                bucket.invalidate()
 
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas (see the class guarantees)."""

@@ -175,11 +175,14 @@ class DataParallel(nn.Module):
     of this wrapper (nested in a replicated model) serializes its own calls;
     different wrappers are not serialized against one another.
 
-    Signals: Ctrl-C (or any signal handler's exception) during a call is
-    raised in the calling thread within about 50 ms, however long the
-    replicas take; replicas not yet started are skipped, running ones finish
-    in the background, and the next call of this wrapper waits for them
-    before it touches the replicas.
+    Signals: Ctrl-C (or any signal handler's exception) during a call
+    interrupts the running replicas at their next Python bytecode and skips
+    those not yet started; once the exception reaches the caller, nothing
+    this wrapper started still reads or writes the module (safe to save,
+    load or evaluate it at once, as in a notebook). A second Ctrl-C during
+    that short wait ends it; the replicas still running then finish in the
+    background, and the next call of this wrapper waits for them before it
+    touches the replicas.
     """
 
     # Attributes a replica of this wrapper (DataParallel nested in a model

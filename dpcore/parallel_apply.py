@@ -51,11 +51,16 @@ def parallel_apply(
     on the CPU too (synchronized BatchNorm's replicas wait for each other).
 
     Signals: Python's signal handlers keep running while the caller waits
-    (it wakes every 50 ms), so Ctrl-C raises KeyboardInterrupt in the caller
-    within about that long, however long the calls take. The calls not yet
-    started are then skipped; those running finish in the background on
-    threads no other call is given meanwhile (the interpreter waits for them
-    at exit). Use :func:`start_parallel_apply` to wait for them.
+    (it wakes every 50 ms). When one raises (KeyboardInterrupt on Ctrl-C),
+    the calls not yet started are skipped, KeyboardInterrupt is raised in
+    each running call at its next Python bytecode, and the caller waits for
+    them to return before the handler's exception reaches it: once it does,
+    no call is still running, and the latency is that of the slowest running
+    call's current operation (about that of the same code on one thread). A
+    second signal during that wait ends it: the calls still running then
+    finish in the background on threads no other call is given meanwhile
+    (the interpreter waits for them at exit; :func:`start_parallel_apply`'s
+    ``join`` waits for them).
     """
     return start_parallel_apply(modules, inputs, kwargs_tup, devices, all_at_once=all_at_once).result()
 

@@ -63,6 +63,19 @@ bool interpreter_finalizing() {
 // interpreter is shutting down, they are left to the process).
 struct ApplyCall {
   std::vector<py::object> fns, positional, named, results;
+  // running[i]: the Python thread id of the worker running call i while it
+  // runs Python code, 0 otherwise. Read and written with the GIL held only.
+  std::vector<unsigned long> running;
+
+  // Raises KeyboardInterrupt asynchronously in every call still running
+  // Python code (at its next bytecode); GIL held.
+  void interrupt_running() const {
+    for (const unsigned long thread : running) {
+      if (thread != 0) {
+        PyThreadState_SetAsyncExc(thread, PyExc_KeyboardInterrupt);
+      }
+    }
+  }
 
   ApplyCall() = default;
   ApplyCall(const ApplyCall&) = delete;
@@ -120,10 +133,14 @@ AbandonedRuns& abandoned_runs() {
 // Waits for `run` with the GIL released, at most `timeout_s` seconds (None:
 // until it is done), taking the GIL every kSignalPoll to run Python's signal
 // handlers. When a handler raises (KeyboardInterrupt on Ctrl-C), the run is
-// cancelled (its tasks not yet started are skipped), left to finish in the
-// background (see AbandonedRuns) and the handler's exception is raised.
-// Returns whether the run is done.
-bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s) {
+// cancelled (its tasks not yet started are skipped) and, given `call`, the
+// tasks still running are interrupted (KeyboardInterrupt raised in them at
+// their next Python bytecode) and waited for, so that none of them still
+// runs when the handler's exception reaches the caller; a second signal
+// during that wait ends it, leaving them to finish in the background (see
+// AbandonedRuns), as a run without `call` is at once. Returns whether the
+// run is done.
+bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s, const ApplyCall* call = nullptr) {
   using Clock = std::chrono::steady_clock;
   const bool bounded = timeout_s.has_value();
   const Clock::time_point deadline = bounded
@@ -144,8 +161,26 @@ bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s) {
     }
     if (PyErr_CheckSignals() != 0) {
       run.cancel();
-      abandoned_runs().add(run);
-      throw py::error_already_set();
+      if (call == nullptr) {
+        abandoned_runs().add(run);
+        throw py::error_already_set();
+      }
+      py::error_already_set first;  // the handler's exception, fetched
+      call->interrupt_running();
+      for (;;) {
+        bool finished = false;
+        {
+          py::gil_scoped_release no_gil;
+          finished = run.wait_for(kSignalPoll);
+        }
+        if (finished) {
+          throw first;
+        }
+        if (PyErr_CheckSignals() != 0) {
+          abandoned_runs().add(run);
+          throw py::error_already_set();
+        }
+      }
     }
     if (bounded && Clock::now() >= deadline) {
       return false;
@@ -183,7 +218,7 @@ class ParallelRun {
   // The results in order, once every call has returned; or the error of the
   // lowest failing index. Interruptible (see wait_interruptibly).
   py::list result() const {
-    wait_interruptibly(run_, std::nullopt);
+    wait_interruptibly(run_, std::nullopt, call_.get());
     const std::vector<std::exception_ptr>& errors = run_.errors();
     for (size_t i = 0; i < errors.size(); ++i) {
       if (errors[i]) {
@@ -199,7 +234,7 @@ class ParallelRun {
 
   // Waits until every call has returned or been skipped, at most `timeout`
   // seconds (None: no limit); their errors are not raised. Interruptible.
-  bool join(std::optional<double> timeout) const { return wait_interruptibly(run_, timeout); }
+  bool join(std::optional<double> timeout) const { return wait_interruptibly(run_, timeout, call_.get()); }
 
   void cancel() const { run_.cancel(); }
   bool done() const { return run_.done(); }
@@ -231,6 +266,7 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
   call->positional.resize(n);
   call->named.resize(n);
   call->results.resize(n);
+  call->running.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     call->fns[i] = callables[i];
     call->positional[i] = py::tuple(args[i]);
@@ -241,6 +277,21 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
   for (size_t i = 0; i < n; ++i) {
     tasks.push_back(Task{devices[i], [call, i] {
                            py::gil_scoped_acquire gil;
+                           // While it runs Python code, the call can be interrupted
+                           // (ApplyCall::interrupt_running); once it has returned, an
+                           // interrupt sent too late is dropped, never left pending for
+                           // the next task of this thread.
+                           const unsigned long thread = PyThread_get_thread_ident();
+                           call->running[i] = thread;
+                           struct Finished {
+                             ApplyCall& call;
+                             size_t i;
+                             unsigned long thread;
+                             ~Finished() {
+                               call.running[i] = 0;
+                               PyThreadState_SetAsyncExc(thread, nullptr);
+                             }
+                           } finished{*call, i, thread};
                            call->results[i] = call->fns[i](*call->positional[i], **call->named[i]);
                          }});
   }
@@ -275,9 +326,10 @@ void bind_parallel_apply(py::module_& m) {
       .def(
           "result", &ParallelRun::result,
           "Waits for every call (Python signal handlers keep running: an exception they raise, "
-          "such as KeyboardInterrupt, cancels the calls not yet started and is raised at once, the "
-          "running ones finish in the background); returns the results in order, or raises the "
-          "error of the lowest failing index.")
+          "such as KeyboardInterrupt, cancels the calls not yet started, interrupts the running "
+          "ones with KeyboardInterrupt and waits for them before it is raised; a second one ends "
+          "that wait, leaving them to finish in the background); returns the results in order, or "
+          "raises the error of the lowest failing index.")
       .def(
           "join", &ParallelRun::join, py::arg("timeout") = py::none(),
           "Waits until every call has returned or been skipped (at most `timeout` seconds), "

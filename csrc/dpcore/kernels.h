@@ -1,11 +1,25 @@
 // The data-moving kernels under the collectives. Each has a CPU implementation
-// (the reference, always built; kernels/) and, in a CUDA build, a CUDA one
-// (cuda/); the entry points below check their arguments and dispatch on the
-// device. The same kernels are PyTorch operators (torch.ops.dpcore.pack,
-// .pack_multi, .unpack, .reduce_add_n): the schema and the Meta
-// implementations are in ops.cpp, and each backend registers its
-// implementation at the bottom of its own file (TORCH_LIBRARY_IMPL(dpcore,
-// CPU/CUDA, m)).
+// (the reference, always built; kernels/), in a CUDA build a CUDA one
+// (cuda/), and an ATen-generic one for any other device. The entry points
+// below check their arguments and run the backend of the device, chosen in
+// one place: detail::backend_for (kernels/backend.cpp). The same kernels are
+// PyTorch operators (torch.ops.dpcore.pack, .pack_multi, .unpack,
+// .reduce_add_n): the schema and the Meta implementations are in ops.cpp,
+// and each backend registers its implementation at the bottom of its own
+// file (TORCH_LIBRARY_IMPL(dpcore, CPU/CUDA, m)).
+//
+// Why the entry points do not call through the dispatcher: they take the
+// caller's FlatLayout, which the collectives and ReplicaBuffers compute once
+// and reuse on every call (the operators' schema cannot carry it, so an
+// operator call recomputes it from the tensors), and they run inside C++
+// collectives that already hold their device and stream guards, where a
+// boxed dispatcher call per bucket would only add cost. The operators exist
+// for Python, torch.compile and the tests.
+//
+// Adding a kernel: its entry point and Backend member here, the CPU
+// implementation in kernels/, the CUDA one in cuda/, the generic one, the
+// table entries in kernels/backend.cpp, and the operator (schema and Meta in
+// ops.cpp, registration beside each implementation).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -99,6 +113,18 @@ using PackMultiFn = void (*)(at::TensorList, const FlatLayout&, at::TensorList);
 using UnpackFn = void (*)(const at::Tensor&, const FlatLayout&, at::TensorList);
 using ReduceAddNFn = void (*)(at::TensorList, const at::Tensor&, bool);
 
+// One backend's implementations of the kernels (arguments already checked).
+struct Backend {
+  PackFn pack;
+  PackMultiFn pack_multi;
+  UnpackFn unpack;
+  ReduceAddNFn reduce_add_n;
+};
+
+// The backend for tensors on `device`: CPU, CUDA (in a CUDA build), else the
+// ATen-generic one. The one device switch of the entry points above.
+const Backend& backend_for(const c10::Device& device);
+
 // The operators over one backend's implementation: the layout of `tensors`
 // and the checks of the entry points, then the backend. Each backend
 // registers them for its dispatch key, e.g.
@@ -139,6 +165,14 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate);
 void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool accumulate);
 } // namespace cpu
+
+// Any other device: one ATen copy per tensor, ATen adds (reduce_add_n is
+// detail::reduce_add_n_aten).
+namespace generic {
+void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat);
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);
+void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors);
+} // namespace generic
 
 #ifdef DPCORE_WITH_CUDA
 namespace cuda {

@@ -1,6 +1,6 @@
 // A rendezvous among the replicas of one parallel call (synchronized
 // BatchNorm exchanges its statistics through it). No Python here: the binding
-// is csrc/python/rendezvous.cpp.
+// is csrc/python/sync_batchnorm.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // Synchronized BatchNorm: one replica's share of a BatchNorm call whose
 // statistics are those of the whole batch over all replicas of a parallel
 // call. No Python here: the interception of BatchNorm calls is
-// dpcore/sync_batchnorm.py, the binding csrc/python/rendezvous.cpp.
+// dpcore/sync_batchnorm.py, the binding csrc/python/sync_batchnorm.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

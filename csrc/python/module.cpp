@@ -1,6 +1,8 @@
-// Python bindings of the C++ core. The only place (with the rest of
-// csrc/python/) that includes pybind11 and the Python headers. Every
-// collective releases the GIL while it runs.
+// The extension module dpcore._C: its error translation, the build facts
+// (CUDA or not, torch version, CUDA architectures, self-check), the CPU
+// host cache and peer access; then every binding translation unit of
+// csrc/python/ (bindings.h). csrc/python/ is the only folder that includes
+// pybind11 and the Python headers.
 #include <torch/extension.h>
 
 #include <optional>
@@ -9,19 +11,14 @@
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
-#include "dpcore/flatten.h"
 #include "dpcore/host_allocator.h"
-#include "dpcore/kernels.h"
 #include "python/bindings.h"
-#include "python/tensor_lists.h"
 
 namespace py = pybind11;
 
 namespace {
 
 using Devices = std::vector<c10::Device>;
-using Tensors = std::vector<at::Tensor>;
-using NoGil = py::call_guard<py::gil_scoped_release>;
 
 std::vector<std::string> cuda_arch_list() {
   std::vector<std::string> arches;
@@ -93,91 +90,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "into it (dpcore.info() checks them).");
 
   m.def(
-      "broadcast",
-      [](const at::Tensor& tensor, const Devices& devices) { return dpcore::broadcast(tensor, devices); },
-      py::arg("tensor"), py::arg("devices"), NoGil());
-  m.def(
-      "broadcast_out",
-      [](const at::Tensor& tensor, const Tensors& outs) { dpcore::broadcast_out(tensor, outs); },
-      py::arg("tensor"), py::arg("out"), NoGil());
-  // The coalesced collectives return thousands of new tensors: the work runs
-  // without the GIL, the wrapping with it, in bulk (tensor_lists.h).
-  m.def(
-      "broadcast_coalesced",
-      [](const Tensors& tensors, const Devices& devices, int64_t bucket_bytes) {
-        dpcore::TensorList2D result;
-        {
-          py::gil_scoped_release no_gil;
-          result = dpcore::broadcast_coalesced(tensors, devices, bucket_bytes);
-        }
-        return dpcore::python::to_python_lists(std::move(result));
-      },
-      py::arg("tensors"), py::arg("devices"), py::arg("bucket_bytes"));
-  m.def(
-      "reduce_add",
-      [](const Tensors& inputs, std::optional<c10::Device> destination) {
-        return dpcore::reduce_add(inputs, destination);
-      },
-      py::arg("inputs"), py::arg("destination"), NoGil());
-  m.def(
-      "reduce_add_coalesced",
-      [](const dpcore::TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes) {
-        Tensors result;
-        {
-          py::gil_scoped_release no_gil;
-          result = dpcore::reduce_add_coalesced(inputs, destination, bucket_bytes);
-        }
-        return dpcore::python::to_python_list(std::move(result));
-      },
-      py::arg("inputs"), py::arg("destination"), py::arg("bucket_bytes"));
-  m.def(
-      "scatter",
-      [](const at::Tensor& tensor, const Devices& devices,
-         const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim,
-         const std::optional<dpcore::StreamList>& streams) {
-        return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams);
-      },
-      py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"),
-      py::arg("streams"), NoGil());
-  m.def(
-      "scatter_out",
-      [](const at::Tensor& tensor, const Tensors& outs, int64_t dim,
-         const std::optional<dpcore::StreamList>& streams) {
-        dpcore::scatter_out(tensor, outs, dim, streams);
-      },
-      py::arg("tensor"), py::arg("out"), py::arg("dim"), py::arg("streams"), NoGil());
-  m.def(
-      "gather",
-      [](const Tensors& tensors, int64_t dim, std::optional<c10::Device> destination) {
-        return dpcore::gather(tensors, dim, destination);
-      },
-      py::arg("tensors"), py::arg("dim"), py::arg("destination"), NoGil());
-  m.def(
-      "gather_out",
-      [](const Tensors& tensors, const at::Tensor& out, int64_t dim) {
-        dpcore::gather_out(tensors, out, dim);
-      },
-      py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
-
-  m.def(
-      "make_buckets",
-      [](const Tensors& tensors, int64_t bucket_bytes) {
-        std::vector<std::vector<size_t>> groups;
-        for (const dpcore::Bucket& bucket : dpcore::make_buckets(tensors, bucket_bytes)) {
-          groups.push_back(bucket.indices);
-        }
-        return groups;
-      },
-      py::arg("tensors"), py::arg("bucket_bytes"),
-      "Indices of `tensors` grouped as the C++ core buckets them: dense tensors by dtype in "
-      "order, a bucket closed once it holds at least `bucket_bytes`; each sparse tensor alone.");
-  m.def(
-      "unflatten",
-      [](const at::Tensor& flat, const Tensors& like) {
-        return dpcore::FlatLayout::of(like).unflatten(flat);
-      },
-      py::arg("flat"), py::arg("like"), NoGil());
-  m.def(
       "host_cache_stats",
       [] {
         const auto stats = dpcore::host_cache_stats();
@@ -215,7 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // pack, unpack and reduce_add_n are operators: torch.ops.dpcore.* (schema in
   // csrc/dpcore/ops.cpp, implementations registered by kernels/ and cuda/).
 
+  dpcore::python::bind_comm(m);
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);
-  dpcore::python::bind_rendezvous(m);
+  dpcore::python::bind_sync_batchnorm(m);
 }

@@ -1,6 +1,7 @@
 // pack / pack_multi / unpack: a list of tensors to and from flat buffers.
-// CPU implementation (the reference), the device dispatch, and the CPU
-// registration of the operators torch.ops.dpcore.pack / .pack_multi / .unpack.
+// CPU implementation (the reference), the ATen-generic one for other
+// devices, the checked entry points, and the CPU registration of the
+// operators torch.ops.dpcore.pack / .pack_multi / .unpack.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -223,46 +224,33 @@ void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList ten
 }
 } // namespace cpu
 
+namespace generic {
 void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
-  detail::check_pack_args(tensors, layout, flat, "pack");
-  if (flat.is_cpu()) {
-    cpu::pack(tensors, layout, flat);
-#ifdef DPCORE_WITH_CUDA
-  } else if (flat.is_cuda()) {
-    cuda::pack(tensors, layout, flat);
-#endif
-  } else {
+  copy_entries_generic<true>(tensors, layout, flat);
+}
+void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
+  for (const at::Tensor& flat : flats) {
     copy_entries_generic<true>(tensors, layout, flat);
   }
+}
+void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors) {
+  copy_entries_generic<false>(tensors, layout, flat);
+}
+} // namespace generic
+
+void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
+  detail::check_pack_args(tensors, layout, flat, "pack");
+  detail::backend_for(flat.device()).pack(tensors, layout, flat);
 }
 
 void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
   detail::check_pack_multi_args(tensors, layout, flats);
-  const at::Tensor& first = flats[0];
-  if (first.is_cpu()) {
-    cpu::pack_multi(tensors, layout, flats);
-#ifdef DPCORE_WITH_CUDA
-  } else if (first.is_cuda()) {
-    cuda::pack_multi(tensors, layout, flats);
-#endif
-  } else {
-    for (const at::Tensor& flat : flats) {
-      copy_entries_generic<true>(tensors, layout, flat);
-    }
-  }
+  detail::backend_for(flats[0].device()).pack_multi(tensors, layout, flats);
 }
 
 void unpack(const at::Tensor& flat, const FlatLayout& layout, at::TensorList tensors) {
   detail::check_pack_args(tensors, layout, flat, "unpack");
-  if (flat.is_cpu()) {
-    cpu::unpack(flat, layout, tensors);
-#ifdef DPCORE_WITH_CUDA
-  } else if (flat.is_cuda()) {
-    cuda::unpack(flat, layout, tensors);
-#endif
-  } else {
-    copy_entries_generic<false>(tensors, layout, flat);
-  }
+  detail::backend_for(flat.device()).unpack(flat, layout, tensors);
 }
 
 at::Tensor flatten(at::TensorList tensors, const FlatLayout& layout) {

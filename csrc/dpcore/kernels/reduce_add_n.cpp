@@ -297,15 +297,7 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
 
 void reduce_add_n(at::TensorList sources, const at::Tensor& out, bool accumulate) {
   detail::check_reduce_add_n_args(sources, out);
-  if (out.is_cpu()) {
-    cpu::reduce_add_n(sources, out, accumulate);
-#ifdef DPCORE_WITH_CUDA
-  } else if (out.is_cuda()) {
-    cuda::reduce_add_n(sources, out, accumulate);
-#endif
-  } else {
-    detail::reduce_add_n_aten(sources, out, accumulate);
-  }
+  detail::backend_for(out.device()).reduce_add_n(sources, out, accumulate);
 }
 
 } // namespace dpcore

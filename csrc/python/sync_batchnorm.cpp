@@ -21,7 +21,7 @@ namespace py = pybind11;
 namespace dpcore {
 namespace python {
 
-void bind_rendezvous(py::module_& m) {
+void bind_sync_batchnorm(py::module_& m) {
   py::register_exception<RendezvousBroken>(m, "SyncBatchNormError", PyExc_RuntimeError);
   using NoGil = py::call_guard<py::gil_scoped_release>;
   using Exchanged = std::pair<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>>;

@@ -88,13 +88,14 @@ def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float
 
 
 #: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
-#: not have: looking them up is an AttributeError naming the wrapper, never a
-#: fall-through to the wrapped module.
+#: not have: where the wrapped module lacks them too, looking them up is an
+#: AttributeError naming dpcore's wrapper, not one from the wrapped module.
 _DDP_ONLY = frozenset({
     "register_comm_hook", "_register_builtin_comm_hook", "_register_fused_optim", "reducer", "logger",
     "static_graph", "_set_static_graph", "find_unused_parameters", "gradient_as_bucket_view",
     "bucket_bytes_cap", "broadcast_bucket_size", "require_backward_grad_sync", "require_forward_param_sync",
     "will_sync_module_buffers", "_get_ddp_logging_data", "_register_buffer_comm_hook", "mixed_precision",
+    "forward_sync_buffers", "parameters_to_ignore",
 })
 
 
@@ -281,12 +282,16 @@ class DataParallel(nn.Module, Joinable):
         except AttributeError:
             if name in ("module", "_cache", "_calls", "_graphs", "_join_config"):
                 raise
-            if name in _DDP_ONLY:
-                raise AttributeError(
-                    f"dpcore.DataParallel has no attribute {name!r} (an attribute of "
-                    f"torch.nn.parallel.DistributedDataParallel, which dpcore's hybrid mode does not provide)"
-                ) from None
-            return getattr(self.module, name)
+            try:
+                return getattr(self.module, name)
+            except AttributeError:
+                if name not in _DDP_ONLY:
+                    raise
+            raise AttributeError(
+                f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a "
+                f"{type(self.module).__name__}): it is an attribute of torch.nn.parallel.DistributedDataParallel "
+                f"that dpcore's hybrid mode (process_group=) does not provide"
+            ) from None
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix)."""

@@ -145,7 +145,12 @@ class DataParallel(nn.Module, Joinable):
             mean over the batch, as DDP averages). ``device_ids`` defaults to
             the module's device here.
         broadcast_buffers: with a process group, broadcast buffers from rank
-            0 before each forward (as DDP's option of that name).
+            0 at construction and before each forward that can start a
+            gradient synchronization (grad mode on and a parameter that
+            requires grad; other forwards make no collective, so one rank
+            may evaluate alone). False: buffers are never sent, as DDP's
+            option of that name. The wrapper is a
+            ``torch.distributed.algorithms.join.Joinable``: see join_hook.
         cuda_graphs: capture each replica's forward and backward into CUDA
             graphs and replay them (see dpcore/_graphs.py). Per input
             signature (which replicas run; every argument's structure,

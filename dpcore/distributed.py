@@ -5,13 +5,40 @@ Every process runs dpcore's in-process data parallelism over its own devices
 through the BroadcastBucket autograd nodes); :class:`GradientSync` joins the
 processes of a ``torch.distributed`` process group into one training job:
 
-* At construction (and again when the module's parameters or buffers change
-  structure, see :meth:`GradientSync.check_structure`) every process compares a hash of the module's layout (names,
-  shapes, dtypes, requires_grad, gradient buckets) with one collective, and a
-  difference is a ValueError on every rank naming the first difference. Then
-  parameters and buffers are broadcast from the group's rank 0.
-* Before each forward, buffers are broadcast from rank 0
-  (``broadcast_buffers=True``, as DDP).
+* At construction every process compares a hash of the module's layout
+  (names, shapes, dtypes, requires_grad, gradient buckets) with one
+  collective, and a difference is a ValueError on every rank naming the
+  first difference. Then parameters and buffers (buffers only with
+  ``broadcast_buffers=True``) are broadcast from the group's rank 0.
+* Which forwards communicate: only those that can start a gradient
+  synchronization, i.e. grad mode on (so not ``torch.no_grad()`` nor
+  ``torch.inference_mode()``) and a parameter that requires grad. Before
+  each of them (``no_sync()`` ones included) buffers are broadcast from rank
+  0 with ``broadcast_buffers=True``. Every other forward makes no collective
+  and uses this process's own buffers, so one rank may evaluate alone
+  (``if rank == 0: evaluate(dp)`` under ``torch.no_grad()``) whether or not
+  the model is in eval mode. DDP broadcasts before a forward that follows a
+  training forward, whatever its grad mode (so its rank-0-only evaluation
+  with buffers waits for the other ranks); after a training step, an
+  evaluation on every rank here sees each rank's own buffers (BatchNorm's
+  running statistics as that rank's last forward left them), where DDP's
+  first evaluation forward would have sent rank 0's. With
+  ``broadcast_buffers=False`` buffers are never sent (as DDP's option of
+  that name; DDP's newer ``forward_sync_buffers=False`` still sends them at
+  construction).
+* A structural change after construction (a parameter or buffer added,
+  removed, replaced, frozen or unfrozen, converted; a submodule swapped) is
+  noted locally, with no collective; the next synchronization still uses
+  the buckets built so far (so every rank issues the same collectives), and
+  its first bucket carries one mark per rank saying whose module changed.
+  When one rank changed, all of them compare their layouts (one
+  all_gather_object) and then: every rank made the same change (replaced
+  tensors with the same values too) -- the buckets are rebuilt and the
+  gradients of newly covered parameters all-reduced with the step's
+  weights, so the step is exact; otherwise ValueError on every rank from
+  ``backward()``, naming each rank that changed and what (e.g. "rank 1:
+  parameter 'fc.weight' frozen"), with ``.grad`` not synchronized. No
+  extra collective per step: the marks ride in the first bucket.
 * Weights: a synchronization weights this process's ``.grad`` by
   ``n_p / N``: n_p the samples of this process's forwards (with autograd)
   since the last synchronization, N those of all processes. So the result
@@ -46,20 +73,35 @@ processes of a ``torch.distributed`` process group into one training job:
   accumulated steps (single-device accumulation) whenever each process's
   share is the same in every accumulated step, e.g. equal local batches.
 
+Join (uneven inputs): ``DataParallel`` is a
+``torch.distributed.algorithms.join.Joinable``. Under ``Join([dp, ...])``
+each training forward notifies the join context and makes one all-reduce
+(whether its backward synchronizes; which ranks are still training); a rank
+that ran out of inputs shadows each of them (:class:`DataParallelJoinHook`):
+buffers from the highest rank still training (as DDP), zero gradients in
+the same buckets, and its last synchronization's sample count in the
+weights with ``divide_by_initial_world_size=True`` (with equal local
+batches: DDP's division by the initial world size), none with False (DDP:
+division by the ranks still training). When all joined, parameters (and
+buffers with ``broadcast_buffers``) are broadcast from the last joiner.
+
 Failures never hang: every wait is bounded by the process group's timeout,
 and a failing peer surfaces as the backend's RuntimeError from forward or
 ``backward()``. Collective tensors live on the module's device, so a CPU
 list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
 
 Limits, most of them DDP's: every process must run the same sequence of
-forwards and backward passes (with buffers and ``broadcast_buffers`` every
-forward is a collective; the gradient synchronization always is), so ranks
-that evaluate differently should use the bare module or a DataParallel
-without a process group; a forward with autograd whose output is never
+forwards that can synchronize (see above) and backward passes; a forward
+with autograd whose output is never
 backpropagated still counts in the next synchronization's weights
 (evaluate under ``torch.no_grad()``); one window of accumulated forwards
 should not mix a summed criterion with mean losses; ``torch.autograd.grad``
-computes this process's gradients only (nothing is all-reduced); reentrant
+computes this process's gradients only (nothing is all-reduced); a module
+with no trainable parameter at construction has no bucket to carry the
+marks, so when parameters become trainable the buckets are rebuilt in the
+first training forward (a collective: every rank must make that change);
+under Join, a joined rank shadows training forwards only, so the ranks
+still training must run backward after each of them; reentrant
 backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
 parameters) is an error, the non-reentrant form works; sparse gradients are
 an error. With two or more replicas in a process, a parameter no replica
@@ -259,7 +301,9 @@ class GradientSync:
         indices = _C.make_buckets(self._params, self.bucket_bytes)
         self._check_layout(named_params, named_buffers, indices)
 
-        self._broadcast([p for _, p in named_params] + [b for _, b in named_buffers], fresh=True)
+        # As DDP's broadcast_buffers=False: buffers are then never sent, at construction neither.
+        shared = named_params + (named_buffers if self.broadcast_buffers else [])
+        self._broadcast([t for _, t in shared], fresh=True)
         self._buffers = [b for _, b in named_buffers]
         self._buffer_groups = [
             _Bucket([self._buffers[i] for i in group], self.device)

@@ -388,6 +388,17 @@ def scenario_eval(rank: int, world: int) -> dict[str, Any]:
     else:
         wait_for_file(flag)
         out["frozen"] = {"seconds": None}
+    # broadcast_buffers=False (as DDP's): buffers are never sent, at construction neither.
+    torch.manual_seed(rank)
+    net = Net().double().to(DEVICE)
+    with torch.no_grad():
+        net.scale.fill_(1.0 + rank)
+    dp = dpcore.DataParallel(net, local_devices(world, rank), process_group=group, broadcast_buffers=False)
+    dp(torch.ones(2, 5, dtype=torch.float64, device=DEVICE))[1].sum().backward()
+    weights = [torch.empty_like(net.fc1.weight) for _ in range(world)]
+    dist.all_gather(weights, net.fc1.weight.detach().contiguous(), group=group)
+    out["own_buffer_without_broadcast"] = net.scale[0].item()
+    out["parameters_still_from_rank_0"] = all(torch.equal(w, weights[0]) for w in weights)
     ones = torch.ones(1, device=DEVICE)
     dist.all_reduce(ones, group=group)
     out["group_usable"] = ones.item() == world

@@ -210,7 +210,8 @@ def test_rank_zero_evaluation_makes_no_collective(parity_run: tuple[int, list[di
     mode), inference_mode, and a model without trainable parameters it
     finishes at once (not at the group's timeout), and the training steps
     around it stay exact against one device (buffers are still broadcast
-    before training forwards)."""
+    before training forwards). With broadcast_buffers=False (as DDP's)
+    buffers are never sent, not at construction either."""
     _, results = parity_run
     for rank, r in enumerate(results):
         r = r["eval"]
@@ -220,6 +221,8 @@ def test_rank_zero_evaluation_makes_no_collective(parity_run: tuple[int, list[di
                 assert r[mode]["seconds"] < AT_ONCE_S, f"{mode}: {r[mode]}"
         if rank == 0:
             assert r["frozen"]["seconds"] < AT_ONCE_S, r["frozen"]
+        assert r["own_buffer_without_broadcast"] == 1.0 + rank  # broadcast_buffers=False: never sent
+        assert r["parameters_still_from_rank_0"] is True
         assert r["group_usable"] is True
 
 
@@ -400,6 +403,56 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
     copy.deepcopy(plain)  # the join state copies with a wrapper without a group
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_one_process_group_adopts_a_change_and_joins(backend: str) -> None:
+    """A one-process group on the CPU (gloo) or a GPU (NCCL, skipped
+    without one), float64 against a plain DataParallel over 3 steps: a
+    parameter frozen before step 1 and another replaced before step 2 (a
+    change on every rank: adopted, exact), under dp.join() (nothing to
+    shadow), and a no_grad forward in between."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        pytest.skip("NCCL needs a GPU")
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        torch.manual_seed(0)
+        a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double().to(device)
+        b = copy.deepcopy(a)
+        devices = [device] * (1 if backend == "nccl" else 2)
+        hybrid = dpcore.DataParallel(a, devices, process_group=dist.group.WORLD)
+        plain = dpcore.DataParallel(b, devices)
+        generator = torch.Generator().manual_seed(1)
+        with hybrid.join():
+            for step in range(3):
+                if step == 1:
+                    a[0].weight.requires_grad_(False)
+                    b[0].weight.requires_grad_(False)
+                if step == 2:
+                    a[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64, device=device))
+                    b[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64, device=device))
+                x = torch.randn(5 + step, 6, generator=generator, dtype=torch.float64).to(device)
+                for model in (a, b):
+                    model.zero_grad(set_to_none=True)
+                hybrid(x).square().mean().backward()
+                plain(x).square().mean().backward()
+                with torch.no_grad():
+                    hybrid(x)
+                for p, q in zip(a.parameters(), b.parameters()):
+                    assert (p.grad is None) == (q.grad is None)
+                    if p.grad is not None:
+                        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-13)
+        sync = hybrid._sync
+        assert sync is not None and not sync._pending
+        assert sum(len(bucket.params) for bucket in sync._buckets) == 3  # fc0.bias, fc2.weight, the new fc2.bias
+        del hybrid
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("bad", ["gloo", 0, object()])

@@ -235,9 +235,10 @@ class GradientSync:
 
     DataParallel calls :meth:`before_forward` and :meth:`after_forward`
     around each forward. Every process of the group must construct it, run
-    forwards and backward passes in the same sequence (same grad mode, same
-    ``no_sync`` use), as with DDP; a process that stops or raises makes the
-    others raise within the group's timeout instead.
+    the forwards that can synchronize (:meth:`can_sync`) and backward passes
+    in the same sequence (same ``no_sync`` use), as with DDP (other forwards
+    are local); a process that stops or raises makes the others raise
+    within the group's timeout instead.
     """
 
     def __init__(
@@ -627,7 +628,7 @@ class GradientSync:
         built, from the marks of the first bucket sent (after it arrived)."""
         if not self._order:
             return []
-        marks = self._buckets[self._order[0]].marks
+        marks = self._buckets[self._order[0]].marks  # on CUDA: one read of world_size numbers per synchronization
         return [r for r, m in enumerate(marks.tolist()) if m != 0]
 
     def _agree_on_change(self, changed: Sequence[int]) -> None:
@@ -642,9 +643,8 @@ class GradientSync:
         grads = [p for _, p in named_params if p.requires_grad]
         lines = self._layout(named_params, named_buffers, _C.make_buckets(grads, self.bucket_bytes))
         known = {entry[2] for entry in self._structure}
-        values = [
-            f"{kind} {name!r}"
-            + f" values {_digest(t)}"
+        values = [  # tensors new since the build must hold the same values everywhere
+            f"{kind} {name!r} values {_digest(t)}"
             for kind, named in (("parameter", named_params), ("buffer", named_buffers))
             for name, t in named
             if id(t) not in known

@@ -402,9 +402,7 @@ class DataParallel(nn.Module, Joinable):
         the gradient is the mean over the samples of the ranks still
         training (DDP: division by the number of those ranks)."""
         sync = self._require_group("Join")
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise TypeError(f"join_hook: unexpected keyword arguments {sorted(unknown)}")
+        # Other keyword arguments are for the context's other joinables (as DDP, ignored here).
         return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
 
     @property

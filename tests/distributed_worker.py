@@ -490,19 +490,29 @@ class JoinNet(nn.Module):
 
 
 def _train_under_join(
-    rank: int, make: Callable[[nn.Module], nn.Module], batches: int, join: Callable[[nn.Module], Any]
+    rank: int, make: Callable[[nn.Module], nn.Module], batches: int, join: Callable[[nn.Module, Any], Any],
+    group: Any = None,
 ) -> dict[str, Any]:
     """Trains JoinNet (float64) for `batches` equal local batches of 4 under
-    the join context `join(wrapper)`; rank-dependent buffer values before
-    each forward. Returns the parameters and gradients after every step and
-    the parameters and buffer after the context."""
+    the join context `join(wrapper, optimizer)`; rank-dependent buffer values
+    before each forward; SGD with momentum, sharded by
+    ZeroRedundancyOptimizer over `group` where one is given. Returns the
+    parameters and gradients after every step and the parameters and buffer
+    after the context."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     torch.manual_seed(0)
     model = JoinNet().double().to(DEVICE)
     wrapper = make(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if group is None:
+        opt: Any = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.1, momentum=0.9
+        )
     generator = torch.Generator().manual_seed(11 + rank)
     trace = []
-    with join(wrapper):
+    with join(wrapper, opt):
         for step in range(batches):
             with torch.no_grad():
                 model.scale.fill_(1.0 + 0.25 * rank + 0.1 * step)
@@ -540,11 +550,11 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     for divide in (True, False):
         ddp = _train_under_join(
             rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
-            lambda w: Join([w], divide_by_initial_world_size=divide),
+            lambda w, _: Join([w], divide_by_initial_world_size=divide),
         )
         ours = _train_under_join(
             rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
-            lambda w: Join([w], divide_by_initial_world_size=divide),
+            lambda w, _: Join([w], divide_by_initial_world_size=divide),
         )
         out[f"divide_{divide}"] = {
             "trace": _largest_difference(ddp["trace"], ours["trace"]),
@@ -555,17 +565,28 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     # The option matters (else the two comparisons above would prove little).
     out["divide_changes_the_result"] = _largest_difference([finals[0]], [finals[1]])
     method = _train_under_join(
-        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches, lambda w: w.join()
+        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches, lambda w, _: w.join()
     )
     ours_default = _train_under_join(
         rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
-        lambda w: Join([w]),
+        lambda w, _: Join([w]),
     )
     out["join_method_equals_join"] = _largest_difference([method["final"]], [ours_default["final"]])
+    # With a joinable optimizer too: Join([wrapper, ZeroRedundancyOptimizer]).
+    ddp = _train_under_join(
+        rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
+        lambda w, opt: Join([w, opt]), group=group,
+    )
+    ours = _train_under_join(
+        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+        lambda w, opt: Join([w, opt]), group=group,
+    )
+    out["zero"] = {"trace": _largest_difference(ddp["trace"], ours["trace"]),
+                   "final": _largest_difference([ddp["final"]], [ours["final"]])}
     try:
         _train_under_join(
             rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
-            lambda w: Join([w], throw_on_early_termination=True),
+            lambda w, _: Join([w], throw_on_early_termination=True),
         )
         out["throw"] = None
     except RuntimeError as error:

@@ -258,7 +258,8 @@ def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, li
     DistributedDataParallel under Join (float64, SGD with momentum, buffers
     set differently on every rank before each forward) in every step's
     gradients and parameters and after the context, with
-    divide_by_initial_world_size True and False (which do differ);
+    divide_by_initial_world_size True and False (which do differ), and
+    Join([dp, ZeroRedundancyOptimizer]) against Join([ddp, the same]);
     dp.join() is Join([dp]); throw_on_early_termination raises on every rank."""
     _, results = parity_run
     for rank, r in enumerate(results):
@@ -267,6 +268,8 @@ def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, li
             got = r[f"divide_{divide}"]
             assert got["steps"] == 2 + rank
             assert 0.0 <= got["trace"] <= ATOL and 0.0 <= got["final"] <= ATOL, f"rank {rank}: {divide}: {got}"
+        zero = r["zero"]
+        assert 0.0 <= zero["trace"] <= ATOL and 0.0 <= zero["final"] <= ATOL, f"rank {rank}: ZeRO: {zero}"
         assert r["divide_changes_the_result"] > 1e-6
         assert r["join_method_equals_join"] == 0.0
         assert r["throw"] is not None and "exhausted" in r["throw"], r["throw"]

@@ -345,7 +345,11 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
     calls: list[str] = []
     for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object"):
         real = getattr(dist, name)
-        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
     frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().requires_grad_(False)
@@ -380,7 +384,8 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     for name in ("reducer", "static_graph", "find_unused_parameters", "register_comm_hook"):
         if hasattr(type(dp), name):
             continue  # provided by the wrapper itself
-        with pytest.raises(AttributeError, match=rf"dpcore.DataParallel has no attribute '{name}' \(nor has its module, a Linear\)"):
+        message = rf"dpcore.DataParallel has no attribute '{name}' \(nor has its module, a Linear\)"
+        with pytest.raises(AttributeError, match=message):
             getattr(dp, name)
     model.reducer = "the module's own"  # a module attribute of that name still falls through
     assert dp.reducer == "the module's own"

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._pytree import map_tensors
 from dpcore._split import as_int, check_split
-from dpcore.distributed import GradientSync
+from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.scatter_gather import scatter_kwargs
@@ -86,7 +87,19 @@ def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float
     return 1.0 if _summed(criterion) else chunk / total
 
 
-class DataParallel(nn.Module):
+#: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
+#: not have: where the wrapped module lacks them too, looking them up is an
+#: AttributeError naming dpcore's wrapper, not one from the wrapped module.
+_DDP_ONLY = frozenset({
+    "register_comm_hook", "_register_builtin_comm_hook", "_register_fused_optim", "reducer", "logger",
+    "static_graph", "_set_static_graph", "find_unused_parameters", "gradient_as_bucket_view",
+    "bucket_bytes_cap", "broadcast_bucket_size", "require_backward_grad_sync", "require_forward_param_sync",
+    "will_sync_module_buffers", "_get_ddp_logging_data", "_register_buffer_comm_hook", "mixed_precision",
+    "forward_sync_buffers", "parameters_to_ignore",
+})
+
+
+class DataParallel(nn.Module, Joinable):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the outputs
     are gathered onto ``output_device``. Drop-in for torch.nn.DataParallel.
@@ -132,7 +145,12 @@ class DataParallel(nn.Module):
             mean over the batch, as DDP averages). ``device_ids`` defaults to
             the module's device here.
         broadcast_buffers: with a process group, broadcast buffers from rank
-            0 before each forward (as DDP's option of that name).
+            0 at construction and before each forward that can start a
+            gradient synchronization (grad mode on and a parameter that
+            requires grad; other forwards make no collective, so one rank
+            may evaluate alone). False: buffers are never sent, as DDP's
+            option of that name. The wrapper is a
+            ``torch.distributed.algorithms.join.Joinable``: see join_hook.
         cuda_graphs: capture each replica's forward and backward into CUDA
             graphs and replay them (see dpcore/_graphs.py). Per input
             signature (which replicas run; every argument's structure,
@@ -208,6 +226,7 @@ class DataParallel(nn.Module):
         cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)  # the join context's per-instance state (disabled outside Join)
         self._calls = _CallGuard()
         self._graphs: GraphRunner | None = None
         if not isinstance(module, nn.Module):
@@ -269,9 +288,18 @@ class DataParallel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "_cache", "_calls", "_graphs"):
+            if name in ("module", "_cache", "_calls", "_graphs", "_join_config"):
                 raise
-            return getattr(self.module, name)
+            try:
+                return getattr(self.module, name)
+            except AttributeError:
+                if name not in _DDP_ONLY:
+                    raise
+            raise AttributeError(
+                f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a "
+                f"{type(self.module).__name__}): it is an attribute of torch.nn.parallel.DistributedDataParallel "
+                f"that dpcore's hybrid mode (process_group=) does not provide"
+            ) from None
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix)."""
@@ -335,7 +363,7 @@ class DataParallel(nn.Module):
         with self._calls:
             if self._sync is None:
                 return self._forward(*inputs, **kwargs)
-            self._sync.before_forward()
+            self._sync.before_forward(self)
             output = self._forward(*inputs, **kwargs)
             return self._sync.after_forward(output, self._local_batch, _summed(self.criterion))
 
@@ -349,6 +377,56 @@ class DataParallel(nn.Module):
             if not run.done:  # interrupted: its running replicas finish in the background
                 self._calls.abandoned = run
             raise
+
+    # -- DDP's process-group API: Join for uneven inputs ---------------------
+
+    @property
+    def process_group(self) -> Any:
+        """The ``torch.distributed`` process group of the hybrid mode (None without one)."""
+        return None if self._sync is None else self._sync.group
+
+    def _require_group(self, what: str) -> GradientSync:
+        if self._sync is None:
+            raise ValueError(
+                f"{what}: needs a dpcore.DataParallel with a process_group= (hybrid mode); this one runs in one "
+                f"process only, so there are no ranks to join"
+            )
+        return self._sync
+
+    def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
+        """The hook with which ``torch.distributed.algorithms.join.Join``
+        lets ranks that ran out of inputs shadow the others' collectives:
+        zero gradients, the same buffer broadcasts (from the highest rank
+        still training, as DDP), and at the end parameters and buffers from
+        the last rank to join. ``divide_by_initial_world_size`` (default
+        True, as DDP): a joined rank still counts the samples of its last
+        synchronization in the weights, which with equal local batches is
+        DDP's division by the initial world size; False: it counts none,
+        the gradient is the mean over the samples of the ranks still
+        training (DDP: division by the number of those ranks)."""
+        sync = self._require_group("Join")
+        # Other keyword arguments are for the context's other joinables (as DDP, ignored here).
+        return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's collectives: the module's."""
+        return self._require_group("Join").device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The process group of the join context's collectives: the hybrid mode's."""
+        return self._require_group("Join").group
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """DDP's ``join()``: ``Join([self], ...)``, training with uneven
+        numbers of inputs across ranks (see :meth:`join_hook`)."""
+        self._require_group("join()")
+        return Join(
+            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

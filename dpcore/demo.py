@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import itertools
 import math
 import os
@@ -413,6 +414,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return _run(args, devices, spec, dist.group.WORLD)
     finally:
         if owned:
+            # Teardown in this order: the wrappers (locals of _run, some held
+            # only by reference cycles) are collected first, then the group
+            # is destroyed. A hybrid wrapper still alive at interpreter exit
+            # can make torch's gloo abort after a successful run (exit 1).
+            gc.collect()
             dist.destroy_process_group()
 
 

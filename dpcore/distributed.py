@@ -5,13 +5,40 @@ Every process runs dpcore's in-process data parallelism over its own devices
 through the BroadcastBucket autograd nodes); :class:`GradientSync` joins the
 processes of a ``torch.distributed`` process group into one training job:
 
-* At construction (and again when the module's parameters or buffers change
-  structure, see :meth:`GradientSync.check_structure`) every process compares a hash of the module's layout (names,
-  shapes, dtypes, requires_grad, gradient buckets) with one collective, and a
-  difference is a ValueError on every rank naming the first difference. Then
-  parameters and buffers are broadcast from the group's rank 0.
-* Before each forward, buffers are broadcast from rank 0
-  (``broadcast_buffers=True``, as DDP).
+* At construction every process compares a hash of the module's layout
+  (names, shapes, dtypes, requires_grad, gradient buckets) with one
+  collective, and a difference is a ValueError on every rank naming the
+  first difference. Then parameters and buffers (buffers only with
+  ``broadcast_buffers=True``) are broadcast from the group's rank 0.
+* Which forwards communicate: only those that can start a gradient
+  synchronization, i.e. grad mode on (so not ``torch.no_grad()`` nor
+  ``torch.inference_mode()``) and a parameter that requires grad. Before
+  each of them (``no_sync()`` ones included) buffers are broadcast from rank
+  0 with ``broadcast_buffers=True``. Every other forward makes no collective
+  and uses this process's own buffers, so one rank may evaluate alone
+  (``if rank == 0: evaluate(dp)`` under ``torch.no_grad()``) whether or not
+  the model is in eval mode. DDP broadcasts before a forward that follows a
+  training forward, whatever its grad mode (so its rank-0-only evaluation
+  with buffers waits for the other ranks); after a training step, an
+  evaluation on every rank here sees each rank's own buffers (BatchNorm's
+  running statistics as that rank's last forward left them), where DDP's
+  first evaluation forward would have sent rank 0's. With
+  ``broadcast_buffers=False`` buffers are never sent (as DDP's option of
+  that name; DDP's newer ``forward_sync_buffers=False`` still sends them at
+  construction).
+* A structural change after construction (a parameter or buffer added,
+  removed, replaced, frozen or unfrozen, converted; a submodule swapped) is
+  noted locally, with no collective; the next synchronization still uses
+  the buckets built so far (so every rank issues the same collectives), and
+  its first bucket carries one mark per rank saying whose module changed.
+  When one rank changed, all of them compare their layouts (one
+  all_gather_object) and then: every rank made the same change (replaced
+  tensors with the same values too) -- the buckets are rebuilt and the
+  gradients of newly covered parameters all-reduced with the step's
+  weights, so the step is exact; otherwise ValueError on every rank from
+  ``backward()``, naming each rank that changed and what (e.g. "rank 1:
+  parameter 'fc.weight' frozen"), with ``.grad`` not synchronized. No
+  extra collective per step: the marks ride in the first bucket.
 * Weights: a synchronization weights this process's ``.grad`` by
   ``n_p / N``: n_p the samples of this process's forwards (with autograd)
   since the last synchronization, N those of all processes. So the result
@@ -46,20 +73,35 @@ processes of a ``torch.distributed`` process group into one training job:
   accumulated steps (single-device accumulation) whenever each process's
   share is the same in every accumulated step, e.g. equal local batches.
 
+Join (uneven inputs): ``DataParallel`` is a
+``torch.distributed.algorithms.join.Joinable``. Under ``Join([dp, ...])``
+each training forward notifies the join context and makes one all-reduce
+(whether its backward synchronizes; which ranks are still training); a rank
+that ran out of inputs shadows each of them (:class:`DataParallelJoinHook`):
+buffers from the highest rank still training (as DDP), zero gradients in
+the same buckets, and its last synchronization's sample count in the
+weights with ``divide_by_initial_world_size=True`` (with equal local
+batches: DDP's division by the initial world size), none with False (DDP:
+division by the ranks still training). When all joined, parameters (and
+buffers with ``broadcast_buffers``) are broadcast from the last joiner.
+
 Failures never hang: every wait is bounded by the process group's timeout,
 and a failing peer surfaces as the backend's RuntimeError from forward or
 ``backward()``. Collective tensors live on the module's device, so a CPU
 list runs over gloo and a CUDA list over NCCL (or gloo) with the same code.
 
 Limits, most of them DDP's: every process must run the same sequence of
-forwards and backward passes (with buffers and ``broadcast_buffers`` every
-forward is a collective; the gradient synchronization always is), so ranks
-that evaluate differently should use the bare module or a DataParallel
-without a process group; a forward with autograd whose output is never
+forwards that can synchronize (see above) and backward passes; a forward
+with autograd whose output is never
 backpropagated still counts in the next synchronization's weights
 (evaluate under ``torch.no_grad()``); one window of accumulated forwards
 should not mix a summed criterion with mean losses; ``torch.autograd.grad``
-computes this process's gradients only (nothing is all-reduced); reentrant
+computes this process's gradients only (nothing is all-reduced); a module
+with no trainable parameter at construction has no bucket to carry the
+marks, so when parameters become trainable the buckets are rebuilt in the
+first training forward (a collective: every rank must make that change);
+under Join, a joined rank shadows training forwards only, so the ranks
+still training must run backward after each of them; reentrant
 backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
 parameters) is an error, the non-reentrant form works; sparse gradients are
 an error. With two or more replicas in a process, a parameter no replica
@@ -78,11 +120,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import JoinHook
 
 from dpcore import _C
 from dpcore._pytree import map_tensors
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "DataParallelJoinHook"]
 
 #: The live GradientSync of each module: a second one would reduce every
 #: gradient twice.
@@ -104,29 +147,71 @@ _grad_task = torch._C._current_graph_task_id
 
 def _structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
     """What a rebuild of the buckets depends on: every parameter and buffer
-    (name, identity, shape, dtype, device, requires_grad), in order."""
+    (kind, name, identity, shape, dtype, device, requires_grad), in order."""
     return [
-        (name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
-        for name, t in itertools.chain(module.named_parameters(), module.named_buffers())
+        (kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+        for name, t in named
     ]
+
+
+def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ...]]) -> list[str]:
+    """What changed between two :func:`_structure_of` lists, one phrase per
+    tensor ("parameter 'fc.weight' frozen (requires_grad True -> False)")."""
+    before = {(kind, name): rest for kind, name, *rest in old}
+    after = {(kind, name): rest for kind, name, *rest in new}
+    phrases = []
+    for (kind, name), (ident, shape, dtype, device, grad) in before.items():
+        if (kind, name) not in after:
+            phrases.append(f"{kind} {name!r} removed")
+            continue
+        ident2, shape2, dtype2, device2, grad2 = after[(kind, name)]
+        what = []
+        if ident2 != ident:
+            what.append("replaced by another tensor")
+        if shape2 != shape:
+            what.append(f"shape {shape} -> {shape2}")
+        if dtype2 != dtype:
+            what.append(f"dtype {dtype} -> {dtype2}")
+        if device2 != device:
+            what.append(f"device {device} -> {device2}")
+        if grad2 != grad:
+            what.append("frozen (requires_grad True -> False)" if grad else "unfrozen (requires_grad False -> True)")
+        if what:
+            phrases.append(f"{kind} {name!r} " + ", ".join(what))
+    phrases += [f"{kind} {name!r} added" for kind, name in after if (kind, name) not in before]
+    return phrases or ["the order of its parameters or buffers"]
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A hash of a tensor's values (for comparing replaced tensors across processes)."""
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 class _Bucket:
     """One all-reduce bucket: parameters of one dtype and a persistent flat
     buffer holding their gradients, then one "has a gradient" flag each,
-    then one sample count."""
+    then one sample count; with `world` > 0 (gradient buckets), then one
+    "counted" flag (whether the sender's weights follow sample counts) and
+    `world` layout marks (element r is 1 where rank r's module changed its
+    layout since the buckets were built)."""
 
-    __slots__ = ("params", "flat", "data", "views", "flags", "count")
+    __slots__ = ("params", "flat", "data", "views", "flags", "count", "counted", "marks")
 
-    def __init__(self, params: Sequence[torch.Tensor], device: torch.device) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], device: torch.device, world: int = 0) -> None:
         self.params = list(params)
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
-        self.flat = torch.zeros(total + len(sizes) + 1, dtype=self.params[0].dtype, device=device)
+        n = len(sizes)
+        extra = 2 + world if world else 1
+        self.flat = torch.zeros(total + n + extra, dtype=self.params[0].dtype, device=device)
         self.data = self.flat[:total]
         self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
-        self.flags = self.flat[total : total + len(sizes)]
-        self.count = self.flat[total + len(sizes) :]
+        self.flags = self.flat[total : total + n]
+        self.count = self.flat[total + n : total + n + 1]
+        self.counted = self.flat[total + n + 1 : total + n + 2]
+        self.marks = self.flat[total + n + 2 :]
 
 
 #: Dtypes that hold every sample count exactly (up to 2**24), so a bucket of
@@ -150,9 +235,10 @@ class GradientSync:
 
     DataParallel calls :meth:`before_forward` and :meth:`after_forward`
     around each forward. Every process of the group must construct it, run
-    forwards and backward passes in the same sequence (same grad mode, same
-    ``no_sync`` use), as with DDP; a process that stops or raises makes the
-    others raise within the group's timeout instead.
+    the forwards that can synchronize (:meth:`can_sync`) and backward passes
+    in the same sequence (same ``no_sync`` use), as with DDP (other forwards
+    are local); a process that stops or raises makes the others raise
+    within the group's timeout instead.
     """
 
     def __init__(
@@ -195,6 +281,8 @@ class GradientSync:
         self._local_count = 0
         self._counted = False
         self._norm: float | torch.Tensor = 1.0
+        self._last_count = 0  # n_p of the last synchronization with a mean-loss forward (a joined rank's weight)
+        self._pending = False  # the module's structure changed since the build; not yet agreed with the others
         self._build()
         _OWNERS[module] = weakref.ref(self)
 
@@ -206,6 +294,7 @@ class GradientSync:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._pending = False
         self._structure = _structure_of(self.module)
         named_params = list(self.module.named_parameters())
         named_buffers = list(self.module.named_buffers())
@@ -213,14 +302,18 @@ class GradientSync:
         indices = _C.make_buckets(self._params, self.bucket_bytes)
         self._check_layout(named_params, named_buffers, indices)
 
-        self._broadcast([p for _, p in named_params] + [b for _, b in named_buffers], fresh=True)
+        # As DDP's broadcast_buffers=False: buffers are then never sent, at construction neither.
+        shared = named_params + (named_buffers if self.broadcast_buffers else [])
+        self._broadcast([t for _, t in shared], fresh=True)
         self._buffers = [b for _, b in named_buffers]
         self._buffer_groups = [
             _Bucket([self._buffers[i] for i in group], self.device)
             for group in _C.make_buckets(self._buffers, self.bucket_bytes)
         ]
 
-        self._buckets = [_Bucket([self._params[i] for i in group], self.device) for group in indices]
+        self._buckets = [
+            _Bucket([self._params[i] for i in group], self.device, world=self.world_size) for group in indices
+        ]
         self._bucket_of: list[int] = [0] * len(self._params)
         for b, group in enumerate(indices):
             for i in group:
@@ -276,9 +369,10 @@ class GradientSync:
         dist.all_gather_object(layouts, lines, group=self.group)
         raise ValueError(_describe_difference(layouts))
 
-    def _broadcast(self, tensors: Sequence[torch.Tensor], fresh: bool = False) -> None:
-        """Overwrites `tensors` with rank 0's values (in place, bumping version
-        counters on the receiving ranks only); one broadcast per dtype group."""
+    def _broadcast(self, tensors: Sequence[torch.Tensor], fresh: bool = False, src: int = 0) -> None:
+        """Overwrites `tensors` with rank `src`'s values (in place, bumping
+        version counters on the receiving ranks only); one broadcast per dtype
+        group (the buffers' persistent groups unless `fresh`)."""
         dist = _dist()
         groups = (
             [_Bucket([tensors[i] for i in g], self.device) for g in _C.make_buckets(tensors, self.bucket_bytes)]
@@ -287,31 +381,58 @@ class GradientSync:
         )
         with torch.no_grad():
             for group in groups:
-                if self.rank == 0:
+                if self.rank == src:
                     torch._foreach_copy_(group.views, [t.detach() for t in group.params])
-                dist.broadcast(group.flat, group=self.group, group_src=0)
-                if self.rank != 0:
+                dist.broadcast(group.flat, group=self.group, group_src=src)
+                if self.rank != src:
                     torch._foreach_copy_([t.detach() for t in group.params], group.views)
 
     # -- forward ----------------------------------------------------------
 
     def check_structure(self) -> None:
-        """Rebuilds (collective: layout check, then parameters and buffers
-        from rank 0) when the module's structure changed since the last
-        build: a parameter or buffer added, removed, replaced, frozen or
-        unfrozen, converted, a submodule swapped. DataParallel calls it
-        whenever its replica cache finds such a change, before the module
-        runs, so the check costs nothing in the usual forward."""
+        """Notes (no collective) that the module's structure changed since
+        the last build: a parameter or buffer added, removed, replaced,
+        frozen or unfrozen, converted, a submodule swapped. DataParallel
+        calls it whenever its replica cache finds such a change, so the
+        check costs nothing in the usual forward. The change is agreed with
+        the other processes at the next synchronization (its first bucket
+        carries one mark per rank), which keeps the buckets built so far
+        until then, so every rank issues the same collectives: see
+        :meth:`_agree_on_change`."""
         if _structure_of(self.module) != self._structure:
-            self._build()
+            self._pending = True
 
-    def before_forward(self) -> None:
-        """Drops the state of a backward that raised, broadcasts buffers."""
+    def can_sync(self) -> bool:
+        """Whether a forward run now can start a gradient synchronization:
+        grad mode on (so not inference mode either) and a parameter that
+        requires grad. Forwards that cannot make no collective."""
+        return torch.is_grad_enabled() and bool(self._params or self._pending)
+
+    def before_forward(self, joinable: Any = None) -> None:
+        """Drops the state of a backward that raised; in a forward that can
+        start a gradient synchronization (:meth:`can_sync`), and only there,
+        the collectives of a forward: inside an enabled
+        ``torch.distributed.algorithms.join.Join`` (`joinable` is the
+        wrapper), the join context's notification and one all-reduce that
+        tells the joined ranks whether this backward synchronizes and which
+        rank is the highest not joined; then buffers broadcast from rank 0
+        (from that rank under Join, as DDP)."""
         if self._task != -1:  # a synchronizing backward raised: start afresh
             self._reset()
             self._clear_counts()
+        if not self.can_sync():
+            return
+        src = 0
+        config = getattr(joinable, "_join_config", None)
+        if config is not None and config.enable:
+            from torch.distributed.algorithms.join import Join
+
+            work = Join.notify_join_context(joinable)
+            src, _ = self._join_state(active=True)
+            if work is not None:
+                work.wait()
         if self.broadcast_buffers and self._buffer_groups:
-            self._broadcast(self._buffers)
+            self._broadcast(self._buffers, src=src)
 
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
         """Records the forward's batch size for the next synchronization's
@@ -319,7 +440,13 @@ class GradientSync:
         ``reduction="sum"``), `output` with every tensor that carries
         autograd history replaced by a view of it whose gradient is
         multiplied by the number of processes."""
-        if not (torch.is_grad_enabled() and self._params):
+        if not torch.is_grad_enabled():
+            return output
+        if self._pending and not self._buckets:
+            # Nothing synchronizes yet, so no bucket can carry the change:
+            # rebuild now (collective; every rank must make the same change).
+            self._build()
+        if not self._params:
             return output
         self._sync_backward = self._no_sync_depth == 0
         if not summed:
@@ -365,13 +492,13 @@ class GradientSync:
     def _begin_weights(self) -> None:
         """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P when
         no mean-loss forward was recorded: every process then weighs the same),
-        and the count's own all-reduce where no bucket can carry it."""
-        if not self._counted:
-            self._alpha = 1.0 / self.world_size
-            return
-        self._alpha = self._local_count / self._norm
+        and, where no bucket can carry the count, its own all-reduce
+        (count, counted flag) before the first bucket's."""
+        self._alpha = self._local_count / self._norm if self._counted else 1.0 / self.world_size
         if self._carrier is None:
-            count = torch.tensor([float(self._local_count)], dtype=torch.float64, device=self.device)
+            count = torch.tensor(
+                [float(self._local_count), 1.0 if self._counted else 0.0], dtype=torch.float64, device=self.device
+            )
             self._count_work = (count, _dist().all_reduce(count, group=self.group, async_op=True))
 
     def _on_grad(self, i: int) -> None:
@@ -425,7 +552,12 @@ class GradientSync:
             bucket.data.zero_()  # no samples here (an empty local batch): nothing, not 0 * inf or NaN
         elif not (isinstance(alpha, float) and alpha == 1.0):
             bucket.data.mul_(alpha)
-        bucket.count.fill_(self._local_count if b == self._carrier else 0)
+        carrier = b == self._carrier
+        bucket.count.fill_(self._local_count if carrier else 0)
+        bucket.counted.fill_(1 if carrier and self._counted else 0)
+        bucket.marks.zero_()
+        if self._pending:
+            bucket.marks[self.rank] = 1
         work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)
         self._launched[b] = (present, work)
 
@@ -437,9 +569,11 @@ class GradientSync:
             return None
         if self._count_work is not None:
             count, work = self._count_work
+            count = count[:1]
         else:
             count, work = self._buckets[self._carrier].count, self._launched[self._carrier][1]
         work.wait()
+        self._last_count = self._local_count
         total = count.real if count.is_complex() else count
         if total.device.type == "cpu":
             n = max(total.item(), 1.0)
@@ -458,9 +592,15 @@ class GradientSync:
             while self._next < len(self._order):
                 self._launch(self._order[self._next])
                 self._next += 1
+            if self._count_work is not None:
+                self._count_work[1].wait()
             factor = self._correction()
-            for b, (present, work) in self._launched.items():
+            for _, work in self._launched.values():
                 work.wait()
+            changed = self._changed_ranks()
+            if changed:  # raises unless every rank made the same change (nothing written into .grad then)
+                self._agree_on_change(changed)
+            for b, (present, work) in self._launched.items():
                 bucket = self._buckets[b]
                 if factor is not None:
                     bucket.data.mul_(factor)
@@ -473,9 +613,165 @@ class GradientSync:
                         p.grad.copy_(view)
                     elif anyone:
                         p.grad = torch.empty_like(p).copy_(view)
+            if changed:
+                alpha = self._alpha if self._alpha is not None else 0.0
+                weight = 0.0 if self._counted and self._local_count == 0 else alpha
+                self._adopt_change(weight if factor is None else weight * factor, contribute=True)
         finally:
             self._clear_counts()
             self._reset()
+
+    # -- a layout change after construction --------------------------------
+
+    def _changed_ranks(self) -> list[int]:
+        """The ranks whose module changed structure since the buckets were
+        built, from the marks of the first bucket sent (after it arrived)."""
+        if not self._order:
+            return []
+        marks = self._buckets[self._order[0]].marks  # on CUDA: one read of world_size numbers per synchronization
+        return [r for r, m in enumerate(marks.tolist()) if m != 0]
+
+    def _agree_on_change(self, changed: Sequence[int]) -> None:
+        """Collective, on every rank once a synchronization's marks show a
+        change: gathers every rank's layout (and a hash of the values of the
+        tensors that are new since the build) and raises ValueError on every
+        rank, naming each changed rank and what it changed, unless every rank
+        made the same change with the same values."""
+        dist = _dist()
+        named_params = list(self.module.named_parameters())
+        named_buffers = list(self.module.named_buffers())
+        grads = [p for _, p in named_params if p.requires_grad]
+        lines = self._layout(named_params, named_buffers, _C.make_buckets(grads, self.bucket_bytes))
+        known = {entry[2] for entry in self._structure}
+        values = [  # tensors new since the build must hold the same values everywhere
+            f"{kind} {name!r} values {_digest(t)}"
+            for kind, named in (("parameter", named_params), ("buffer", named_buffers))
+            for name, t in named
+            if id(t) not in known
+        ]
+        what = _describe_change(self._structure, _structure_of(self.module)) if self._pending else []
+        reports: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reports, (lines, values, what), group=self.group)
+        if len(changed) == self.world_size and all(r[:2] == reports[0][:2] for r in reports):
+            return  # the same change everywhere: adopted after this synchronization
+        parts = [f"rank {r}: {'; '.join(reports[r][2]) or 'its layout'}" for r in changed]
+        unchanged = [r for r in range(self.world_size) if r not in changed]
+        if unchanged:
+            tail = f"rank{'s' if len(unchanged) > 1 else ''} {', '.join(map(str, unchanged))} did not change"
+        else:
+            tail = "the changes differ between ranks (the tensors' values too, for replaced ones)"
+        raise ValueError(
+            "DataParallel(process_group=...): the module's layout changed after construction on "
+            f"{'rank' if len(changed) == 1 else 'ranks'} {', '.join(map(str, changed))} ({' | '.join(parts)}), "
+            f"but {tail}. Every rank must make the same change before the same forward; this backward's "
+            "gradients were left as they were, not synchronized"
+        )
+
+    def _adopt_change(self, weight: float | torch.Tensor, contribute: bool) -> None:
+        """After every rank made the same change: rebuilds the buckets
+        (collective: layout check, then parameters and buffers from rank 0,
+        which every rank already holds) and synchronizes the gradients of the
+        parameters the old buckets did not cover, with this rank's `weight`
+        of the synchronization (zeros where not `contribute`: a joined rank)."""
+        covered = {id(p) for p in self._params}
+        self._build()
+        fresh = [p for p in self._params if id(p) not in covered]
+        if not fresh:
+            return
+        dist = _dist()
+        for group in _C.make_buckets(fresh, self.bucket_bytes):
+            bucket = _Bucket([fresh[i] for i in group], self.device)
+            present = [contribute and p.grad is not None for p in bucket.params]
+            for view, p, had in zip(bucket.views, bucket.params, present):
+                if had:
+                    view.copy_(p.grad)
+                else:
+                    view.zero_()
+            bucket.flags.copy_(torch.tensor(present, dtype=bucket.flat.dtype))
+            if isinstance(weight, torch.Tensor) or weight != 1.0:
+                bucket.data.mul_(weight)
+            dist.all_reduce(bucket.flat, group=self.group)
+            if not contribute:
+                continue
+            used = bucket.flags.ne(0).tolist()
+            for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
+                if had:
+                    p.grad.copy_(view)
+                elif anyone:
+                    p.grad = torch.empty_like(p).copy_(view)
+
+    # -- Join (uneven inputs) ---------------------------------------------
+
+    def _join_state(self, active: bool) -> tuple[int, bool]:
+        """One all-reduce per forward under Join: element r is 1 where rank r
+        has not joined, the last one counts the ranks whose backward will
+        synchronize. Returns the highest rank not joined (the source of
+        buffers, as DDP's) and whether the backward synchronizes."""
+        state = torch.zeros(self.world_size + 1, dtype=torch.float32, device=self.device)
+        if active:
+            state[self.rank] = 1
+            state[-1] = 1 if self._no_sync_depth == 0 else 0
+        _dist().all_reduce(state, group=self.group)
+        values = state.tolist()
+        active_ranks = [r for r, v in enumerate(values[:-1]) if v != 0]
+        return (max(active_ranks) if active_ranks else 0), values[-1] != 0
+
+    def join_step(self, divide_by_initial_world_size: bool) -> None:
+        """A joined rank's part of one training forward and backward of the
+        others (the JoinHook's main hook): the same collectives, with zero
+        gradients. Its sample count in the weights is that of its last
+        synchronization with `divide_by_initial_world_size` (with equal local
+        batches: DDP's division by the initial world size), else 0 (the mean
+        over the samples of the ranks still training)."""
+        src, sync = self._join_state(active=False)
+        if self.broadcast_buffers and self._buffer_groups:
+            self._broadcast(self._buffers, src=src)
+        if not sync or not self._buckets:
+            return
+        dist = _dist()
+        phantom = float(self._last_count if divide_by_initial_world_size else 0)
+        self._reset()
+        count_work = None
+        if self._carrier is None:
+            count = torch.tensor([phantom, 0.0], dtype=torch.float64, device=self.device)
+            count_work = (count, dist.all_reduce(count, group=self.group, async_op=True))
+        works = []
+        for b in self._order:
+            bucket = self._buckets[b]
+            bucket.flat.zero_()
+            if b == self._carrier:
+                bucket.count.fill_(phantom)
+            if self._pending:
+                bucket.marks[self.rank] = 1
+            works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
+        if count_work is not None:
+            count_work[1].wait()
+            total, counted = count_work[0].tolist()
+        for work in works:
+            work.wait()
+        if count_work is None:
+            carrier = self._buckets[self._carrier]
+            total, counted = carrier.count.real.item(), carrier.counted.real.item()
+        if counted != 0:
+            self._norm = max(float(total), 1.0)  # N_prev stays the same on every rank
+        changed = self._changed_ranks()
+        if changed:
+            self._agree_on_change(changed)
+            self._adopt_change(0.0, contribute=False)
+
+    def join_finish(self, is_last_joiner: bool) -> None:
+        """After every rank joined (the JoinHook's post hook): parameters, and
+        buffers with ``broadcast_buffers``, from the highest of the ranks that
+        joined last, as DDP."""
+        dist = _dist()
+        rank = torch.tensor([float(self.rank) if is_last_joiner else -1.0], device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.group)
+        src = int(rank.item())
+        tensors = [p for p in self.module.parameters()]
+        if self.broadcast_buffers:
+            tensors += list(self.module.buffers())
+        if tensors:
+            self._broadcast(tensors, fresh=True, src=src)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -486,6 +782,24 @@ class GradientSync:
     def __del__(self) -> None:
         for handle in getattr(self, "_hook_handles", ()):
             handle.remove()
+
+
+class DataParallelJoinHook(JoinHook):
+    """The join hook of ``DataParallel(..., process_group=pg)``: while other
+    ranks train, a joined rank shadows each of their training forwards and
+    backward passes (:meth:`GradientSync.join_step`); once all joined, the
+    model is broadcast from the last joiner (:meth:`GradientSync.join_finish`)."""
+
+    def __init__(self, sync: GradientSync, divide_by_initial_world_size: bool = True) -> None:
+        super().__init__()
+        self.sync = sync
+        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+
+    def main_hook(self) -> None:
+        self.sync.join_step(self.divide_by_initial_world_size)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.sync.join_finish(is_last_joiner)
 
 
 def _describe_difference(layouts: Sequence[Sequence[str]]) -> str:

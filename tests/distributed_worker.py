@@ -14,6 +14,7 @@ the step that failed began).
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -31,6 +32,14 @@ import dpcore
 #: Replicas per rank: rank r of a P-process run uses REPLICAS[P][r] CPU devices.
 REPLICAS = {1: [2], 2: [2, 2], 3: [2, 1, 3]}
 STEPS = 3
+#: This rank's device: the CPU (gloo), or with DPCORE_TEST_BACKEND=nccl the
+#: GPU of its rank (set in main).
+DEVICE = torch.device("cpu")
+
+
+def local_devices(world: int, rank: int) -> list[Any]:
+    """The device list of rank `rank`: REPLICAS CPU devices, or its one GPU."""
+    return ["cpu"] * REPLICAS[world][rank] if DEVICE.type == "cpu" else [DEVICE]
 
 
 class Net(nn.Module):
@@ -75,7 +84,7 @@ class Runner:
     """The rank's view of one equality check: a single-device reference on
     the global batch and the hybrid model on this rank's share of it."""
 
-    def __init__(self, rank: int, world: int, **options: Any) -> None:
+    def __init__(self, rank: int, world: int, group: Any = None, **options: Any) -> None:
         self.rank, self.world = rank, world
         torch.manual_seed(0)
         self.reference = Net().double()
@@ -85,8 +94,9 @@ class Runner:
             self.model.scale.fill_(1.0 + rank)
         if rank == 0:
             self.model.load_state_dict(self.reference.state_dict())
+        self.model.to(DEVICE)
         self.dp = dpcore.DataParallel(
-            self.model, ["cpu"] * REPLICAS[world][rank], process_group=dist.group.WORLD, **options
+            self.model, local_devices(world, rank), process_group=group or dist.group.WORLD, **options
         )
         self.opt_ref = torch.optim.SGD(self.reference.parameters(), lr=0.1, momentum=0.9)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
@@ -108,10 +118,10 @@ class Runner:
         counts as zeros: with several replicas, a parameter no replica used
         gets zeros from the in-process reduction, as in torch.nn.DataParallel)."""
         for a, b in zip(self.reference.parameters(), self.model.parameters()):
-            self.worst = max(self.worst, (a - b).abs().max().item())
+            self.worst = max(self.worst, (a - b.cpu()).abs().max().item())
             if a.grad is not None or b.grad is not None:
                 ga = a.grad if a.grad is not None else torch.zeros_like(a)
-                gb = b.grad if b.grad is not None else torch.zeros_like(b)
+                gb = b.grad.cpu() if b.grad is not None else torch.zeros_like(a)
                 self.worst = max(self.worst, (ga - gb).abs().max().item())
 
     def step(self) -> None:
@@ -129,7 +139,7 @@ def run_user_loss(r: Runner, sizes: list[int], **forward: Any) -> None:
     """Accumulates one forward/backward of user_loss on both sides."""
     xs, ys = r.batch(sizes)
     user_loss(r.reference(torch.cat(xs), **forward), torch.cat(ys)).backward()
-    user_loss(r.dp(xs[r.rank], **forward), ys[r.rank]).backward()
+    user_loss(r.dp(xs[r.rank].to(DEVICE), **forward), ys[r.rank].to(DEVICE)).backward()
 
 
 def check_steps(r: Runner, sizes: Callable[[int], list[int]]) -> float:
@@ -315,6 +325,278 @@ def scenario_mismatch(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def wait_for_file(path: str, limit: float = 60.0) -> None:
+    """Waits (at most `limit` seconds) until `path` exists: an order between
+    ranks that needs no collective."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {limit} s")
+        time.sleep(0.01)
+
+
+def scenario_eval(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 alone evaluates through the wrapper between training steps
+    (no_grad with model.eval() and in train mode, inference_mode, a no_grad
+    forward of a model without trainable parameters), the other ranks wait
+    for it outside any collective (a file). Each entry: the evaluation's
+    seconds on rank 0 and the largest difference from the single-device run
+    over the training steps around it. The group's timeout is short, so a
+    collective in the evaluation fails within it instead of hanging."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    out: dict[str, Any] = {}
+    modes: dict[str, Callable[[], Any]] = {
+        "no_grad_eval_mode": torch.no_grad, "no_grad_train_mode": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+    }
+    uneven = lambda step: [3 + 2 * p + step for p in range(world)]  # noqa: E731
+    for name, context in modes.items():
+        r = Runner(rank, world, group=group)
+        seconds = None
+        for step in range(STEPS):
+            r.zero_grad()
+            run_user_loss(r, uneven(step))
+            r.step()
+            if step == 0:
+                flag = os.path.join(_OUT, f"eval-{name}-done")
+                if rank == 0:
+                    try:
+                        started = time.monotonic()
+                        r.model.train(name != "no_grad_eval_mode")
+                        with context():
+                            for _ in range(3):
+                                r.dp(torch.randn(5, 5, dtype=torch.float64, device=DEVICE))
+                        r.model.train()
+                        seconds = time.monotonic() - started
+                    finally:
+                        open(flag, "w").close()
+                else:
+                    wait_for_file(flag)
+        out[name] = {"seconds": seconds, "worst": r.worst}
+    # Nothing trainable (a frozen model), grad mode on: no collective either.
+    frozen = nn.Linear(5, 3).double().to(DEVICE)
+    frozen.requires_grad_(False)
+    dp = dpcore.DataParallel(frozen, local_devices(world, rank), process_group=group)
+    flag = os.path.join(_OUT, "eval-frozen-done")
+    if rank == 0:
+        try:
+            started = time.monotonic()
+            dp(torch.randn(4, 5, dtype=torch.float64, device=DEVICE))
+            out["frozen"] = {"seconds": time.monotonic() - started}
+        finally:
+            open(flag, "w").close()
+    else:
+        wait_for_file(flag)
+        out["frozen"] = {"seconds": None}
+    # broadcast_buffers=False (as DDP's): buffers are never sent, at construction neither.
+    torch.manual_seed(rank)
+    net = Net().double().to(DEVICE)
+    with torch.no_grad():
+        net.scale.fill_(1.0 + rank)
+    dp = dpcore.DataParallel(net, local_devices(world, rank), process_group=group, broadcast_buffers=False)
+    dp(torch.ones(2, 5, dtype=torch.float64, device=DEVICE))[1].sum().backward()
+    weights = [torch.empty_like(net.fc1.weight) for _ in range(world)]
+    dist.all_gather(weights, net.fc1.weight.detach().contiguous(), group=group)
+    out["own_buffer_without_broadcast"] = net.scale[0].item()
+    out["parameters_still_from_rank_0"] = all(torch.equal(w, weights[0]) for w in weights)
+    ones = torch.ones(1, device=DEVICE)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
+def _attempt(steps: int, step_fn: Callable[[int], None]) -> dict[str, Any]:
+    """Runs step_fn(0..steps-1); the first exception ends it: its type,
+    message, step and the seconds that step took."""
+    for step in range(steps):
+        started = time.monotonic()
+        try:
+            step_fn(step)
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            return {"error": type(error).__name__, "message": str(error), "step": step,
+                    "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def scenario_layout(rank: int, world: int) -> dict[str, Any]:
+    """Layout changes after construction. On one rank only: rank 1 freezes
+    fc1.weight before step 2, or rank 0 replaces fc2.bias before step 1;
+    every rank replaces fc2.bias with different values: a ValueError on
+    every rank, in that step, well within the group's timeout, and the
+    group stays usable. The same change on every rank (fc2.bias replaced
+    by equal values, fc1.weight frozen): exact against one device."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    out: dict[str, Any] = {}
+    uneven = lambda step: [3 + 2 * p + step for p in range(world)]  # noqa: E731
+
+    def case(change: Callable[[Runner, int], None], **options: Any) -> tuple[Runner, dict[str, Any]]:
+        r = Runner(rank, world, group=group, **options)
+
+        def step_fn(step: int) -> None:
+            change(r, step)
+            r.zero_grad()
+            run_user_loss(r, uneven(step))
+            r.step()
+
+        return r, _attempt(4, step_fn)
+
+    def freeze_on_rank_1(r: Runner, step: int) -> None:
+        if step == 2 and rank == 1:
+            r.model.fc1.weight.requires_grad_(False)
+
+    def replace_on_rank_0(r: Runner, step: int) -> None:
+        if step == 1 and rank == 0:
+            r.model.fc2.bias = nn.Parameter(r.model.fc2.bias.detach().clone())
+
+    def replace_differently(r: Runner, step: int) -> None:
+        if step == 1:
+            r.model.fc2.bias = nn.Parameter(torch.full((3,), 0.1 * rank, dtype=torch.float64, device=DEVICE))
+
+    def replace_equally(r: Runner, step: int) -> None:
+        if step == 1:
+            r.reference.fc2.bias = nn.Parameter(torch.full((3,), 0.5, dtype=torch.float64))
+            r.model.fc2.bias = nn.Parameter(torch.full((3,), 0.5, dtype=torch.float64, device=DEVICE))
+
+    def freeze_everywhere(r: Runner, step: int) -> None:
+        if step == 2:
+            r.reference.fc1.weight.requires_grad_(False)
+            r.model.fc1.weight.requires_grad_(False)
+
+    for name, change in (("freeze_on_rank_1", freeze_on_rank_1), ("replace_on_rank_0", replace_on_rank_0),
+                         ("replace_differently", replace_differently)):
+        _, out[name] = case(change)
+    _, out["freeze_on_rank_1_small_buckets"] = case(freeze_on_rank_1, bucket_bytes=64)
+    for name, change in (("replace_equally", replace_equally), ("freeze_everywhere", freeze_everywhere)):
+        r, result = case(change)
+        out[name] = {**result, "worst": r.worst}
+    ones = torch.ones(1, device=DEVICE)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
+class JoinNet(nn.Module):
+    """Linear-tanh-linear with a buffer that scales the hidden layer (every
+    parameter used, as DDP without find_unused_parameters needs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 8)
+        self.fc2 = nn.Linear(8, 3)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)) * self.scale)
+
+
+def _train_under_join(
+    rank: int, make: Callable[[nn.Module], nn.Module], batches: int, join: Callable[[nn.Module, Any], Any],
+    group: Any = None,
+) -> dict[str, Any]:
+    """Trains JoinNet (float64) for `batches` equal local batches of 4 under
+    the join context `join(wrapper, optimizer)`; rank-dependent buffer values
+    before each forward; SGD with momentum, sharded by
+    ZeroRedundancyOptimizer over `group` where one is given. Returns the
+    parameters and gradients after every step and the parameters and buffer
+    after the context."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = JoinNet().double().to(DEVICE)
+    wrapper = make(model)
+    if group is None:
+        opt: Any = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.1, momentum=0.9
+        )
+    generator = torch.Generator().manual_seed(11 + rank)
+    trace = []
+    with join(wrapper, opt):
+        for step in range(batches):
+            with torch.no_grad():
+                model.scale.fill_(1.0 + 0.25 * rank + 0.1 * step)
+            x = torch.randn(4, 5, generator=generator, dtype=torch.float64).to(DEVICE)
+            y = torch.randn(4, 3, generator=generator, dtype=torch.float64).to(DEVICE)
+            opt.zero_grad()
+            F.mse_loss(wrapper(x), y).backward()
+            trace.append([p.grad.cpu().clone() for p in model.parameters()])
+            opt.step()
+            trace.append([p.detach().cpu().clone() for p in model.parameters()])
+    final = [t.detach().cpu().clone() for t in itertools.chain(model.parameters(), model.buffers())]
+    return {"trace": trace, "final": final}
+
+
+def _largest_difference(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max((x - y).abs().max().item() for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def scenario_join(rank: int, world: int) -> dict[str, Any]:
+    """Uneven numbers of batches (rank r has 2 + r): dpcore under
+    Join([dp]) (and dp.join()) against DistributedDataParallel under Join,
+    float64, divide_by_initial_world_size True and False; the largest
+    difference of gradients and parameters over every step and after the
+    context. Then throw_on_early_termination: every rank raises."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    batches = 2 + rank
+    devices = local_devices(world, rank)
+    ddp_ids = None if DEVICE.type == "cpu" else [DEVICE]
+    out: dict[str, Any] = {}
+    finals = []
+    for divide in (True, False):
+        ddp = _train_under_join(
+            rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
+            lambda w, _: Join([w], divide_by_initial_world_size=divide),
+        )
+        ours = _train_under_join(
+            rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+            lambda w, _: Join([w], divide_by_initial_world_size=divide),
+        )
+        out[f"divide_{divide}"] = {
+            "trace": _largest_difference(ddp["trace"], ours["trace"]),
+            "final": _largest_difference([ddp["final"]], [ours["final"]]),
+            "steps": len(ours["trace"]) // 2,
+        }
+        finals.append(ours["final"])
+    # The option matters (else the two comparisons above would prove little).
+    out["divide_changes_the_result"] = _largest_difference([finals[0]], [finals[1]])
+    method = _train_under_join(
+        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches, lambda w, _: w.join()
+    )
+    ours_default = _train_under_join(
+        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+        lambda w, _: Join([w]),
+    )
+    out["join_method_equals_join"] = _largest_difference([method["final"]], [ours_default["final"]])
+    # With a joinable optimizer too: Join([wrapper, ZeroRedundancyOptimizer]).
+    ddp = _train_under_join(
+        rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
+        lambda w, opt: Join([w, opt]), group=group,
+    )
+    ours = _train_under_join(
+        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+        lambda w, opt: Join([w, opt]), group=group,
+    )
+    out["zero"] = {"trace": _largest_difference(ddp["trace"], ours["trace"]),
+                   "final": _largest_difference([ddp["final"]], [ours["final"]])}
+    try:
+        _train_under_join(
+            rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+            lambda w, _: Join([w], throw_on_early_termination=True),
+        )
+        out["throw"] = None
+    except RuntimeError as error:
+        out["throw"] = str(error)
+    ones = torch.ones(1, device=DEVICE)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
 class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -380,10 +662,19 @@ def main() -> None:
     global _OUT
     scenario, _OUT = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    backend = os.environ.get("DPCORE_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        global DEVICE
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     if scenario == "all":  # the checks that leave the group usable, in one run
         result = {"equality": scenario_equality(rank, world), "mismatch": scenario_mismatch(rank, world)}
+    elif scenario.split(":")[0] == "parity":  # rank-0-only evaluation, layout changes, Join ("parity:join": one)
+        parts = {"eval": scenario_eval, "layout": scenario_layout, "join": scenario_join}
+        chosen = scenario.split(":")[1:] or list(parts)
+        result = {name: parts[name](rank, world) for name in chosen}
     elif scenario.startswith("failure-"):
         _, where, then = scenario.split("-")
         result = scenario_failure(rank, world, where, then)

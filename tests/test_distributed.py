@@ -52,13 +52,17 @@ def launch(
     timeout: float = 180,
     pg_timeout: float = 60,
     wait_for: list[int] | None = None,
+    backend: str = "gloo",
 ) -> list[dict[str, Any] | None]:
     """Runs `scenario` on `world` ranks; waits (at most `timeout` seconds in
     all) for the ranks in `wait_for` (default all), kills the rest, and
     returns each rank's JSON result (None where a rank wrote none). A rank
     still running at the deadline fails the test with every rank's output."""
     env = loopback_env()
-    env.update(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout))
+    env.update(
+        MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout),
+        DPCORE_TEST_BACKEND=backend,
+    )
     procs = []
     logs = []
     for rank in range(world):
@@ -170,6 +174,108 @@ def test_a_failing_rank_is_an_error_on_the_others(where: str, then: str, tmp_pat
         assert pg_timeout * 0.9 <= zero["seconds"] < pg_timeout + 10, zero  # bounded by the group's timeout
 
 
+#: The group timeout of the parity run: a collective that should not happen
+#: (rank 0 evaluating alone) or a mismatched one fails within it, not in
+#: gloo's 30 minutes.
+PARITY_PG_TIMEOUT = 20.0
+#: What "at once" means for those checks: far below the group's timeout.
+AT_ONCE_S = 5.0
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("gloo", 2), ("gloo", 3), ("nccl", 2)],
+    ids=["gloo 2 processes", "gloo 3 processes", "nccl 2 processes"],
+)
+def parity_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """One run of the DDP-parity checks ("parity" in distributed_worker.py:
+    rank-0-only evaluation, layout changes after construction, Join) with a
+    20 s group timeout: gloo on 2 processes (2 replicas each) or 3 (2, 1 and
+    3 replicas), or NCCL on 2 processes with one GPU each (skipped with
+    fewer than 2 GPUs)."""
+    backend, world = request.param
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
+        pytest.skip(f"NCCL needs {world} GPUs")
+    out = tmp_path_factory.mktemp(f"parity-{backend}{world}")
+    results = launch("parity", world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
+    assert all(r is not None for r in results), _logs(out, world)
+    return world, [r for r in results if r is not None]
+
+
+def test_rank_zero_evaluation_makes_no_collective(parity_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """`if rank == 0: evaluate(dp)` between training steps, the other ranks
+    waiting outside any collective: under no_grad (model.eval() and train
+    mode), inference_mode, and a model without trainable parameters it
+    finishes at once (not at the group's timeout), and the training steps
+    around it stay exact against one device (buffers are still broadcast
+    before training forwards). With broadcast_buffers=False (as DDP's)
+    buffers are never sent, not at construction either."""
+    _, results = parity_run
+    for rank, r in enumerate(results):
+        r = r["eval"]
+        for mode in ("no_grad_eval_mode", "no_grad_train_mode", "inference_mode"):
+            assert 0.0 <= r[mode]["worst"] <= ATOL, f"rank {rank}: {mode}: {r[mode]}"
+            if rank == 0:
+                assert r[mode]["seconds"] < AT_ONCE_S, f"{mode}: {r[mode]}"
+        if rank == 0:
+            assert r["frozen"]["seconds"] < AT_ONCE_S, r["frozen"]
+        assert r["own_buffer_without_broadcast"] == 1.0 + rank  # broadcast_buffers=False: never sent
+        assert r["parameters_still_from_rank_0"] is True
+        assert r["group_usable"] is True
+
+
+def test_a_layout_change_on_one_rank_is_an_error_on_every_rank(parity_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """After construction, rank 1 freezes a parameter (before step 2), or
+    rank 0 replaces one (before step 1), or every rank replaces one with
+    different values: a ValueError on every rank in that step, at once,
+    naming the rank and the change; the group stays usable. The same change
+    on every rank (equal values) is adopted, exact against one device."""
+    world, results = parity_run
+    expected = {
+        "freeze_on_rank_1": (2, "on rank 1 (rank 1: parameter 'fc1.weight' frozen (requires_grad True -> False))",
+                             "but rank" + ("s 0, 2" if world == 3 else " 0") + " did not change"),
+        "freeze_on_rank_1_small_buckets": (2, "on rank 1 (rank 1: parameter 'fc1.weight' frozen", "did not change"),
+        "replace_on_rank_0": (1, "on rank 0 (rank 0: parameter 'fc2.bias' replaced by another tensor)",
+                              "did not change"),
+        "replace_differently": (1, "on ranks " + ", ".join(map(str, range(world))), "the changes differ"),
+    }
+    for rank, r in enumerate(results):
+        r = r["layout"]
+        for case, (step, *phrases) in expected.items():
+            got = r[case]
+            assert got["error"] == "ValueError" and got["step"] == step, f"rank {rank}: {case}: {got}"
+            assert all(phrase in got["message"] for phrase in phrases), f"rank {rank}: {case}: {got['message']}"
+            assert got["seconds"] < AT_ONCE_S, f"rank {rank}: {case}: {got}"
+        for case in ("replace_equally", "freeze_everywhere"):
+            assert r[case]["error"] is None and 0.0 <= r[case]["worst"] <= ATOL, f"rank {rank}: {case}: {r[case]}"
+        assert r["group_usable"] is True
+
+
+def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Rank r has 2 + r batches: dpcore under Join([dp]) equals
+    DistributedDataParallel under Join (float64, SGD with momentum, buffers
+    set differently on every rank before each forward) in every step's
+    gradients and parameters and after the context, with
+    divide_by_initial_world_size True and False (which do differ), and
+    Join([dp, ZeroRedundancyOptimizer]) against Join([ddp, the same]);
+    dp.join() is Join([dp]); throw_on_early_termination raises on every rank."""
+    _, results = parity_run
+    for rank, r in enumerate(results):
+        r = r["join"]
+        for divide in (True, False):
+            got = r[f"divide_{divide}"]
+            assert got["steps"] == 2 + rank
+            assert 0.0 <= got["trace"] <= ATOL and 0.0 <= got["final"] <= ATOL, f"rank {rank}: {divide}: {got}"
+        zero = r["zero"]
+        assert 0.0 <= zero["trace"] <= ATOL and 0.0 <= zero["final"] <= ATOL, f"rank {rank}: ZeRO: {zero}"
+        assert r["divide_changes_the_result"] > 1e-6
+        assert r["join_method_equals_join"] == 0.0
+        assert r["throw"] is not None and "exhausted" in r["throw"], r["throw"]
+        assert r["group_usable"] is True
+
+
 # -- one process: the API, without spawning ------------------------------------
 
 
@@ -228,6 +334,133 @@ def test_no_sync_leaves_gradients_local_and_autograd_grad_is_untouched(world_of_
     assert sync._task == -1 and not sync._launched  # nothing was launched
     grads = torch.autograd.grad(dp(torch.randn(4, 3)).sum(), list(model.parameters()))
     assert len(grads) == 2 and sync._task == -1  # autograd.grad accumulates nothing: no synchronization
+
+
+def test_forwards_that_cannot_synchronize_make_no_collective(
+    world_of_one: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """no_grad, inference_mode and a model without trainable parameters:
+    no collective at all (so one rank may evaluate alone); a training
+    forward broadcasts the buffers, and its backward all-reduces."""
+    calls: list[str] = []
+    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object"):
+        real = getattr(dist, name)
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().requires_grad_(False)
+    dp_frozen = dpcore.DataParallel(frozen, ["cpu"] * 2, process_group=world_of_one)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    calls.clear()
+    for train in (True, False):
+        model.train(train)
+        with torch.no_grad():
+            dp(x)
+        with torch.inference_mode():
+            dp(x)
+        dp_frozen(x).sum()
+    assert calls == []
+    model.train()
+    dp(x).sum().backward()
+    assert "broadcast" in calls and "all_reduce" in calls
+
+
+def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
+    """The wrapper is a Joinable (also as a base class), has DDP's
+    process_group and join(); DDP-only attributes its module lacks are an
+    AttributeError naming dpcore's wrapper; Join needs a process group."""
+    from torch.distributed.algorithms.join import Join, Joinable
+
+    model = nn.Linear(3, 2).double()
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    assert isinstance(dp, Joinable) and dp.process_group is world_of_one
+    assert dp.join_process_group is world_of_one and dp.join_device == torch.device("cpu")
+    plain = dpcore.DataParallel(nn.Linear(3, 2), ["cpu"] * 2)
+    assert plain.process_group is None
+    for name in ("reducer", "static_graph", "find_unused_parameters", "register_comm_hook"):
+        if hasattr(type(dp), name):
+            continue  # provided by the wrapper itself
+        message = rf"dpcore.DataParallel has no attribute '{name}' \(nor has its module, a Linear\)"
+        with pytest.raises(AttributeError, match=message):
+            getattr(dp, name)
+    model.reducer = "the module's own"  # a module attribute of that name still falls through
+    assert dp.reducer == "the module's own"
+    with pytest.raises(AttributeError, match="'Linear' object has no attribute 'no_such_thing'"):
+        dp.no_such_thing
+    with pytest.raises(ValueError, match=r"Join: needs a dpcore.DataParallel with a process_group="):
+        Join([plain])
+    with pytest.raises(ValueError, match=r"join\(\): needs a dpcore.DataParallel with a process_group="):
+        plain.join()
+
+    class Sub(dpcore.DataParallel):
+        pass
+
+    torch.manual_seed(0)
+    a = nn.Linear(3, 2).double()
+    b = copy.deepcopy(a)
+    sub = Sub(a, ["cpu"] * 2, process_group=world_of_one)
+    reference = dpcore.DataParallel(b, ["cpu"] * 2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with sub.join():  # one process: Join changes nothing
+        sub(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+    copy.deepcopy(plain)  # the join state copies with a wrapper without a group
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_one_process_group_adopts_a_change_and_joins(backend: str) -> None:
+    """A one-process group on the CPU (gloo) or a GPU (NCCL, skipped
+    without one), float64 against a plain DataParallel over 3 steps: a
+    parameter frozen before step 1 and another replaced before step 2 (a
+    change on every rank: adopted, exact), under dp.join() (nothing to
+    shadow), and a no_grad forward in between."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        pytest.skip("NCCL needs a GPU")
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        torch.manual_seed(0)
+        a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double().to(device)
+        b = copy.deepcopy(a)
+        devices = [device] * (1 if backend == "nccl" else 2)
+        hybrid = dpcore.DataParallel(a, devices, process_group=dist.group.WORLD)
+        plain = dpcore.DataParallel(b, devices)
+        generator = torch.Generator().manual_seed(1)
+        with hybrid.join():
+            for step in range(3):
+                if step == 1:
+                    a[0].weight.requires_grad_(False)
+                    b[0].weight.requires_grad_(False)
+                if step == 2:
+                    a[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64, device=device))
+                    b[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64, device=device))
+                x = torch.randn(5 + step, 6, generator=generator, dtype=torch.float64).to(device)
+                for model in (a, b):
+                    model.zero_grad(set_to_none=True)
+                hybrid(x).square().mean().backward()
+                plain(x).square().mean().backward()
+                with torch.no_grad():
+                    hybrid(x)
+                for p, q in zip(a.parameters(), b.parameters()):
+                    assert (p.grad is None) == (q.grad is None)
+                    if p.grad is not None:
+                        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-13)
+        sync = hybrid._sync
+        assert sync is not None and not sync._pending
+        assert sum(len(bucket.params) for bucket in sync._buckets) == 3  # fc0.bias, fc2.weight, the new fc2.bias
+        del hybrid
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("bad", ["gloo", 0, object()])

@@ -104,15 +104,15 @@ class Runner:
         return list(x.split(sizes)), list(y.split(sizes))
 
     def compare(self) -> None:
-        """Records the largest difference of parameters and gradients (None
-        counts as zeros: with several replicas, a parameter no replica used
-        gets zeros from the in-process reduction, as in torch.nn.DataParallel)."""
+        """Records the largest difference of parameters and gradients; a
+        gradient that is None on one side only counts as infinitely
+        different (an unused parameter keeps .grad None, as on one device)."""
         for a, b in zip(self.reference.parameters(), self.model.parameters()):
             self.worst = max(self.worst, (a - b).abs().max().item())
-            if a.grad is not None or b.grad is not None:
-                ga = a.grad if a.grad is not None else torch.zeros_like(a)
-                gb = b.grad if b.grad is not None else torch.zeros_like(b)
-                self.worst = max(self.worst, (ga - gb).abs().max().item())
+            if (a.grad is None) != (b.grad is None):
+                self.worst = float("inf")
+            elif a.grad is not None:
+                self.worst = max(self.worst, (a.grad - b.grad).abs().max().item())
 
     def step(self) -> None:
         self.compare()
@@ -231,7 +231,8 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         r.step()
     out["twice_without_zero_grad"] = r.worst
 
-    # A parameter used by rank 1 only (zeros elsewhere), one used nowhere.
+    # A parameter used by rank 1 only (None on the others before the
+    # all-reduce), one used nowhere (None everywhere).
     r = Runner(rank, world, bucket_bytes=64)
     for step in range(STEPS):
         r.zero_grad()
@@ -246,7 +247,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         r.step()
     out["unused"] = r.worst
     never = r.model.never.grad
-    out["never_used_grad_is_none_or_zero"] = never is None or not never.any().item()
+    out["never_used_grad_is_none"] = never is None
     out["extra_grad_on_every_rank"] = r.model.extra.weight.grad is not None
 
     # Buffers: rank 0's at construction (Runner starts rank r at 1 + r) and

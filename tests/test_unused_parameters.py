@@ -253,7 +253,9 @@ def test_double_backward_with_unused_parameters_cuda(cuda_devices: list[Any]) ->
 @pytest.mark.parametrize("devices", [["cpu"] * 2, ["cpu"] * 3], ids=["cpu*2", "cpu*3"])
 def test_broadcast_input_unused_by_every_replica_keeps_grad_none(devices: list[Any]) -> None:
     """A ``dpcore.Broadcast`` tensor requiring grad: None when no replica
-    used it, the sum of the users' gradients otherwise (as on one device)."""
+    used it, the sum of the users' gradients otherwise (as on one device).
+    A guard, not a regression test: its broadcast node has one input, which
+    either some copy used or none (then the node never runs)."""
 
     class Scaled(nn.Module):
         def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ device lists alike:
 * :class:`BroadcastTensor` copies one tensor to several devices; its
   backward sums the gradients back onto the source's device (differentiably
   under ``create_graph=True``).
+* The coalesced broadcasts of parameters (:class:`BroadcastBucket`,
+  :class:`BroadcastCoalesced`) sum in backward only the gradients that
+  exist: a copy that nothing used contributes nothing, and a source none of
+  whose copies was used gets no gradient at all (None), so an unused
+  parameter keeps ``.grad`` None, as on one device.
 
 With no input requiring grad (or under ``torch.no_grad()``) ``apply``
 returns plain tensors without autograd history.
@@ -26,7 +31,10 @@ from torch.autograd import Function
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
 
-__all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket"]
+__all__ = [
+    "Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket",
+    "reduce_present",
+]
 
 
 class Scatter(Function):
@@ -178,13 +186,15 @@ class BroadcastCoalesced(Function):
     of ``devices`` in order, a copy of every input (flattened: device 0's
     copies first). Each copy owns its memory, also when its device is the
     inputs' own. Backward sums the copies' gradients onto the inputs' device
-    with :class:`ReduceAddCoalesced`.
+    with :class:`ReduceAddCoalesced` (see :func:`reduce_present`: an input
+    none of whose copies was used gets None).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, devices: Sequence[torch.device], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
         ctx.num_inputs = len(inputs)
         ctx.input_device = inputs[0].device
         copies = comm.broadcast_coalesced(list(inputs), [inputs[0].device, *devices])[1:]
@@ -193,8 +203,8 @@ class BroadcastCoalesced(Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads)
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None,) + reduce_present(ctx.input_device, ctx.num_inputs, grads)
 
 
 class BroadcastBucket(Function):
@@ -207,12 +217,19 @@ class BroadcastBucket(Function):
     by device, as BroadcastCoalesced does.
     Each bucket is its own autograd node, so its gradients are reduced onto
     the master as soon as they all exist, while backward goes on elsewhere.
+
+    Backward (see :func:`reduce_present`) returns for each master parameter
+    the sum of the gradients of the replica copies that were used, and None
+    for a parameter no replica copy was used by: then, where replica 0 (the
+    master module itself) did not use it either, its ``.grad`` stays as it
+    was (None, or the gradient accumulated so far), as on one device.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, replicas: Any, *params: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
         ctx.num_inputs = len(params)
         ctx.input_device = params[0].device
         outputs = tuple(replicas.refresh(list(params)))
@@ -220,8 +237,53 @@ class BroadcastBucket(Function):
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None,) + ReduceAddCoalesced.apply(ctx.input_device, ctx.num_inputs, *grads)
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None,) + reduce_present(ctx.input_device, ctx.num_inputs, grads)
+
+
+def reduce_present(
+    destination: torch.device, num_inputs: int, grads: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of a coalesced broadcast whose gradients may be missing.
+
+    ``grads`` holds K lists of ``num_inputs`` gradients, one list per copy
+    device, flattened one after another, with None for a copy that received
+    no gradient (``ctx.set_materialize_grads(False)``). Returns
+    ``num_inputs`` results on ``destination``:
+
+    * input j's result is the sum of the present gradients of its K copies,
+      or None when none of them is present;
+    * the sums go through :class:`ReduceAddCoalesced` (one C++
+      ``comm.reduce_add_coalesced`` call, differentiable for double
+      backward) over the inputs that have a gradient and the devices that
+      hold one of them; a missing gradient among those is a zero tensor of
+      its device (only where another copy of the same input has one).
+
+    When every gradient is present (the usual step) this is exactly one
+    ReduceAddCoalesced over all of them.
+    """
+    if all(g is not None for g in grads):
+        return ReduceAddCoalesced.apply(destination, num_inputs, *grads)
+    lists = _split_lists(grads, num_inputs)
+    used = [j for j in range(num_inputs) if any(group[j] is not None for group in lists)]
+    results: list[torch.Tensor | None] = [None] * num_inputs
+    if not used:
+        return tuple(results)
+    flat: list[torch.Tensor] = []
+    for group in lists:
+        present = next((g for g in group if g is not None), None)
+        if present is None:
+            continue  # this device used none of the inputs: it takes no part
+        for j in used:
+            g = group[j]
+            if g is None:
+                like = next(other[j] for other in lists if other[j] is not None)
+                g = torch.zeros_like(like, device=present.device)
+            flat.append(g)
+    sums = ReduceAddCoalesced.apply(destination, len(used), *flat)
+    for j, total in zip(used, sums):
+        results[j] = total
+    return tuple(results)
 
 
 def _mark_frozen(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:

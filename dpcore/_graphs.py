@@ -24,7 +24,11 @@ How a call of signature S goes (see :class:`GraphRunner`):
 * Later calls of S copy the scattered inputs into the placeholders and
   replay; an autograd Function per replica replays the backward graph and
   hands the static gradients on, so replica gradients reach the master
-  through the same reductions as in eager mode.
+  through the same reductions as in eager mode. A parameter the captured
+  forward did not use has no static gradient (None, from
+  ``allow_unused=True``) and gets none from the replay, so an unused
+  parameter keeps ``.grad`` None as in eager mode (which branch was taken is
+  the capture's, like every attribute but ``training``).
 
 What cannot be captured runs eagerly, with one warning naming the reason:
 module hooks, a host synchronization or other capture error inside forward

@@ -171,7 +171,9 @@ class DataParallel(nn.Module, Joinable):
             only (else ValueError); not with ``sync_batchnorm``.
 
     Guarantees: outputs and parameter gradients equal the single-device ones
-    (up to floating-point summation order); a balanced split uses every
+    (up to floating-point summation order); a parameter that no replica used
+    keeps ``.grad`` None (or as accumulated), one used by some replicas gets
+    the sum of their gradients; a balanced split uses every
     device while the batch is at least the device count; tensors whose batch
     sizes disagree raise ValueError naming both; replicas are cached across
     steps and refreshed only where the master changed; ``state_dict()`` has

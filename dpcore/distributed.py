@@ -65,7 +65,8 @@ processes of a ``torch.distributed`` process group into one training job:
   without a gradient takes part with zeros), waits on every handle and
   copies the results into ``.grad``, so the step after ``loss.backward()``
   sees the finished gradients. A parameter whose ``.grad`` is None in every
-  process stays None (the optimizer skips it, as on one device).
+  process stays None (the optimizer skips it, as on one device; see
+  "Unused parameters" below).
 * ``no_sync()``: backward passes of forwards run inside it accumulate
   locally; the first synchronized backward all-reduces the accumulated
   ``.grad``, weighted by this process's share of all the samples since the
@@ -104,9 +105,15 @@ under Join, a joined rank shadows training forwards only, so the ranks
 still training must run backward after each of them; reentrant
 backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
 parameters) is an error, the non-reentrant form works; sparse gradients are
-an error. With two or more replicas in a process, a parameter no replica
-used already gets zeros from the in-process reduction (as in
-torch.nn.DataParallel), so it is no longer None after the all-reduce.
+an error.
+
+Unused parameters, with any number of replicas per process: the in-process
+reduction gives a parameter that none of a process's replicas used no
+gradient (its ``.grad`` stays None, or as accumulated), so it takes part in
+the all-reduce with zeros and a "no gradient" flag. One that no replica of
+any process used stays None on every rank (the optimizer skips it, as on one
+device); one used on some ranks gets, on every rank, the weighted sum of
+their gradients, the same as one device computes on the global batch.
 """
 
 from __future__ import annotations

@@ -114,15 +114,15 @@ class Runner:
         return list(x.split(sizes)), list(y.split(sizes))
 
     def compare(self) -> None:
-        """Records the largest difference of parameters and gradients (None
-        counts as zeros: with several replicas, a parameter no replica used
-        gets zeros from the in-process reduction, as in torch.nn.DataParallel)."""
+        """Records the largest difference of parameters and gradients; a
+        gradient that is None on one side only counts as infinitely
+        different (an unused parameter keeps .grad None, as on one device)."""
         for a, b in zip(self.reference.parameters(), self.model.parameters()):
             self.worst = max(self.worst, (a - b.cpu()).abs().max().item())
-            if a.grad is not None or b.grad is not None:
-                ga = a.grad if a.grad is not None else torch.zeros_like(a)
-                gb = b.grad.cpu() if b.grad is not None else torch.zeros_like(a)
-                self.worst = max(self.worst, (ga - gb).abs().max().item())
+            if (a.grad is None) != (b.grad is None):
+                self.worst = float("inf")
+            elif a.grad is not None:
+                self.worst = max(self.worst, (a.grad - b.grad.cpu()).abs().max().item())
 
     def step(self) -> None:
         self.compare()
@@ -241,7 +241,8 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         r.step()
     out["twice_without_zero_grad"] = r.worst
 
-    # A parameter used by rank 1 only (zeros elsewhere), one used nowhere.
+    # A parameter used by rank 1 only (None on the others before the
+    # all-reduce), one used nowhere (None everywhere).
     r = Runner(rank, world, bucket_bytes=64)
     for step in range(STEPS):
         r.zero_grad()
@@ -256,7 +257,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         r.step()
     out["unused"] = r.worst
     never = r.model.never.grad
-    out["never_used_grad_is_none_or_zero"] = never is None or not never.any().item()
+    out["never_used_grad_is_none"] = never is None
     out["extra_grad_on_every_rank"] = r.model.extra.weight.grad is not None
 
     # Buffers: rank 0's at construction (Runner starts rank r at 1 + r) and
@@ -291,6 +292,111 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         synced.append(sum(len(b.params) for b in r.dp._sync._buckets))
     out["unfrozen"] = r.worst
     out["synchronized_parameters"] = synced
+    return out
+
+
+class Branchy(nn.Module):
+    """A trunk and a head used on every call; ``sometimes`` used while the
+    attribute ``use_sometimes`` is True; ``flagged`` used by a call only where
+    a row of its input has the flag (last column) set, and only for those
+    rows (so each replica decides on its own chunk, and one device on the
+    whole batch gives the same gradient); ``never`` never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 3)
+        self.sometimes = nn.Linear(6, 3)
+        self.flagged = nn.Linear(5, 3)
+        self.never = nn.Parameter(torch.randn(4))
+        self.use_sometimes = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features, flag = x[:, :5], x[:, 5:].detach()  # a flag, not a feature: no gradient
+        hidden = torch.tanh(self.trunk(features))
+        out = self.head(hidden)
+        if self.use_sometimes:
+            out = out + self.sometimes(hidden)
+        if bool(flag.any()):
+            out = out + flag * self.flagged(features)
+        return out
+
+
+def scenario_unused(rank: int, world: int) -> dict[str, Any]:
+    """Parameters used by some replicas of some ranks, or by none, against
+    one device on the global batch: each rank holds 8 rows of it (rank p rows
+    8p..8p+7: its replica 0 the first 4, replica 1 the last 4). Records every
+    difference of .grad's None-ness and the largest difference of values."""
+    local = 8
+    replicas = REPLICAS[world][rank]
+    last = world * local - 1
+    # (use_sometimes, flagged rows) per synchronization; a window of two
+    # entries is two backward passes into one .grad.
+    plan: list[list[tuple[bool, list[int]]]] = [
+        [(True, list(range(world * local)))],  # everything used: every optimizer state exists
+        [(False, [])],  # neither branch anywhere: None on every rank
+        [(True, [local + 6])],  # flagged used by rank 1's replica 1 only
+        [(False, [local + 1])],  # ... by rank 1's master only
+        [(True, [5])],  # ... by rank 0's replica 1 only
+        [(False, [0, last])],
+        [(False, [])],
+        [(False, []), (True, [local + 5])],  # accumulated: unused, then used by rank 1's replica 1
+        [(False, []), (False, [])],  # accumulated, unused in both: None
+    ]
+    out: dict[str, Any] = {"failures": [], "checks": 0, "worst": {}}
+    optimizers = {
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.05),
+    }
+    for bucket_bytes in (64, 1 << 20):
+        for name, make in optimizers.items():
+            key = f"{name}, bucket_bytes={bucket_bytes}"
+            torch.manual_seed(0)
+            reference = Branchy().double()
+            torch.manual_seed(100 + rank)  # other ranks start elsewhere: construction broadcasts rank 0's
+            model = Branchy().double()
+            if rank == 0:
+                model.load_state_dict(reference.state_dict())
+            dp = dpcore.DataParallel(
+                model, ["cpu"] * replicas, process_group=dist.group.WORLD, bucket_bytes=bucket_bytes
+            )
+            opt, opt_ref = make(model.parameters()), make(reference.parameters())
+            generator = torch.Generator().manual_seed(11)
+            worst = 0.0
+
+            def compare(what: str) -> float:
+                diff = 0.0
+                for (pname, a), b in zip(reference.named_parameters(), model.parameters()):
+                    out["checks"] += 1
+                    diff = max(diff, (a - b).abs().max().item())
+                    if (a.grad is None) != (b.grad is None):
+                        out["failures"].append(
+                            f"{key}, {what}: {pname}.grad is {'None' if b.grad is None else 'a tensor'}, "
+                            f"on one device {'None' if a.grad is None else 'a tensor'}"
+                        )
+                    elif a.grad is not None:
+                        diff = max(diff, (a.grad - b.grad).abs().max().item())
+                return diff
+
+            for step, window in enumerate(plan):
+                opt.zero_grad()
+                opt_ref.zero_grad()
+                for micro, (use_sometimes, flags) in enumerate(window):
+                    model.use_sometimes = reference.use_sometimes = use_sometimes
+                    x = torch.randn(world * local, 6, generator=generator, dtype=torch.float64)
+                    x[:, 5] = 0.0
+                    x[flags, 5] = 1.0
+                    y = torch.randn(world * local, 3, generator=generator, dtype=torch.float64)
+                    F.mse_loss(reference(x), y).backward()
+                    mine = slice(rank * local, (rank + 1) * local)
+                    F.mse_loss(dp(x[mine]), y[mine]).backward()
+                    worst = max(worst, compare(f"step {step}, pass {micro}"))
+                opt.step()
+                opt_ref.step()
+                worst = max(worst, compare(f"step {step}, after the optimizer step"))
+            out["worst"][key] = worst
+            out["never_grad_is_none"] = out.get("never_grad_is_none", True) and model.never.grad is None
+            del dp
     return out
 
 
@@ -675,6 +781,8 @@ def main() -> None:
         parts = {"eval": scenario_eval, "layout": scenario_layout, "join": scenario_join}
         chosen = scenario.split(":")[1:] or list(parts)
         result = {name: parts[name](rank, world) for name in chosen}
+    elif scenario == "unused":
+        result = scenario_unused(rank, world)
     elif scenario.startswith("failure-"):
         _, where, then = scenario.split("-")
         result = scenario_failure(rank, world, where, then)

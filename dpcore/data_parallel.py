@@ -273,7 +273,7 @@ class DataParallel(nn.Module):
             ``loss`` field, a tuple's entry 0, or the output itself when it is
             a tensor): the gathered output, with that loss replaced by one
             scalar on ``output_device`` equal to the loss of the whole batch
-            on one device. The per-replica losses (0-dim or one element,
+            on one device. The per-replica losses (tensors of one element,
             else ValueError) are combined as declared, never guessed:
             "rows": each is a mean over its rows, weighted by its share of
             rows; "items": each is a mean over the items that ``loss_items``
@@ -610,12 +610,12 @@ class DataParallel(nn.Module):
         if all(loss is None for loss in losses):
             return gather_outputs(outputs, self.output_device, dim=self.dim)
         for j, (loss, device) in enumerate(zip(losses, devices)):
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 got = (
                     f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 )
                 raise ValueError(
-                    f"model_loss={self.model_loss!r}: expected a scalar loss (0-dim, or one element) in every "
+                    f"model_loss={self.model_loss!r}: expected a scalar loss (a tensor of one element) in every "
                     f"replica's output, but replica {j} (on {device}) has {got} where the loss goes"
                 )
         mode = self.model_loss

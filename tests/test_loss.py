@@ -460,3 +460,68 @@ class _Returns(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         return self.make(self.linear(x))
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face Trainer's two branches
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_devices", [2, 3])
+def test_trainer_gpu_branch_by_hand_needs_no_model_loss(n_devices: int) -> None:
+    """What Trainer does with more than one GPU, step by step: it passes
+    num_items_in_batch expanded to [n_gpu, 1], multiplies the gathered loss
+    by n_gpu and averages it. The scatter rule gives each replica its row, so
+    that equals one device without model_loss (model_loss would return a
+    scalar, which Trainer's factor n_gpu would then scale wrongly)."""
+    torch.manual_seed(5)
+    module = TinyCausalLM().double()
+    reference = copy.deepcopy(module)
+    dp = dpcore.DataParallel(module, ["cpu"] * n_devices)
+    for step, batch in enumerate(BATCHES):
+        inputs = _padded_batch(batch, 6, seed=step)
+        count = (inputs["labels"][:, 1:] != -100).sum().double()
+        out = dp(**inputs, num_items_in_batch=count.unsqueeze(0).expand(n_devices, -1))
+        assert out.loss.shape == (n_devices, 1)
+        loss = (out.loss * n_devices).mean()
+        ref_loss = reference(**inputs, num_items_in_batch=count).loss
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        loss.backward()
+        ref_loss.backward()
+        _step(module, reference)
+        _assert_same_parameters(module, reference)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, tmp_path: Any) -> None:
+    """The README's recipe: Trainer on a CPU list (it sees no GPU and passes a
+    0-dim num_items_in_batch) with model_loss="num_items_in_batch" trains a
+    GPT-2 on a padded batch with -100 labels exactly as the bare model."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=40, n_positions=12, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    base = transformers.GPT2LMHeadModel(config).double()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(21):
+        ids = torch.randint(1, 40, (12,), generator=g)
+        mask = (torch.arange(12) < int(torch.randint(2, 12, (1,), generator=g))).long()
+        ids = ids * mask
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def train(model: nn.Module) -> None:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=7, max_steps=3, optim="sgd", learning_rate=0.5,
+            lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no", seed=0,
+            remove_unused_columns=False, gradient_accumulation_steps=accumulation, logging_strategy="no",
+            disable_tqdm=True,
+        )
+        transformers.Trainer(model=model, args=args, train_dataset=rows).train()
+
+    reference, mine = copy.deepcopy(base), copy.deepcopy(base)
+    train(reference)
+    train(dpcore.DataParallel(mine, ["cpu"] * 3, model_loss="num_items_in_batch"))
+    assert max((p - q).abs().max().item() for p, q in zip(reference.parameters(), base.parameters())) > 1e-3
+    _assert_same_parameters(mine, reference)

@@ -525,3 +525,27 @@ def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, tmp_path: Any)
     train(dpcore.DataParallel(mine, ["cpu"] * 3, model_loss="num_items_in_batch"))
     assert max((p - q).abs().max().item() for p, q in zip(reference.parameters(), base.parameters())) > 1e-3
     _assert_same_parameters(mine, reference)
+
+
+def test_accelerate_recipe_equals_bare_model() -> None:
+    """The README's accelerate recipe (one process, a CPU list): exact against the bare model."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
+    torch.manual_seed(0)
+    base = TinyCausalLM().double()
+    batches = [_padded_batch(7, 6, seed) for seed in range(3)]
+    samples = [{k: v[i] for k, v in b.items()} for b in batches for i in range(7)]
+
+    def train(model: nn.Module) -> None:
+        accelerator = accelerate.Accelerator(cpu=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        loader = torch.utils.data.DataLoader(samples, batch_size=7)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    reference, mine = copy.deepcopy(base), copy.deepcopy(base)
+    train(reference)
+    train(dpcore.DataParallel(mine, ["cpu"] * 3, model_loss="items", loss_items=count_labels))
+    _assert_same_parameters(mine, reference)

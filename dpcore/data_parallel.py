@@ -155,8 +155,12 @@ def _check_model_loss(
     """The checked ``model_loss`` (None, or one of MODEL_LOSSES), with its
     ``loss_items``; TypeError/ValueError naming the option otherwise."""
     if model_loss is None:
-        if loss_items is not None:
-            raise ValueError("loss_items: given without model_loss='items' or 'num_items_in_batch', which use it")
+        if loss_items is not None and criterion is None:
+            raise ValueError(
+                "loss_items: given without criterion= or model_loss='items' / 'num_items_in_batch', which use it"
+            )
+        if loss_items is not None and not callable(loss_items):
+            raise TypeError(f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}")
         return None
     if not isinstance(model_loss, str):
         raise TypeError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {type(model_loss).__name__} {model_loss!r}")
@@ -226,6 +230,28 @@ def _with_loss_replaced(gathered: Any, loss: torch.Tensor) -> Any:
     if isinstance(gathered, tuple) and hasattr(gathered, "_fields"):
         return gathered._replace(loss=loss)
     return type(gathered)([loss, *gathered[1:]])
+
+
+def _weighted_mean(parts: Sequence[torch.Tensor], counts: Sequence[Any], replayed: bool) -> torch.Tensor:
+    """The mean over all items of per-replica means `parts` (one-element
+    tensors on one device) over `counts` items each: sum of part * count /
+    total. A replica with no item adds nothing (its own mean is 0/0); no
+    item at all gives NaN, as a mean over nothing does on one device. One
+    replica returns its own loss (cloned where it lives in replayed graph
+    memory)."""
+    parts = [p.reshape(()) for p in parts]
+    if len(parts) == 1:
+        return parts[0].clone() if replayed else parts[0]
+    if any(isinstance(c, torch.Tensor) for c in counts):  # counted on the devices: masked, not filtered
+        stacked = torch.stack(parts)
+        c = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=stacked.device) for n in counts])
+        total = c.sum()
+        terms = torch.where(c > 0, stacked * (c / total).to(stacked.dtype), torch.zeros_like(stacked))
+        return torch.where(total > 0, terms.sum(), torch.full_like(terms[0], float("nan")))
+    total = float(sum(counts))
+    if total == 0:
+        return torch.stack(parts).sum() * float("nan")
+    return torch.stack([p * (c / total) for p, c in zip(parts, counts) if c > 0]).sum()
 
 
 def _check_count(value: Any, replica: int) -> float:
@@ -413,6 +439,14 @@ class DataParallel(nn.Module):
         self._reduction = _criterion_reduction(criterion, criterion_reduction) or (
             "sum" if self.model_loss == "sum" else None
         )
+        if criterion is not None and loss_items is not None:
+            if self._reduction != "mean":
+                raise ValueError(
+                    f"loss_items: with criterion=, only for a mean criterion (its reduction is {self._reduction!r}): "
+                    f"it counts the items each replica's loss averages over"
+                )
+            if process_group is not None:
+                raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
         self.gather = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         self._sync: GradientSync | None = None
@@ -590,6 +624,9 @@ class DataParallel(nn.Module):
             if total == 0:
                 return outputs[0].clone() if replayed else outputs[0]
             out = self.output_device
+            counts = self._criterion_counts(args, kws)
+            if counts is not None:  # a mean over counted items (loss_items, or CrossEntropyLoss's own targets)
+                return _weighted_mean([loss.to(out) for loss in outputs], counts, replayed)
             parts = [loss.to(out) * _loss_weight(self._reduction, size, total) for loss, size in zip(outputs, sizes)]
             return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
         if not self.gather:
@@ -597,6 +634,34 @@ class DataParallel(nn.Module):
         if self.model_loss is not None:
             return self._gather_with_model_loss(outputs, args, kws, sizes, devices, replayed)
         return gather_outputs(outputs, self.output_device, dim=self.dim)
+
+    def _criterion_counts(self, args: list[Any], kws: list[Any]) -> list[Any] | None:
+        """How many items each replica's mean criterion averages over, where
+        that is not its rows: ``loss_items`` where given; for torch's
+        CrossEntropyLoss and NLLLoss (reduction "mean", class-index targets)
+        the targets other than ``ignore_index``, each counted by its class
+        weight, as those losses divide; else None (weighted by rows)."""
+        if self._reduction != "mean":
+            return None
+        if self.loss_items is not None:
+            return [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
+        criterion = self.criterion
+        if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            return None
+        targets = [a[-1] for a in args]
+        if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() for t in targets):
+            return None  # class probabilities: a mean over rows
+        out = self.output_device
+        counts = []
+        for t in targets:  # tensors, never read on the host: no synchronization
+            valid = t != criterion.ignore_index
+            if criterion.weight is None:
+                count = valid.sum()
+            else:
+                weight = criterion.weight.detach().to(t.device)
+                count = torch.where(valid, weight[t.clamp(0, weight.numel() - 1)], 0).sum()
+            counts.append(count.to(out, torch.float64))
+        return counts
 
     def _gather_with_model_loss(
         self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int],
@@ -639,11 +704,7 @@ class DataParallel(nn.Module):
                 sizes if mode == "rows"
                 else [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
             )
-            total = float(sum(counts))
-            if total == 0:  # a mean over no item: NaN, as on one device
-                combined = torch.stack(parts).sum() * float("nan")
-            else:  # a replica with no item adds nothing (its own mean is 0/0)
-                combined = torch.stack([p * (c / total) for p, c in zip(parts, counts) if c > 0]).sum()
+            combined = _weighted_mean(parts, counts, replayed)
         if isinstance(outputs[0], torch.Tensor):
             return combined
         return _with_loss_replaced(gather_outputs(outputs, self.output_device, dim=self.dim), combined)

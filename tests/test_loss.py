@@ -549,3 +549,111 @@ def test_accelerate_recipe_equals_bare_model() -> None:
     train(reference)
     train(dpcore.DataParallel(mine, ["cpu"] * 3, model_loss="items", loss_items=count_labels))
     _assert_same_parameters(mine, reference)
+
+
+# ---------------------------------------------------------------------------
+# Mean criteria over counted items: CrossEntropyLoss's ignore_index and class weights, loss_items
+# ---------------------------------------------------------------------------
+
+
+def _targets(batch: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    y = torch.randint(0, 4, (batch,), generator=g)
+    y[torch.rand(batch, generator=g) < 0.4] = -100
+    y[:3] = -100  # replica 0 has no item on 3 replicas (its own mean is 0/0)
+    return y
+
+
+CE_CRITERIA: dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]] = {
+    "ignore_index": (nn.CrossEntropyLoss(), {}),
+    "class-weights": (nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.7], dtype=torch.float64)), {}),
+    "label-smoothing": (nn.CrossEntropyLoss(label_smoothing=0.1), {}),
+    "nll-weights-ignore-1": (
+        nn.NLLLoss(weight=torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64), ignore_index=1), {}),
+    "function-with-loss-items": (
+        lambda o, t: F.cross_entropy(o, t, ignore_index=-100),
+        {"criterion_reduction": "mean", "loss_items": lambda *args: (args[-1] != -100).sum()},
+    ),
+}
+
+
+@pytest.mark.parametrize("n_devices", [2, 3])
+@pytest.mark.parametrize("name", list(CE_CRITERIA))
+def test_mean_over_counted_items_equals_one_device(name: str, n_devices: int) -> None:
+    """A mean criterion over the targets it counts (not over rows): the
+    replicas are weighted by their counts, so the loss is the batch's, and
+    finite where a replica has no item."""
+    criterion, options = CE_CRITERIA[name]
+    torch.manual_seed(6)
+    module = _classifier()
+    reference = copy.deepcopy(module)
+    dp = dpcore.DataParallel(module, ["cpu"] * n_devices, criterion=criterion, **options)
+    for step in range(STEPS):
+        batch = 7 + 3 * step
+        x = torch.randn(batch, 5, dtype=torch.float64)
+        y = _targets(batch, step)
+        if name.startswith("nll"):
+            y = y.masked_fill(y == -100, 1)  # its ignore_index
+        loss, expected = dp(x, y), criterion(reference(x), y)
+        assert torch.isfinite(expected)
+        torch.testing.assert_close(loss, expected, **TOL)
+        loss.backward()
+        expected.backward()
+        _step(module, reference)
+        _assert_same_parameters(module, reference)
+
+
+def test_cross_entropy_k_dim_targets_with_padding() -> None:
+    """Token classification: logits [N, C, L], targets [N, L] with -100 padding."""
+    torch.manual_seed(7)
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 6)
+            self.head = nn.Linear(6, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(ids)).transpose(1, 2)
+
+    module = Tagger().double()
+    reference = copy.deepcopy(module)
+    dp = dpcore.DataParallel(module, ["cpu"] * 3, criterion=nn.CrossEntropyLoss())
+    for step in range(STEPS):
+        batch = _padded_batch(7, 6, step)
+        y = batch["labels"].clamp(max=3).masked_fill(batch["labels"] == -100, -100)
+        loss, expected = dp(batch["input_ids"], y), nn.CrossEntropyLoss()(reference(batch["input_ids"]), y)
+        torch.testing.assert_close(loss, expected, **TOL)
+        loss.backward()
+        expected.backward()
+        _step(module, reference)
+        _assert_same_parameters(module, reference)
+
+
+def test_all_targets_ignored_is_nan_as_on_one_device() -> None:
+    module = _classifier()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.full((6,), -100)
+    assert torch.isnan(nn.CrossEntropyLoss()(module(x), y))
+    assert torch.isnan(dpcore.DataParallel(module, ["cpu"] * 3, criterion=nn.CrossEntropyLoss())(x, y))
+
+
+def test_probability_targets_are_a_mean_over_rows() -> None:
+    torch.manual_seed(8)
+    module = _classifier()
+    x = torch.randn(7, 5, dtype=torch.float64)
+    y = torch.softmax(torch.randn(7, 4, dtype=torch.float64), -1)
+    criterion = nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.7], dtype=torch.float64))
+    torch.testing.assert_close(dpcore.DataParallel(module, ["cpu"] * 3, criterion=criterion)(x, y), criterion(module(x), y), **TOL)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"criterion": nn.CrossEntropyLoss(reduction="sum"), "loss_items": lambda *a: 1}, r"loss_items: with criterion=, only for a mean criterion"),
+        ({"criterion": nn.CrossEntropyLoss(), "loss_items": lambda *a: 1, "process_group": object()}, r"loss_items: not supported with process_group="),
+    ],
+)
+def test_criterion_loss_items_is_validated(options: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        dpcore.DataParallel(_classifier(), ["cpu"] * 2, **options)

@@ -293,7 +293,13 @@ class DataParallel(nn.Module):
         criterion_reduction: "mean" (the criterion returns the mean over its
             chunk's rows, or over its elements with a fixed number per row:
             the losses are weighted by chunk size) or "sum" (summed); must
-            agree with a ``.reduction`` the criterion has.
+            agree with a ``.reduction`` the criterion has. A mean
+            ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` with class-index
+            targets is a mean over its targets other than ``ignore_index``
+            (each counted by its class weight): the replicas are weighted by
+            those counts (computed on the devices). Any other mean criterion
+            over items that are not rows takes ``loss_items`` (called with
+            the replica's arguments, the target last).
         model_loss: for a model that computes its own loss in forward (a
             ``ModelOutput``'s or dict's "loss", a dataclass's or namedtuple's
             ``loss`` field, a tuple's entry 0, or the output itself when it is
@@ -314,7 +320,8 @@ class DataParallel(nn.Module):
             Needs ``gather=True``; not with ``criterion``; with
             ``process_group`` only "rows" and "sum".
         loss_items: ``count(*args, **kwargs)``, called with each replica's
-            arguments, returns how many items its loss averages over (an
+            arguments (with ``criterion``, a mean one, the target last),
+            returns how many items its loss averages over (an
             int, a real number or a one-element tensor, >= 0), e.g.
             ``lambda *a, labels, **k: (labels[:, 1:] != -100).sum()``.
         gather: False returns the per-replica outputs where they were computed.

@@ -420,7 +420,7 @@ def test_model_loss_with_transformers_model_output() -> None:
         ({"model_loss": "mean"}, ValueError, r"model_loss: expected one of \['rows', 'items', 'sum', 'num_items_in_batch'\], but got 'mean'"),
         ({"model_loss": 1}, TypeError, r"model_loss: expected one of .* but got int 1"),
         ({"model_loss": "items"}, ValueError, r"model_loss='items' needs loss_items="),
-        ({"loss_items": count_labels}, ValueError, r"loss_items: given without model_loss="),
+        ({"loss_items": count_labels}, ValueError, r"loss_items: given without criterion= or model_loss="),
         ({"model_loss": "rows", "loss_items": count_labels}, ValueError, r"loss_items: model_loss='rows' does not use it"),
         ({"model_loss": "items", "loss_items": 3}, TypeError, r"loss_items: expected a callable"),
         ({"model_loss": "rows", "criterion": nn.MSELoss()}, ValueError, r"model_loss: cannot be combined with criterion="),

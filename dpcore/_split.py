@@ -5,6 +5,8 @@ The one place for the rules of ``chunk_sizes`` and ``weights``:
 DataParallel checks them at construction (:func:`check_split`),
 ``comm.scatter`` converts its chunk sizes with :func:`as_int_list` before
 anything reaches C++, and :func:`split_sizes` applies them at each call.
+:func:`plan_split` decides, for the tensors of one call, which size is the
+batch and how each tensor reaches the replicas (the scatter rules).
 
 * An int is an ``int`` or anything ``operator.index`` takes (numpy and torch
   integers, one-element integer tensors), never a ``bool`` (nor a torch bool
@@ -21,11 +23,14 @@ import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes"]
+__all__ = [
+    "as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes",
+    "SplitPlan", "plan_split",
+]
 
 
 def _is_bool(value: Any) -> bool:
@@ -174,3 +179,91 @@ def split_sizes(
     if ws is not None:
         return _proportional(batch, ws)
     return balanced(batch, n_devices)
+
+
+class SplitPlan(NamedTuple):
+    """What :func:`plan_split` decided for one call.
+
+    ``batch`` is the size along the split dim of the batch tensors (None when
+    the call has none), ``sizes`` the rows each device gets (one entry per
+    device, as :func:`split_sizes` returns them; empty when ``batch`` is
+    None) and ``replicas`` the number of devices with a non-zero entry (at
+    least 1). A tensor of size ``batch`` is split by ``sizes``; a tensor of
+    another size (then ``replicas``) is split one row per replica; a 0-dim
+    tensor goes whole to every replica."""
+
+    batch: int | None
+    sizes: list[int]
+    replicas: int
+
+
+def _replicas(sizes: Sequence[int]) -> int:
+    return max(1, sum(1 for s in sizes if s > 0))
+
+
+def plan_split(
+    entries: Sequence[tuple[str, int | None]],
+    n_devices: int,
+    chunk_sizes: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
+    dim: int = 0,
+) -> SplitPlan:
+    """The scatter rules, for the tensors of one call: ``entries`` holds one
+    ``(path, size)`` per tensor to scatter, ``size`` its size along the split
+    dim ``dim`` or None for a 0-dim tensor.
+
+    Guarantees, in this order of decision:
+
+    1. A 0-dim tensor takes no part: it goes whole to every replica.
+    2. When every other tensor has the same size, that size is the batch
+       (also where it equals the number of replicas).
+    3. Otherwise there must be exactly two sizes, ``b`` and ``r``, where
+       ``r`` is the number of replicas that a batch of ``b`` rows runs on
+       (by :func:`split_sizes` with ``chunk_sizes`` / ``weights``: fewer
+       replicas than devices when ``b`` is smaller than the device count).
+       Then ``b`` is the batch and every tensor of size ``r`` is split one
+       row per replica, row j to the j-th replica (torch.nn.DataParallel's
+       result for a tensor expanded to ``[n_gpu, ...]``). At most one of the
+       two sizes can be the batch: ``r <= b`` always, so ``b = R(r)`` and
+       ``r = R(b)`` would need ``b == r``.
+    4. Every other disagreement is a ValueError naming two paths and their
+       sizes and the replica count: nothing is truncated.
+
+    Errors of ``chunk_sizes`` / ``weights`` against the batch are those of
+    :func:`split_sizes`.
+    """
+    sized = [(path, size) for path, size in entries if size is not None]
+    if not sized:
+        return SplitPlan(None, [], 1)
+    first_path, first = sized[0]
+    distinct = list(dict.fromkeys(size for _, size in sized))
+    if len(distinct) == 1:
+        sizes = split_sizes(first, n_devices, chunk_sizes, weights)
+        return SplitPlan(first, sizes, _replicas(sizes))
+    if len(distinct) == 2:
+        for batch, other in (distinct, distinct[::-1]):
+            try:
+                sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+            except (TypeError, ValueError):
+                continue  # this size cannot be the batch under the split given
+            if _replicas(sizes) == other:
+                return SplitPlan(batch, sizes, other)
+    # No size is the batch: name the first tensor whose size is neither the
+    # first tensor's nor (as one row per replica) the replica count that size gives.
+    try:
+        replicas: int | None = _replicas(split_sizes(first, n_devices, chunk_sizes, weights))
+    except (TypeError, ValueError):
+        replicas = None
+    path, size = next(
+        ((p, s) for p, s in sized if s != first and s != replicas),
+        next((p, s) for p, s in sized if s != first),
+    )
+    per_replica = (
+        f" or, to be split one row per replica, the number of replicas used ({replicas} for a batch of {first})"
+        if replicas is not None else ""
+    )
+    raise ValueError(
+        f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
+        f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
+        f"to pass it whole to every replica)"
+    )

@@ -5,6 +5,7 @@ loss and CPU device lists."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -16,7 +17,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._pytree import map_tensors
-from dpcore._split import as_int, check_split
+from dpcore._split import _as_weight, as_int, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
@@ -77,14 +78,186 @@ def _check_losses(losses: Sequence[Any], devices: Sequence[torch.device]) -> Non
             )
 
 
-def _summed(criterion: Callable[..., Any] | None) -> bool:
-    """Whether `criterion` sums over the batch (``reduction="sum"``) rather than averaging."""
-    return criterion is not None and getattr(criterion, "reduction", "mean") == "sum"
+#: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
+CRITERION_REDUCTIONS = ("mean", "sum")
+#: A loss module's own ``.reduction`` -> the reduction over the batch it means
+#: ("batchmean", KLDivLoss's, is a mean over rows; "none" is refused per call).
+_OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
+#: What ``model_loss=`` takes (see DataParallel's docstring).
+MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
 
 
-def _loss_weight(criterion: Callable[..., Any], chunk: int, total: int) -> float:
+def _describe(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_describe(fn.func)}, ...)"
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{name!r}"
+
+
+def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) -> str | None:
+    """How `criterion` reduces its chunk: "mean", "sum" or "none" (the last
+    refused per call by _check_losses, as before); None without a criterion.
+
+    Never guessed: `declared` (``criterion_reduction=``, "mean" or "sum") or
+    the criterion's own string ``.reduction`` (torch's loss modules); both
+    given must agree. Raises TypeError naming ``criterion_reduction`` for a
+    criterion that has neither (a function, functools.partial, lambda, a
+    module without ``.reduction``), and TypeError/ValueError for a bad value."""
+    if declared is not None:
+        if not isinstance(declared, str):
+            raise TypeError(f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}")
+        if declared not in CRITERION_REDUCTIONS:
+            raise ValueError(f"criterion_reduction: expected 'mean' or 'sum', but got {declared!r}")
+        if criterion is None:
+            raise ValueError("criterion_reduction: given without a criterion; it says how criterion= reduces its chunk")
+    if criterion is None:
+        return None
+    if not callable(criterion):
+        raise TypeError(f"criterion: expected a callable loss_fn(output, target), but got {type(criterion).__name__}")
+    own = getattr(criterion, "reduction", None)
+    if own is not None and not isinstance(own, str):
+        own = None  # not torch's convention: the user declares it
+    if declared is not None:
+        if own is not None and own in _OWN_REDUCTIONS and _OWN_REDUCTIONS[own] != declared:
+            raise ValueError(
+                f"criterion_reduction={declared!r} disagrees with the criterion's own reduction={own!r}"
+            )
+        return declared
+    if own is not None and own not in _OWN_REDUCTIONS:
+        raise ValueError(
+            f"criterion: its reduction {own!r} is not one dpcore knows ({sorted(_OWN_REDUCTIONS)}); declare how it "
+            f"reduces its chunk with criterion_reduction='mean' or 'sum'"
+        )
+    if own is None:
+        raise TypeError(
+            f"criterion: dpcore cannot tell whether {_describe(criterion)} averages or sums over its chunk (it has no "
+            f"'reduction' attribute, as torch's loss modules have); declare it: criterion_reduction='mean' (a mean "
+            f"over the chunk's rows, weighted by chunk size) or criterion_reduction='sum' (summed)"
+        )
+    return _OWN_REDUCTIONS[own]
+
+
+def _summed(reduction: str | None) -> bool:
+    """Whether the loss that `reduction` (a DataParallel's resolved loss
+    reduction: its criterion's, or "sum" for ``model_loss="sum"``) describes
+    is summed over the batch rather than averaged; the hybrid mode weighs
+    its processes by it."""
+    return reduction == "sum"
+
+
+def _loss_weight(reduction: str | None, chunk: int, total: int) -> float:
     """Weight of one replica's loss so that the weighted sum is the loss of the whole batch."""
-    return 1.0 if _summed(criterion) else chunk / total
+    return 1.0 if _summed(reduction) else chunk / total
+
+
+def _check_model_loss(
+    model_loss: Any, loss_items: Any, criterion: Any, gather: Any, process_group: Any
+) -> str | None:
+    """The checked ``model_loss`` (None, or one of MODEL_LOSSES), with its
+    ``loss_items``; TypeError/ValueError naming the option otherwise."""
+    if model_loss is None:
+        if loss_items is not None and criterion is None:
+            raise ValueError(
+                "loss_items: given without criterion= or model_loss='items' / 'num_items_in_batch', which use it"
+            )
+        if loss_items is not None and not callable(loss_items):
+            raise TypeError(f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}")
+        return None
+    if not isinstance(model_loss, str):
+        raise TypeError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {type(model_loss).__name__} {model_loss!r}")
+    if model_loss not in MODEL_LOSSES:
+        raise ValueError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {model_loss!r}")
+    if criterion is not None:
+        raise ValueError(
+            "model_loss: cannot be combined with criterion=: criterion computes the loss from the outputs, "
+            "model_loss takes the loss that the model returns; give one of them"
+        )
+    if not gather:
+        raise ValueError("model_loss: needs gather=True (it returns the gathered output with one exact loss)")
+    if loss_items is not None and not callable(loss_items):
+        raise TypeError(f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}")
+    if model_loss == "items" and loss_items is None:
+        raise ValueError(
+            "model_loss='items' needs loss_items=: a callable given each replica's (*args, **kwargs) that returns "
+            "how many items its loss averages over (for example, labels other than -100)"
+        )
+    if loss_items is not None and model_loss not in ("items", "num_items_in_batch"):
+        raise ValueError(f"loss_items: model_loss={model_loss!r} does not use it (only 'items' and 'num_items_in_batch')")
+    if process_group is not None and model_loss not in ("rows", "sum"):
+        raise ValueError(
+            f"model_loss={model_loss!r} is not supported with process_group= (the processes are weighted by their "
+            f"share of rows): use 'rows' or 'sum'"
+        )
+    return model_loss
+
+
+def _loss_of(output: Any, replica: int, device: torch.device) -> Any:
+    """The loss in one replica's output, as model_loss finds it: the output
+    itself if it is a tensor, a Mapping's "loss" (ModelOutput included), a
+    dataclass's or namedtuple's ``loss`` field, else a tuple's or list's entry
+    0 (transformers' ``return_dict=False`` order). None where a Mapping,
+    dataclass or namedtuple has no loss (or it is None). TypeError for an
+    output of another kind."""
+    where = f"replica {replica} (on {device})"
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        if "loss" not in {f.name for f in dataclasses.fields(output)}:
+            raise TypeError(f"model_loss: the output of {where} is a {type(output).__name__} with no 'loss' field")
+        return output.loss
+    if isinstance(output, tuple) and hasattr(output, "_fields"):
+        if "loss" in output._fields:
+            return output.loss
+        raise TypeError(f"model_loss: the output of {where} is a {type(output).__name__} with no 'loss' field")
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise TypeError(
+        f"model_loss: expected a model output that holds its loss (a 0-dim tensor, a ModelOutput or dict with "
+        f"'loss', a tuple whose entry 0 is the loss), but {where} returned {type(output).__name__}"
+    )
+
+
+def _with_loss_replaced(gathered: Any, loss: torch.Tensor) -> Any:
+    """`gathered` (the gathered output, of the kind _loss_of read) with its loss replaced by `loss`."""
+    if isinstance(gathered, torch.Tensor):
+        return loss
+    if isinstance(gathered, Mapping):
+        gathered["loss"] = loss  # a fresh container from gather (ModelOutput sets the attribute too)
+        return gathered
+    if dataclasses.is_dataclass(gathered):
+        return dataclasses.replace(gathered, loss=loss)
+    if isinstance(gathered, tuple) and hasattr(gathered, "_fields"):
+        return gathered._replace(loss=loss)
+    return type(gathered)([loss, *gathered[1:]])
+
+
+def _weighted_mean(parts: Sequence[torch.Tensor], counts: Sequence[Any], replayed: bool) -> torch.Tensor:
+    """The mean over all items of per-replica means `parts` (one-element
+    tensors on one device) over `counts` items each: sum of part * count /
+    total. A replica with no item adds nothing (its own mean is 0/0); no
+    item at all gives NaN, as a mean over nothing does on one device. One
+    replica returns its own loss (cloned where it lives in replayed graph
+    memory)."""
+    parts = [p.reshape(()) for p in parts]
+    if len(parts) == 1:
+        return parts[0].clone() if replayed else parts[0]
+    if any(isinstance(c, torch.Tensor) for c in counts):  # counted on the devices: masked, not filtered
+        stacked = torch.stack(parts)
+        c = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=stacked.device) for n in counts])
+        total = c.sum()
+        terms = torch.where(c > 0, stacked * (c / total).to(stacked.dtype), torch.zeros_like(stacked))
+        return torch.where(total > 0, terms.sum(), torch.full_like(terms[0], float("nan")))
+    total = float(sum(counts))
+    if total == 0:
+        return torch.stack(parts).sum() * float("nan")
+    return torch.stack([p * (c / total) for p, c in zip(parts, counts) if c > 0]).sum()
+
+
+def _check_count(value: Any, replica: int) -> float:
+    """`value` (what loss_items returned for one replica) as a float count."""
+    return _as_weight(value, f"loss_items: the count of replica {replica}")
 
 
 #: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
@@ -124,7 +297,46 @@ class DataParallel(nn.Module, Joinable):
             chunk size (equal to the single-device loss of the whole batch for
             a mean-reduced loss, summed for ``reduction="sum"``). It must
             return a 0-dim tensor for each replica (else ValueError naming
-            the replica and the shape).
+            the replica and the shape). How it reduces its chunk is never
+            guessed: a loss module's ``.reduction`` ("mean", "sum",
+            "batchmean"; "none" is the error above) is read, any other
+            callable (a function, functools.partial, lambda, a module
+            without ``.reduction``) needs ``criterion_reduction`` (else
+            TypeError at construction).
+        criterion_reduction: "mean" (the criterion returns the mean over its
+            chunk's rows, or over its elements with a fixed number per row:
+            the losses are weighted by chunk size) or "sum" (summed); must
+            agree with a ``.reduction`` the criterion has. A mean
+            ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` with class-index
+            targets is a mean over its targets other than ``ignore_index``
+            (each counted by its class weight): the replicas are weighted by
+            those counts (computed on the devices). Any other mean criterion
+            over items that are not rows takes ``loss_items`` (called with
+            the replica's arguments, the target last).
+        model_loss: for a model that computes its own loss in forward (a
+            ``ModelOutput``'s or dict's "loss", a dataclass's or namedtuple's
+            ``loss`` field, a tuple's entry 0, or the output itself when it is
+            a tensor): the gathered output, with that loss replaced by one
+            scalar on ``output_device`` equal to the loss of the whole batch
+            on one device. The per-replica losses (tensors of one element,
+            else ValueError) are combined as declared, never guessed:
+            "rows": each is a mean over its rows, weighted by its share of
+            rows; "items": each is a mean over the items that ``loss_items``
+            counts, weighted by its share of them (a replica with no item
+            adds nothing; no item at all gives NaN, as on one device);
+            "sum": summed (a loss that sums over the batch);
+            "num_items_in_batch": summed, where the call passes the keyword
+            ``num_items_in_batch`` (transformers' contract: each replica
+            divides by the count of the whole batch), else weighted as
+            "items" by ``loss_items`` (ValueError without it). Outputs in
+            which no replica has a loss (None) are gathered as they are.
+            Needs ``gather=True``; not with ``criterion``; with
+            ``process_group`` only "rows" and "sum".
+        loss_items: ``count(*args, **kwargs)``, called with each replica's
+            arguments (with ``criterion``, a mean one, the target last),
+            returns how many items its loss averages over (an
+            int, a real number or a one-element tensor, >= 0), e.g.
+            ``lambda *a, labels, **k: (labels[:, 1:] != -100).sum()``.
         gather: False returns the per-replica outputs where they were computed.
         bucket_bytes: size of the parameter buckets broadcast to replicas
             (a positive int; with a process group, also the size of the
@@ -220,6 +432,9 @@ class DataParallel(nn.Module, Joinable):
         chunk_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
         criterion: Callable[..., Any] | None = None,
+        criterion_reduction: str | None = None,
+        model_loss: str | None = None,
+        loss_items: Callable[..., Any] | None = None,
         gather: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
@@ -248,6 +463,21 @@ class DataParallel(nn.Module, Joinable):
         self.dim = dim
         self.chunk_sizes, self.weights = check_split(chunk_sizes, weights)
         self.criterion = criterion
+        self.criterion_reduction = criterion_reduction
+        self.model_loss = _check_model_loss(model_loss, loss_items, criterion, gather, process_group)
+        self.loss_items = loss_items
+        # How the loss returned is reduced over the batch (the hybrid mode weighs processes by it).
+        self._reduction = _criterion_reduction(criterion, criterion_reduction) or (
+            "sum" if self.model_loss == "sum" else None
+        )
+        if criterion is not None and loss_items is not None:
+            if self._reduction != "mean":
+                raise ValueError(
+                    f"loss_items: with criterion=, only for a mean criterion (its reduction is {self._reduction!r}): "
+                    f"it counts the items each replica's loss averages over"
+                )
+            if process_group is not None:
+                raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
         self.gather = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         self._sync: GradientSync | None = None
@@ -367,7 +597,7 @@ class DataParallel(nn.Module, Joinable):
                 return self._forward(*inputs, **kwargs)
             self._sync.before_forward(self)
             output = self._forward(*inputs, **kwargs)
-            return self._sync.after_forward(output, self._local_batch, _summed(self.criterion))
+            return self._sync.after_forward(output, self._local_batch, _summed(self._reduction))
 
     def _parallel_apply(
         self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any, *, all_at_once: bool = False
@@ -498,11 +728,90 @@ class DataParallel(nn.Module, Joinable):
             if total == 0:
                 return outputs[0].clone() if replayed else outputs[0]
             out = self.output_device
-            parts = [loss.to(out) * _loss_weight(criterion, size, total) for loss, size in zip(outputs, sizes)]
+            counts = self._criterion_counts(args, kws)
+            if counts is not None:  # a mean over counted items (loss_items, or CrossEntropyLoss's own targets)
+                return _weighted_mean([loss.to(out) for loss in outputs], counts, replayed)
+            parts = [loss.to(out) * _loss_weight(self._reduction, size, total) for loss, size in zip(outputs, sizes)]
             return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
         if not self.gather:
             return outputs
+        if self.model_loss is not None:
+            return self._gather_with_model_loss(outputs, args, kws, sizes, devices, replayed)
         return gather_outputs(outputs, self.output_device, dim=self.dim)
+
+    def _criterion_counts(self, args: list[Any], kws: list[Any]) -> list[Any] | None:
+        """How many items each replica's mean criterion averages over, where
+        that is not its rows: ``loss_items`` where given; for torch's
+        CrossEntropyLoss and NLLLoss (reduction "mean", class-index targets)
+        the targets other than ``ignore_index``, each counted by its class
+        weight, as those losses divide; else None (weighted by rows)."""
+        if self._reduction != "mean":
+            return None
+        if self.loss_items is not None:
+            return [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
+        criterion = self.criterion
+        if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            return None
+        targets = [a[-1] for a in args]
+        if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() for t in targets):
+            return None  # class probabilities: a mean over rows
+        out = self.output_device
+        counts = []
+        for t in targets:  # tensors, never read on the host: no synchronization
+            valid = t != criterion.ignore_index
+            if criterion.weight is None:
+                count = valid.sum()
+            else:
+                weight = criterion.weight.detach().to(t.device)
+                count = torch.where(valid, weight[t.clamp(0, weight.numel() - 1)], 0).sum()
+            counts.append(count.to(out, torch.float64))
+        return counts
+
+    def _gather_with_model_loss(
+        self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int],
+        devices: list[torch.device], replayed: bool,
+    ) -> Any:
+        """The gathered `outputs` with the model's per-replica losses replaced
+        by one scalar on output_device: the weighted sum that model_loss
+        declares (see the class docstring). Outputs without a loss on every
+        replica are gathered as they are."""
+        losses = [_loss_of(o, j, d) for j, (o, d) in enumerate(zip(outputs, devices))]
+        if all(loss is None for loss in losses):
+            return gather_outputs(outputs, self.output_device, dim=self.dim)
+        for j, (loss, device) in enumerate(zip(losses, devices)):
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                got = (
+                    f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                )
+                raise ValueError(
+                    f"model_loss={self.model_loss!r}: expected a scalar loss (a tensor of one element) in every "
+                    f"replica's output, but replica {j} (on {device}) has {got} where the loss goes"
+                )
+        mode = self.model_loss
+        if mode == "num_items_in_batch":
+            passed = kws[0].get("num_items_in_batch") is not None
+            if not passed and self.loss_items is None:
+                raise ValueError(
+                    "model_loss='num_items_in_batch': this call passed no num_items_in_batch keyword, so each "
+                    "replica's loss is its own mean and their sum is not the batch's loss; pass num_items_in_batch, "
+                    "or declare loss_items= to weigh the calls without it (Trainer evaluates without it)"
+                )
+            mode = "sum" if passed else "items"
+        out = self.output_device
+        parts = [loss.to(out).reshape(()) for loss in losses]
+        if len(parts) == 1:
+            combined = parts[0].clone() if replayed else parts[0]
+        elif mode == "sum":
+            combined = torch.stack(parts).sum()
+        else:
+            counts: Sequence[float] = (
+                sizes if mode == "rows"
+                else [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
+            )
+            combined = _weighted_mean(parts, counts, replayed)
+        if isinstance(outputs[0], torch.Tensor):
+            return combined
+        return _with_loss_replaced(gather_outputs(outputs, self.output_device, dim=self.dim), combined)
 
     def _run_eagerly(
         self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]

@@ -31,7 +31,7 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._pytree import Broadcast
-from dpcore._split import check_split, split_sizes
+from dpcore._split import check_split, plan_split
 
 __all__ = ["Broadcast", "Scattered", "scatter_kwargs", "scatter", "gather"]
 
@@ -104,9 +104,11 @@ def _scatter_tree(
     return [obj] * n
 
 
-def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> int:
-    """The common size along ``dim`` of the tensors to scatter."""
-    first_path, batch = "", -1
+def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> list[tuple[str, int | None]]:
+    """(path, size along ``dim``) of every tensor to scatter, None for a 0-dim
+    one; ValueError for a tensor that cannot be split along ``dim``. Which
+    sizes may be mixed is :func:`dpcore._split.plan_split`'s rule."""
+    entries: list[tuple[str, int | None]] = []
     for path, t in leaves:
         if t.layout != torch.strided:
             raise ValueError(
@@ -114,25 +116,15 @@ def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> int:
                 f"tensors only; wrap it in dpcore.Broadcast to pass it whole to every replica"
             )
         if t.dim() == 0:
-            raise ValueError(
-                f"{path} is a 0-dim tensor and cannot be split along dim {dim}; "
-                f"wrap it in dpcore.Broadcast to pass it whole to every replica"
-            )
+            entries.append((path, None))  # goes whole to every replica
+            continue
         if not -t.dim() <= dim < t.dim():
             raise ValueError(
                 f"{path} has {t.dim()} dimensions and cannot be split along dim {dim} "
                 f"(expected dim in [{-t.dim()}, {t.dim() - 1}])"
             )
-        size = t.size(dim)
-        if batch < 0:
-            first_path, batch = path, size
-        elif size != batch:
-            raise ValueError(
-                f"{path} has size {size} along dim {dim} but {first_path} has size {batch}: every tensor "
-                f"scattered in one call must have the same size along dim {dim} (wrap a tensor in "
-                f"dpcore.Broadcast to pass it whole to every replica)"
-            )
-    return batch
+        entries.append((path, t.size(dim)))
+    return entries
 
 
 def _devices(devices: Sequence[DeviceLike], arg: str) -> list[torch.device]:
@@ -156,19 +148,25 @@ def _split(
     leaves: list[tuple[str, torch.Tensor]] = []
     for tree, path in trees:
         _collect_tensors(tree, path, leaves)
-    if leaves:
-        sizes = split_sizes(_check_batch(leaves, dim), len(devices), chunk_sizes, weights)
-        used = [i for i, s in enumerate(sizes) if s > 0] or [0]
-        used_sizes = [sizes[i] for i in used]
+    plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim)
+    if plan.batch is not None:
+        used = [i for i, s in enumerate(plan.sizes) if s > 0] or [0]
+        used_sizes = [plan.sizes[i] for i in used]
     else:
         used, used_sizes = without_tensors, [0] * len(without_tensors)
     used_devices = [devices[i] for i in used]
     memo: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
 
     def scatter_tensor(t: torch.Tensor) -> Sequence[torch.Tensor]:
+        # plan_split checked every tensor: 0-dim whole, the batch's size by the split, any other one row each
         hit = memo.get(id(t))
         if hit is None:
-            hit = memo[id(t)] = (t, Scatter.apply(used_devices, used_sizes, dim, t))
+            if t.dim() == 0:
+                parts: Sequence[torch.Tensor] = _broadcast_tensor(t, used_devices)
+            else:
+                rows = used_sizes if t.size(dim) == plan.batch else [1] * len(used)
+                parts = Scatter.apply(used_devices, rows, dim, t)
+            hit = memo[id(t)] = (t, parts)
         return hit[1]
 
     values = [_scatter_tree(tree, path, len(used), scatter_tensor, used_devices) for tree, path in trees]
@@ -199,8 +197,11 @@ def scatter_kwargs(
     * Every tensor outside :class:`Broadcast` is split along ``dim`` with the
       differentiable :class:`~dpcore._functions.Scatter` (gradients flow back
       to the input tensors); all of them must have the same size along
-      ``dim``, else ValueError naming both pytree paths and sizes (never a
-      silent truncation). A 0-dim tensor to split is an error too.
+      ``dim`` (the batch), except as :func:`dpcore._split.plan_split` rules:
+      a 0-dim tensor goes whole to every replica, and a tensor whose size
+      is the number of replicas used (while the batch's is not) is split one
+      row per replica. Any other disagreement is a ValueError naming both
+      pytree paths and sizes (never a silent truncation).
     * The rows are split by :func:`dpcore._split.split_sizes` (balanced by
       default, or ``chunk_sizes`` / ``weights``). Devices whose chunk is
       empty get no replica: ``device_indices`` lists, in order, the devices
@@ -243,7 +244,8 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     With fewer rows than devices only the first ``rows`` devices get a value
     (torch's zip truncates alike); with no tensor to split every device gets
     one. Unlike torch, tensors of different sizes along ``dim`` are an error
-    naming both, not a silent truncation.
+    naming both, not a silent truncation (except as :func:`scatter_kwargs`
+    says: 0-dim tensors whole, a tensor of the replica count one row each).
     """
     devs = _devices(target_gpus, "target_gpus")
     (values,), _, _ = _split([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))

@@ -191,6 +191,20 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
             r.step()
         out[f"criterion_{reduction}"] = r.worst
 
+    # A plain function as the criterion: its declared reduction is what the processes are weighted by.
+    for reduction in ("mean", "sum"):
+        def function(output: Any, target: torch.Tensor, reduction: str = reduction) -> torch.Tensor:
+            return F.cross_entropy(output[1], target, reduction=reduction)
+
+        r = Runner(rank, world, criterion=function, criterion_reduction=reduction)
+        for step in range(STEPS):
+            r.zero_grad()
+            xs, ys = r.batch(uneven(step), classes=True)
+            function(r.reference(torch.cat(xs)), torch.cat(ys)).backward()
+            r.dp(xs[rank], ys[rank]).backward()
+            r.step()
+        out[f"criterion_function_{reduction}"] = r.worst
+
     # no_sync: two local micro-steps, then a synchronized one. With the same
     # shares in every micro-step (rank p's size is proportional to 1 + p)
     # this is single-device accumulation exactly.

@@ -129,7 +129,7 @@ def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[
     for rank, r in enumerate(results):
         r = r["equality"]
         for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "empty_rank", "criterion_mean",
-                    "criterion_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
+                    "criterion_sum", "criterion_function_mean", "criterion_function_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
                     "buffers", "unfrozen"):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
         assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks

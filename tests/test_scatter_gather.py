@@ -528,10 +528,10 @@ def test_mismatched_batch_sizes_error_even_with_one_device() -> None:
         scatter_kwargs((rows(4), rows(3)), None, ["cpu"])
 
 
-def test_zero_dim_tensor_to_scatter_is_an_error() -> None:
-    with pytest.raises(ValueError, match=r"inputs\[1\] is a 0-dim tensor.*Broadcast"):
-        scatter_kwargs((rows(4), torch.tensor(1.0)), None, ["cpu"] * 2)
-    # Wrapped in Broadcast it is fine.
+def test_zero_dim_tensor_goes_whole_to_every_replica() -> None:
+    args, _, _, _ = scatter_kwargs((rows(4), torch.tensor(1.0)), None, ["cpu"] * 2)
+    assert [a[1].item() for a in args] == [1.0, 1.0] and all(a[1].dim() == 0 for a in args)
+    # Wrapped in Broadcast it is the same.
     args, _, _, _ = scatter_kwargs((rows(4), Broadcast(torch.tensor(1.0))), None, ["cpu"] * 2)
     assert all(a[1].item() == 1.0 for a in args)
 

@@ -196,7 +196,7 @@ def criterion_exception() -> None:
 
     check = Checker(model)
     check.pool_usable()
-    loss_dp = dpcore.DataParallel(model, CPU4, criterion=criterion)
+    loss_dp = dpcore.DataParallel(model, CPU4, criterion=criterion, criterion_reduction="mean")
     x, y = batch(None)
     y[5, 0] = MARK  # replica 2
     error = expect_raises(InjectedError, lambda: loss_dp(x, y))

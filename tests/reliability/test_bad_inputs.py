@@ -202,7 +202,16 @@ CASES: dict[str, Case] = {
     # ------------------------------------------------- DataParallel forward
     "DataParallel/batch-mismatch": (
         lambda: dp()(torch.zeros(8, 3), torch.zeros(7, 3)), ValueError, r"inputs\[1\] has size 7 .* inputs\[0\] has size 8"),
-    "DataParallel/0-dim-input": (lambda: dp()(torch.tensor(1.0)), ValueError, r"inputs\[0\] is a 0-dim tensor"),
+    # a 0-dim input goes whole to every replica; a size that is neither the batch nor the replica count is an error
+    "DataParallel/size-not-batch-nor-replicas": (
+        lambda: dp()(torch.zeros(8, 3), torch.zeros(3, 1)), ValueError,
+        r"inputs\[1\] has size 3 along dim 0 but inputs\[0\] has size 8: .* the number of replicas used \(4 for a batch of 8\)"),
+    "DataParallel/replica-count-when-fewer-replicas": (
+        lambda: dp()(torch.zeros(3, 3), torch.zeros(4, 1)), ValueError,
+        r"inputs\[1\] has size 4 along dim 0 but inputs\[0\] has size 3: .* \(3 for a batch of 3\)"),
+    "DataParallel/criterion-function-undeclared": (
+        lambda: dp(criterion=lambda out, y: (out - y).pow(2).mean()), TypeError,
+        r"criterion: dpcore cannot tell whether '.*<lambda>' averages or sums .* criterion_reduction='mean'"),
     "DataParallel/dim": (lambda: dp(dim=2)(torch.zeros(8, 3)), ValueError, r"inputs\[0\] has 2 dimensions and cannot be split along dim 2"),
     "DataParallel/chunk-sizes-sum": (lambda: dp(chunk_sizes=[1, 1, 1, 1])(torch.zeros(8, 3)), ValueError, "chunk_sizes: expected sizes summing to the batch size 8"),
     # this task: an empty first device shows the computed split
@@ -233,10 +242,10 @@ CASES: dict[str, Case] = {
         lambda: dp(criterion=nn.MSELoss(reduction="none"))(torch.zeros(1, 3), torch.zeros(1, 2)), ValueError,
         r"replica 0 \(on cpu\) returned a loss of shape \[1, 2\]"),
     "DataParallel/criterion-shape-1": (
-        lambda: dp(criterion=lambda out, y: (out - y).pow(2).mean().reshape(1))(torch.zeros(8, 3), torch.zeros(8, 2)), ValueError,
+        lambda: dp(criterion=lambda out, y: (out - y).pow(2).mean().reshape(1), criterion_reduction="mean")(torch.zeros(8, 3), torch.zeros(8, 2)), ValueError,
         r"returned a loss of shape \[1\]"),
     "DataParallel/criterion-not-tensor": (
-        lambda: dp(criterion=lambda out, y: 0.5)(torch.zeros(8, 3), torch.zeros(8, 2)), TypeError, r"replica 0 \(on cpu\) returned float"),
+        lambda: dp(criterion=lambda out, y: 0.5, criterion_reduction="mean")(torch.zeros(8, 3), torch.zeros(8, 2)), TypeError, r"replica 0 \(on cpu\) returned float"),
     "DataParallel/criterion-no-target": (lambda: dp(criterion=nn.MSELoss())(), TypeError, "expects the target as the last positional argument"),
     "DataParallel/output-structure": (
         lambda: dpcore.DataParallel(ReturnsPerDevice(lambda y: y if y.shape[0] > 1 else None), CPU2)(torch.zeros(3, 3)), ValueError,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._pytree import map_tensors
 from dpcore._split import as_int, check_split
@@ -218,6 +219,8 @@ class DataParallel(nn.Module):
                 "cuda_graphs=True cannot be combined with sync_batchnorm=True: synchronized BatchNorm's replicas "
                 "meet on the host inside forward, which a CUDA graph cannot capture"
             )
+        if cuda_graphs:
+            _check_not_compiled(module)
         self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
         self.module = module
@@ -320,6 +323,8 @@ class DataParallel(nn.Module):
         """The replica cache, rebuilt first where the master's structure changed."""
         if self._cache is None or not self._cache.valid():
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
+            if self.cuda_graphs:
+                _check_not_compiled(self.module)  # compiled after wrapping
             self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
@@ -422,6 +427,17 @@ class DataParallel(nn.Module):
             modules = [replicas[i] for i in used]
             return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
         return self._parallel_apply(calls, args, kws, devices)
+
+
+def _check_not_compiled(module: nn.Module) -> None:
+    """Raises ValueError where `module` or a submodule is torch.compile'd:
+    cuda_graphs=True captures eager replicas only."""
+    if has_compiled(module):
+        raise ValueError(
+            "cuda_graphs=True does not capture torch.compile'd modules, and the module (or one of its submodules) "
+            "is compiled: pass cuda_graphs=False, where each replica runs its own compiled code, or the "
+            "uncompiled module with cuda_graphs=True"
+        )
 
 
 def _graph_runner() -> GraphRunner:

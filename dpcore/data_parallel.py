@@ -151,7 +151,8 @@ class DataParallel(nn.Module):
             replay runs no Python of the module: attributes other than
             ``training`` that forward reads are those of the capture, and
             replayed gradients support no double backward. CUDA device lists
-            only (else ValueError); not with ``sync_batchnorm``.
+            only (else ValueError); not with ``sync_batchnorm``, nor with a
+            torch.compile'd module or submodule (ValueError).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a balanced split uses every
@@ -161,7 +162,10 @@ class DataParallel(nn.Module):
     the bare module's keys. Unlike torch, the first replica is ``module``
     itself: ``zero_grad()`` called on it inside forward clears the master's
     gradients (torch's replicas are copies, where it only warns; dpcore's
-    other replicas warn as torch's do).
+    other replicas warn as torch's do). A torch.compile'd ``module`` (or
+    submodule, or ``module.compile()``) gives every replica code compiled
+    from the replica itself with the same options (dpcore/_compiled.py);
+    ``module`` is not modified.
 
     Threads: one wrapper may be called from several threads at once. Its
     calls are serialized: one call at a time refreshes the replicas, runs

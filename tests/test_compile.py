@@ -285,3 +285,22 @@ def test_cuda_graphs_with_a_compiled_module_is_an_error(form: str) -> None:
     _, net = _compiled(form, _base(), "eager")
     with pytest.raises(ValueError, match=r"cuda_graphs=True.*torch\.compile.*cuda_graphs=False"):
         dpcore.DataParallel(net, ["cpu"] * 2, cuda_graphs=True)
+
+
+def test_compiled_model_with_sync_batchnorm_trains_like_one_device() -> None:
+    """sync_batchnorm=True over a compiled model: the synchronized statistics
+    (Dynamo breaks its graph at the rendezvous) give the compiled model's
+    single-device outputs, gradients and running statistics."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    want_model, got_model = copy.deepcopy(base), copy.deepcopy(base)
+    want_net = torch.compile(want_model, backend="eager")
+    dp = dpcore.DataParallel(torch.compile(got_model, backend="eager"), ["cpu"] * 3, sync_batchnorm=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (want_model, got_model)]
+    for x, y in _data():
+        for net, opt in zip((want_net, dp), opts):
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            opt.step()
+    for a, b in zip(want_model.state_dict().values(), got_model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

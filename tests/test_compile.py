@@ -304,3 +304,29 @@ def test_compiled_model_with_sync_batchnorm_trains_like_one_device() -> None:
             opt.step()
     for a, b in zip(want_model.state_dict().values(), got_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_compile_disabled_runs_each_replica_on_its_own() -> None:
+    """module.compile(disable=True) stores the master's bound _call_impl:
+    each replica calls its own instead (once per call on the master)."""
+    model = _base()
+    model.compile(disable=True)
+    assert model.__dict__["_compiled_call_impl"].__self__ is model
+    dp = dpcore.DataParallel(model, ["cpu"] * 3)
+    want = copy.deepcopy(_base())
+    x = torch.randn(6, 5, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(dp(x), want(x), rtol=1e-9, atol=1e-9)
+    assert model.calls.item() == 2
+
+
+def test_an_unknown_compiled_call_is_an_error() -> None:
+    """A _compiled_call_impl that torch.compile did not make cannot be made
+    again for each replica: a TypeError naming the module, not the master's
+    callable run on every replica."""
+    model = _base()
+    model._compiled_call_impl = lambda *args, **kwargs: model._call_impl(*args, **kwargs)
+    dp = dpcore.DataParallel(model, ["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"module 0 of the model \(Net\) holds a _compiled_call_impl"):
+        dp(torch.randn(4, 5, dtype=torch.float64))

@@ -46,6 +46,11 @@ __all__ = ["CompiledReplicas", "has_compiled", "replicate_module"]
 _OPTIMIZED_OWN = ("forward", "_forward", "_torchdynamo_orig_callable", "_torchdynamo_wrapper_id", "get_compiler_config")
 
 
+#: What one replica's compiled entries were made from (compared by identity),
+#: the entries to write into its __dict__, and an object to keep alive.
+_Made = tuple[tuple[Any, ...], dict[str, Any], Any]
+
+
 def _optimized_module_type() -> type | None:
     """torch's OptimizedModule class, or None while torch._dynamo was never
     imported (then no module can have been compiled): importing Dynamo only
@@ -149,7 +154,7 @@ class CompiledReplicas:
         self._optimized = [i for i, m in enumerate(self._masters) if is_optimized(m)]
         self._called = [i for i, m in enumerate(self._masters) if _compiled_call(m) is not None]
         # (row, module index, kind) -> (source objects, values to set, keep-alive)
-        self._made: dict[tuple[int, int, str], tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
+        self._made: dict[tuple[int, int, str], _Made] = {}
 
     @staticmethod
     def of(module: nn.Module, rows: Sequence[Sequence[nn.Module]]) -> CompiledReplicas | None:
@@ -168,7 +173,9 @@ class CompiledReplicas:
             for i in self._called:
                 self._set(j, i, "call", self._call_values)
 
-    def _set(self, j: int, i: int, kind: str, make: Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any], Any]]) -> None:
+    def _set(self, j: int, i: int, kind: str, make: Callable[[int, int], _Made]) -> None:
+        """Writes the (j, i) replica's own compiled entries, remade by `make`
+        first when what they were made from changed."""
         master = self._masters[i]
         state = self._rows[j][i].__dict__
         key = (j, i, kind)
@@ -190,7 +197,7 @@ class CompiledReplicas:
         inner = self._rows[j][i].__dict__["_modules"].get("_orig_mod")
         return (master.__dict__.get("forward"), master.__dict__.get("dynamo_ctx"), inner)
 
-    def _optimized_values(self, j: int, i: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    def _optimized_values(self, j: int, i: int) -> _Made:
         """The OptimizedModule replica's own compiled forward: the master's
         Dynamo context applied to the replica's inner module (what
         ``torch.compile(inner, same options)`` returns)."""
@@ -208,7 +215,7 @@ class CompiledReplicas:
         values = {name: own.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
         return self._sources(master, "optimized", j, i), values, fresh
 
-    def _call_values(self, j: int, i: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    def _call_values(self, j: int, i: int) -> _Made:
         """The replica's own ``_compiled_call_impl`` (see _compile_call_for)."""
         master = self._masters[i]
         compiled = _compiled_call(master)

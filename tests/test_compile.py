@@ -37,7 +37,8 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-        self.register_buffer("calls", torch.zeros(1, dtype=torch.float64))  # not 0-dim: torch 2.13 aot backends drop add_ on a 0-dim buffer
+        # Not 0-dim: torch 2.13's aot backends drop an add_ on a 0-dim buffer.
+        self.register_buffer("calls", torch.zeros(1, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._pytree import map_tensors
 from dpcore._split import _as_weight, as_int, check_split
@@ -380,7 +381,8 @@ class DataParallel(nn.Module, Joinable):
             replay runs no Python of the module: attributes other than
             ``training`` that forward reads are those of the capture, and
             replayed gradients support no double backward. CUDA device lists
-            only (else ValueError); not with ``sync_batchnorm``.
+            only (else ValueError); not with ``sync_batchnorm``, nor with a
+            torch.compile'd module or submodule (ValueError).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a parameter that no replica used
@@ -392,7 +394,10 @@ class DataParallel(nn.Module, Joinable):
     the bare module's keys. Unlike torch, the first replica is ``module``
     itself: ``zero_grad()`` called on it inside forward clears the master's
     gradients (torch's replicas are copies, where it only warns; dpcore's
-    other replicas warn as torch's do).
+    other replicas warn as torch's do). A torch.compile'd ``module`` (or
+    submodule, or ``module.compile()``) gives every replica code compiled
+    from the replica itself with the same options (dpcore/_compiled.py);
+    ``module`` is not modified.
 
     Threads: one wrapper may be called from several threads at once. Its
     calls are serialized: one call at a time refreshes the replicas, runs
@@ -457,6 +462,8 @@ class DataParallel(nn.Module, Joinable):
                 "cuda_graphs=True cannot be combined with sync_batchnorm=True: synchronized BatchNorm's replicas "
                 "meet on the host inside forward, which a CUDA graph cannot capture"
             )
+        if cuda_graphs:
+            _check_not_compiled(module)
         self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
         self.module = module
@@ -583,6 +590,8 @@ class DataParallel(nn.Module, Joinable):
         """The replica cache, rebuilt first where the master's structure changed."""
         if self._cache is None or not self._cache.valid():
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
+            if self.cuda_graphs:
+                _check_not_compiled(self.module)  # compiled after wrapping
             self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
@@ -828,6 +837,17 @@ class DataParallel(nn.Module, Joinable):
             modules = [replicas[i] for i in used]
             return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
         return self._parallel_apply(calls, args, kws, devices)
+
+
+def _check_not_compiled(module: nn.Module) -> None:
+    """Raises ValueError where `module` or a submodule is torch.compile'd:
+    cuda_graphs=True captures eager replicas only."""
+    if has_compiled(module):
+        raise ValueError(
+            "cuda_graphs=True does not capture torch.compile'd modules, and the module (or one of its submodules) "
+            "is compiled: pass cuda_graphs=False, where each replica runs its own compiled code, or the "
+            "uncompiled module with cuda_graphs=True"
+        )
 
 
 def _graph_runner() -> GraphRunner:

@@ -34,6 +34,13 @@ size).
     python -m dpcore.demo --devices 0,0         # two replicas on GPU 0
     python -m dpcore.demo --sync-batchnorm      # BatchNorm, synchronized
     python -m dpcore.demo --devices 0,0 --cuda-graphs
+    python -m dpcore.demo --compile             # DataParallel(torch.compile(model))
+
+``--compile [BACKEND]`` trains ``DataParallel(torch.compile(model,
+backend=BACKEND))`` (default backend inductor): each replica runs code
+compiled from itself. The float64 check then compares it with the same
+compiled model on one device; the evaluation wrapper stays eager. Not with
+``--cuda-graphs``.
 
 Started by torchrun (RANK and WORLD_SIZE set), it trains one model over
 several processes with hybrid data parallelism (``DataParallel(...,
@@ -202,12 +209,15 @@ def check_agreement(
     process_group: Any = None,
     sync_batchnorm: bool = False,
     cuda_graphs: bool = False,
+    compile_backend: str | None = None,
 ) -> dict[str, Any]:
     """Runs `steps` training steps in float64 from `model`'s current weights
     twice: with dpcore.DataParallel over `devices` (loss inside each replica,
     BatchNorm synchronized if `sync_batchnorm`, forward and backward
     replayed from CUDA graphs after the warm-up if `cuda_graphs`) and with
-    the bare model on devices[0], on the batches `order` of (x, y).
+    the bare model on devices[0], on the batches `order` of (x, y). With a
+    `compile_backend`, both runs are of the model under
+    ``torch.compile(backend=compile_backend)``.
     With a `process_group` of P processes, the DataParallel is the hybrid one
     and this process feeds it its share ``index.tensor_split(P)[rank]`` of
     each global batch, while the single-device run takes the whole batch; the
@@ -222,8 +232,10 @@ def check_agreement(
     criterion = nn.CrossEntropyLoss()
     single = copy.deepcopy(model).double()
     parallel = copy.deepcopy(model).double()
+    run_single = single if compile_backend is None else torch.compile(single, backend=compile_backend)
     dp = dpcore.DataParallel(
-        parallel, device_ids=list(devices), criterion=criterion, process_group=process_group,
+        parallel if compile_backend is None else torch.compile(parallel, backend=compile_backend),
+        device_ids=list(devices), criterion=criterion, process_group=process_group,
         sync_batchnorm=sync_batchnorm, cuda_graphs=cuda_graphs,
     )
     rank, world = 0, 1
@@ -238,7 +250,7 @@ def check_agreement(
     for index in list(order)[:steps]:
         xb, yb = x[index].double(), y[index]
         opt_single.zero_grad()
-        loss_single = criterion(single(xb), yb)
+        loss_single = criterion(run_single(xb), yb)
         loss_single.backward()
         opt_single.step()
         opt_parallel.zero_grad()
@@ -329,6 +341,11 @@ def _parser() -> argparse.ArgumentParser:
         help="replay each replica's forward and backward from CUDA graphs after a warm-up "
         "(DataParallel(cuda_graphs=True)); CUDA devices only, not with --sync-batchnorm",
     )
+    parser.add_argument(
+        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        help="train DataParallel(torch.compile(model, backend=BACKEND)) (default backend: inductor); "
+        "not with --cuda-graphs",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
     parser.add_argument(
         "--checkpoint", default=None, metavar="FILE",
@@ -349,6 +366,14 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
             "--cuda-graphs: not with --sync-batchnorm (synchronized BatchNorm meets on the host inside "
             "forward, which a CUDA graph cannot capture)"
         )
+    if args.compile is not None:
+        if args.cuda_graphs:
+            parser.error("--compile: not with --cuda-graphs (cuda_graphs=True does not capture compiled modules)")
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile not in known:
+            parser.error(f"--compile: expected a torch.compile backend ({', '.join(known)}), but got {args.compile!r}")
     if args.sync_batchnorm:
         args.batchnorm = True
     if args.batch_size < (2 if args.batchnorm else 1):
@@ -391,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Returns the summary: {"devices", "epochs", "batch_size", "lr", "seed",
     "train_samples", "test_samples",
-    "cuda_graphs" (whether --cuda-graphs was given),
+    "cuda_graphs" (whether --cuda-graphs was given), "compile" (the
+    --compile backend, or None),
     "final_accuracy", "samples_per_second" (all epochs' training samples
     over their training time), "seconds" (training time), "agreement" (True when the float64 check passed,
     None when it was skipped: per-replica BatchNorm), "agreement_check" (its details, see
@@ -451,6 +477,7 @@ def _run(
     where = f"{world} processes x {len(devices)} devices" if group is not None else f"{len(devices)} device(s)"
     batchnorm = "synchronized" if args.sync_batchnorm else "per-replica" if args.batchnorm else "none"
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
+    graphs += f", torch.compile (backend {args.compile})" if args.compile is not None else ""
     say(
         f"dpcore.demo: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on {where} "
         f"[{names}] ({spec}{graphs}); "
@@ -471,7 +498,7 @@ def _run(
     else:
         check = check_agreement(
             model, devices, x_train, y_train, first_batches, args.lr, steps=check_steps, process_group=group,
-            sync_batchnorm=args.sync_batchnorm, cuda_graphs=args.cuda_graphs,
+            sync_batchnorm=args.sync_batchnorm, cuda_graphs=args.cuda_graphs, compile_backend=args.compile,
         )
         worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
         if not check["ok"]:
@@ -490,7 +517,7 @@ def _run(
 
     criterion = nn.CrossEntropyLoss()
     trainer = dpcore.DataParallel(
-        model, device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm,
+        model if args.compile is None else torch.compile(model, backend=args.compile), device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm,
         cuda_graphs=args.cuda_graphs,
     )
     # Every rank evaluates the whole test set (the same weights, the same result); no collective.
@@ -550,6 +577,7 @@ def _run(
         "seed": args.seed,
         "batchnorm": batchnorm,
         "cuda_graphs": args.cuda_graphs,
+        "compile": args.compile,
         "train_samples": len(y_train),
         "test_samples": len(y_test),
         "final_accuracy": history[-1]["test_accuracy"],

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from dpcore import _C
+from dpcore._compiled import CompiledReplicas, has_compiled, replicate_module
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastBucket
 from dpcore._step_hook import track
@@ -116,13 +117,15 @@ class ReplicaCache:
         if len(self.devices) > 1:
             _check_initialized(module)
         with _normal_mode():
-            self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes)
+            self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes, _replicator(module))
         # (ReplicaBuffers, master tensors, requires_grad) per bucket.
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
         if self._bucket_plan:
             # Optimizer steps that bump no version counter (fused kernels,
             # writes through .data) still mark these tensors changed.
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
+        # Per-replica compiled calls of torch.compile'd modules (None: none compiled).
+        self._compiled = CompiledReplicas.of(module, self._set.replica_modules)
 
     @property
     def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
@@ -172,7 +175,15 @@ class ReplicaCache:
                 BroadcastBucket.apply(bucket, *masters) if grad_enabled and requires_grad else None
                 for bucket, masters, requires_grad in self._bucket_plan
             ]
-            return [self.module, *self._set.sync(n - 1, outputs)]
+            return [self.module, *self._synced(n - 1, outputs)]
+
+    def _synced(self, rows: int, outputs: list[Any]) -> list[nn.Module]:
+        """ReplicaSet.sync, then each replica of a compiled module gets its
+        own compiled call back (the sync copied the master's)."""
+        roots = self._set.sync(rows, outputs)
+        if self._compiled is not None:
+            self._compiled.apply(rows)
+        return roots
 
 
     def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
@@ -215,9 +226,17 @@ class ReplicaCache:
                     copy.requires_grad_(masters[k % len(masters)].requires_grad)
                     where[id(copy)] = (b, k)
                 outputs.append(tuple(copies))
-            rows = self._set.sync(n - 1, outputs) if n > 1 else []
+            rows = self._synced(n - 1, outputs) if n > 1 else []
         slots = [[where[id(p)] for p in row.parameters() if p.requires_grad] for row in rows]
         return [self.module, *rows], slots
+
+
+def _replicator(module: nn.Module) -> Any:
+    """The replica factory for ReplicaSet: None (each module's own
+    ``_replicate_for_data_parallel()``) unless the tree holds compiled
+    modules, whose wrappers must be replicated without writing through them
+    (dpcore._compiled.replicate_module)."""
+    return replicate_module if has_compiled(module) else None
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:

@@ -50,13 +50,19 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
 
     step = json.loads((out / "step.json").read_text())
     assert step["benchmark"] == "step"
-    assert [row["model"] for row in step["rows"]] == [name for name, *_ in bench_step.models(True, False, 4)]
-    assert [row["model"] for row in step["rows"]][3:] == [
+    assert [row["model"] for row in step["rows"]] == [
+        *(name for name, *_ in bench_step.models(True, False, 4)), "MLP 4x64 compiled (eager), batch 32"
+    ]
+    assert [row["model"] for row in step["rows"]][3:-1] == [
         "MLP 50x128, batch 32",
         "resnet18-style (width / 8), batch 8 x 3 x 16 x 16",
         "resnet50-style (width / 8), batch 8 x 3 x 16 x 16",
     ]
     assert all(row["dpcore_ms"] > 0 and row["ratio"] > 0 for row in step["rows"])
+    compiled = step["rows"][-1]  # DataParallel(torch.compile(model)) against the compiled model on one device
+    assert compiled["compiled"] == "eager" and compiled["plain_full_batch_ms"] > 0
+    assert compiled["eager_dpcore_ms"] > 0 and compiled["compile_s"] > 0
+    assert compiled["ratio"] == pytest.approx(compiled["dpcore_ms"] / compiled["sequential_split_ms"])
     if step["devices"][0] == "cpu":  # no graphed rows, and the JSON says why
         assert step["cuda_graphs"] == {
             "choice": "auto", "measured": False, "note": bench_step.CUDA_ONLY, "warmup_calls": None
@@ -66,7 +72,8 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         assert step["targets"] == []
     else:
         assert step["cuda_graphs"]["measured"] is True
-        assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"])
+        assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"][:-1])
+        assert compiled["graphed_ms"] is None  # cuda_graphs=True does not capture compiled modules
     synced = [row for row in step["rows"] if row["sync_ratio"] is not None]
     assert [row["model"] for row in synced] == ["small CNN + BatchNorm, batch 32, sync"]
     assert synced[0]["unsynced_ms"] > 0 and synced[0]["sync_ratio"] > 0
@@ -232,6 +239,7 @@ def test_graphs_note_refuses_on_with_a_cpu_list_and_unknown_choices() -> None:
         (["--devices", "cpu:2", "--cuda-graphs", "always"], "--cuda-graphs", "invalid choice"),
         (["--devices", "cpu:2", "--min-seconds", "-1"], "--min-seconds", "-1.0"),
         (["--devices", "cpu:2", "--min-seconds", "nan"], "--min-seconds", "nan"),
+        (["--devices", "cpu:2", "--compiled", "nonesuch"], "--compiled", "nonesuch"),
     ],
 )
 def test_step_bad_options_exit_2_before_measuring(
@@ -305,7 +313,7 @@ def test_graphed_rows_and_their_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path
         ("tiny BatchNorm, sync", lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)), (8,), 4, True),
     ]
     monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: picked)
-    result = bench_step.run([torch.device("cpu")] * 2, quick=True, repeats=1, min_seconds=0.0)
+    result = bench_step.run([torch.device("cpu")] * 2, quick=True, repeats=1, min_seconds=0.0, compiled="off")
     assert result["cuda_graphs"] == {"choice": "auto", "measured": True, "note": None, "warmup_calls": bench_step.GRAPH_WARMUP}
     assert len(_RecordingDataParallel.made) == 2
     # The warm-up calls, then measure()'s own warm-up call (quick, not an
@@ -342,7 +350,9 @@ def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
     monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: tiny)
     out = tmp_path / "step.json"
     with pytest.raises(SystemExit) as exc:
-        bench_step.main(["--devices", "cpu:2", "--quick", "--repeats", "1", "--min-seconds", "0", "--json", str(out)])
+        bench_step.main([
+            "--devices", "cpu:2", "--quick", "--repeats", "1", "--min-seconds", "0", "--compiled", "off", "--json", str(out)
+        ])
     assert exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
     rows = json.loads(out.read_text())["rows"]
     assert [r["graphed_error"] for r in rows] == [

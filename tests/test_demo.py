@@ -221,6 +221,41 @@ def test_cuda_graphs_refuse_sync_batchnorm(devices: str, capsys: pytest.CaptureF
     assert "--cuda-graphs: not with --sync-batchnorm" in last and out == ""
 
 
+def test_compile_trains_a_compiled_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile BACKEND: the check and the trainer get torch.compile'd
+    models (the check against the compiled model on one device, and it
+    passes), the evaluator the eager one."""
+    import dpcore
+
+    real = dpcore.DataParallel
+    seen: list[str] = []
+
+    def recording(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        seen.append(type(module).__name__)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(dpcore, "DataParallel", recording)
+    summary = demo.main(["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress", "--compile", "aot_eager"])
+    assert seen == ["OptimizedModule", "OptimizedModule", "Sequential"]  # the check's, the trainer's, the evaluator's
+    assert summary["compile"] == "aot_eager" and summary["agreement"] is True
+    assert "torch.compile (backend aot_eager)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "detail"),
+    [
+        (["--compile", "nonesuch"], "--compile: expected a torch.compile backend"),
+        (["--compile", "--cuda-graphs", "--devices", "0,0"], "--compile: not with --cuda-graphs"),
+    ],
+)
+def test_compile_option_errors(argv: list[str], detail: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert detail in err.strip().splitlines()[-1] and out == ""
+
+
 def test_same_seed_same_run() -> None:
     args = ["--epochs", "1", "--devices", "cpu:2", "--limit", "150", "--no-progress", "--seed", "3"]
     first, second = demo.main(args), demo.main(args)

@@ -38,13 +38,17 @@ py::dict instance_dict(const py::handle& module) {
 // What the cache's structure depends on: for every master module, the
 // identity of each parameter, buffer and child (by key), and each tensor's
 // dtype, device, shape and requires_grad (`module.double()` keeps the
-// Parameter objects but swaps their data).
+// Parameter objects but swaps their data); and the identity of its
+// `_compiled_call_impl` (set by `module.compile()`), whose replicas are
+// compiled per replica by the Python side when the set is built.
 std::vector<int64_t> structure_of(const py::list& masters) {
   static const char* const kOwnDicts[] = {"_parameters", "_buffers", "_modules"};
   std::vector<int64_t> out;
   out.reserve(masters.size() * 16);
   for (const py::handle& module : masters) {
     const py::dict d = instance_dict(module);
+    out.push_back(static_cast<int64_t>(
+        reinterpret_cast<intptr_t>(PyDict_GetItemString(d.ptr(), "_compiled_call_impl"))));
     for (const char* name : kOwnDicts) {
       PyObject* sub = PyDict_GetItemString(d.ptr(), name);
       if (sub == nullptr || !PyDict_Check(sub)) {
@@ -143,7 +147,11 @@ class ReplicaSet {
   // The replicas of `module` on `targets` (one row of replica modules per
   // target, one replica per module of module.modules()), and the buffers of
   // its unique parameters and buffers in buckets of about `bucket_bytes`.
-  ReplicaSet(const py::object& module, const std::vector<c10::Device>& targets, int64_t bucket_bytes)
+  // Each replica module is made by `replicate(master)` where given (not
+  // None), else by master._replicate_for_data_parallel().
+  ReplicaSet(
+      const py::object& module, const std::vector<c10::Device>& targets, int64_t bucket_bytes,
+      const py::object& replicate)
       : masters_(module.attr("modules")()) {
     std::unordered_map<PyObject*, size_t> module_index;
     for (size_t i = 0; i < masters_.size(); ++i) {
@@ -205,7 +213,7 @@ class ReplicaSet {
     for (size_t j = 0; j < targets.size(); ++j) {
       py::list row;
       for (const py::handle master : masters_) {
-        row.append(master.attr("_replicate_for_data_parallel")());
+        row.append(replicate.is_none() ? master.attr("_replicate_for_data_parallel")() : replicate(master));
       }
       rows_.push_back(std::move(row));
     }
@@ -450,8 +458,8 @@ void bind_replica_sync(py::module_& m) {
 
   py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))
       .def(
-          py::init<const py::object&, const std::vector<c10::Device>&, int64_t>(), py::arg("module"),
-          py::arg("targets"), py::arg("bucket_bytes"))
+          py::init<const py::object&, const std::vector<c10::Device>&, int64_t, const py::object&>(),
+          py::arg("module"), py::arg("targets"), py::arg("bucket_bytes"), py::arg("replicate") = py::none())
       .def("valid", &ReplicaSet::valid)
       .def("sync", &ReplicaSet::sync, py::arg("rows"), py::arg("outputs"))
       .def_property_readonly(

@@ -154,7 +154,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sweep = bench_comm.sweep(devices, sizes, repeats=repeats or (3 if quick else 5), min_seconds=sweep_min_seconds)
     comm_result["sweep"] = sweep
     print(f"\n[3/3] step: training step against the same arithmetic without data parallelism on {spec}", flush=True)
-    step_result = bench_step.run(devices, quick=quick, repeats=repeats, min_seconds=step_min_seconds)
+    # --smoke's compiled row runs Dynamo's eager backend: inductor compiles for a minute on a busy 2-core CPU.
+    step_result = bench_step.run(
+        devices, quick=quick, repeats=repeats, min_seconds=step_min_seconds,
+        compiled="eager" if args.smoke else "inductor",
+    )
 
     print("\ncomm")
     print_table(comm_result["rows"], bench_comm.COLUMNS)

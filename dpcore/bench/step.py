@@ -44,6 +44,16 @@ measured and the JSON's ``cuda_graphs`` entry says why; ``--cuda-graphs on``
 there exits with status 2, ``--cuda-graphs off`` skips them on a CUDA list
 too.
 
+Compiled row (``--compiled BACKEND``, default ``inductor``; ``off`` skips
+it): an MLP of 64-wide layers (50 of them, 4 with ``--quick`` to keep the
+compile short) under ``torch.compile(model, backend=BACKEND)``, at batch
+32: ``dpcore_ms`` is ``dpcore.DataParallel(torch.compile(model))``, where
+each replica runs code compiled from itself, against the same compiled
+model on one device (``K x 1/K plain ms``: K compiled passes on 1/K of the
+batch; ``plain ms``: the compiled full-batch step). The JSON row adds the
+eager dpcore step of the same model (``eager_dpcore_ms``) and the time of
+the untimed first steps, where the compiling happens (``compile_s``).
+
 Every ratio is between two figures measured in the same run, on the same
 model and batch. The JSON's ``targets`` lists the issue's graphed-row targets
 (``GRAPH_TARGETS``) with the values measured and whether each is met; a
@@ -57,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -293,6 +304,66 @@ def check_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return checked
 
 
+def _compiled_row(
+    devices: Sequence[torch.device], quick: bool, repeats: int, min_seconds: float, backend: str
+) -> dict[str, Any]:
+    """The compiled row (see the module docstring): the same columns as the
+    other rows where they apply, measured on an MLP of 64-wide layers
+    compiled with `backend`, plus ``eager_dpcore_ms`` and ``compile_s``."""
+    first = devices[0]
+    k = len(devices)
+    depth = 4 if quick else 50
+    name = f"MLP {depth}x64 compiled ({backend}), batch 32"
+    torch.manual_seed(0)
+    model = mlp(depth, 64).to(first)
+    x = torch.randn(32, 64, device=first)
+    with torch.no_grad():
+        y = torch.randn_like(model(x))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=backend)
+    dp = dpcore.DataParallel(compiled, device_ids=devices)
+    eager = dpcore.DataParallel(model, device_ids=devices)
+    xs, ys = x.chunk(k), y.chunk(k)
+
+    def dp_step() -> None:
+        _train_step(dp, opt, x, y)
+
+    def split_step() -> None:
+        _split_step(compiled, opt, xs, ys)
+
+    def plain_step() -> None:
+        _train_step(compiled, opt, x, y)
+
+    started = time.perf_counter()
+    for step in (dp_step, split_step, plain_step):  # compiles: every kind of replica and batch size
+        step()
+        step()
+    synchronize(devices)
+    compile_s = time.perf_counter() - started
+    t_dp, t_split = measure_against(dp_step, split_step, devices, rounds=1 if quick else 5, repeats=max(2, repeats // 5))
+    t_plain = measure(plain_step, devices, warmup=1, repeats=repeats, min_seconds=min_seconds)
+    t_eager = measure(lambda: _train_step(eager, opt, x, y), devices, warmup=1, repeats=repeats, min_seconds=min_seconds)
+    print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, compiled sequential split {t_split * 1e3:.2f} ms, "
+          f"ratio {t_dp / t_split:.3f}; eager dpcore {t_eager * 1e3:.2f} ms; compiling {compile_s:.1f} s")
+    unmeasured = ("unsynced_ms", "sync_ratio", "replicate_ms", "torch_replicate_ms", "torch_dp_ms",
+                  "speedup_vs_torch_dp", "graphed_ms", "graphed_vs_plain", "torch_dp_vs_graphed", "graphed_note",
+                  "graphed_error")
+    return {
+        "model": name,
+        "devices": k,
+        "batch": 32,
+        "dpcore_ms": t_dp * 1e3,
+        "sequential_split_ms": t_split * 1e3,
+        "ratio": t_dp / t_split,
+        "plain_full_batch_ms": t_plain * 1e3,
+        **dict.fromkeys(unmeasured),
+        "graphed_warnings": [],
+        "compiled": backend,
+        "eager_dpcore_ms": t_eager * 1e3,
+        "compile_s": compile_s,
+    }
+
+
 def _graphed_step(
     model: nn.Module, devices: Sequence[torch.device], opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[Callable[[], None], list[str]]:
@@ -319,6 +390,7 @@ def run(
     repeats: int | None = None,
     min_seconds: float | None = None,
     cuda_graphs: str = "auto",
+    compiled: str = "inductor",
 ) -> dict[str, Any]:
     """Measures every model on `devices`; returns the JSON-ready result. Each
     measurement runs at least `repeats` steps and `min_seconds` (defaults:
@@ -328,7 +400,9 @@ def run(
     "on" or "off"): whether graphed rows are measured; "auto" measures them
     on a CUDA list only, "on" raises ValueError on a CPU list (see
     graphs_note). The result's "cuda_graphs" entry holds the choice,
-    whether graphed rows were measured, and the note saying why not."""
+    whether graphed rows were measured, and the note saying why not.
+    `compiled`: the torch.compile backend of the compiled row, appended
+    last, or "off" for none."""
     note = graphs_note(devices, cuda_graphs)
     if note is not None:
         print(f"  graphed rows not measured ({note})")
@@ -420,6 +494,7 @@ def run(
             ),
             "graphed_warnings": graphed_warnings,
             "graphed_error": graphed_error,
+            "compiled": None,
         })
         print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}")
         if t_unsynced is not None:
@@ -429,6 +504,8 @@ def run(
                   + ("" if t_torch_dp is None else f", torch DP / graphed {t_torch_dp / t_graphed:.2f}"))
             for line in graphed_warnings:
                 print(f"  {name}: cuda_graphs warning: {line}")
+    if compiled != "off":
+        rows.append(_compiled_row(devices, quick, repeats, min_seconds, compiled))
     targets = check_targets(rows)
     for target in targets:
         print(f"  target {'met' if target['met'] else 'MISSED'}: {target['model']}: {target['column']} "
@@ -467,11 +544,15 @@ COLUMNS = [
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    """bench_step's own options: --cuda-graphs and --min-seconds."""
+    """bench_step's own options: --cuda-graphs, --compiled and --min-seconds."""
     parser.add_argument(
         "--cuda-graphs", choices=CUDA_GRAPHS_CHOICES, default="auto",
         help="measure dpcore with cuda_graphs=True too: auto (default) on CUDA lists only, "
         "on (a CPU list is an error), off",
+    )
+    parser.add_argument(
+        "--compiled", default="inductor", metavar="BACKEND",
+        help="torch.compile backend of the compiled row (default inductor; off: no compiled row)",
     )
     parser.add_argument(
         "--min-seconds", type=float, default=None,
@@ -480,10 +561,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: list[torch.device]) -> None:
-    """Exits with status 2 (parser.error) for --min-seconds below 0 or
-    --cuda-graphs on with a CPU list."""
+    """Exits with status 2 (parser.error) for --min-seconds below 0, an
+    unknown --compiled backend or --cuda-graphs on with a CPU list."""
     if args.min_seconds is not None and not args.min_seconds >= 0:
         parser.error(f"--min-seconds: expected a number >= 0, but got {args.min_seconds}")
+    if args.compiled != "off":
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if args.compiled not in known:
+            parser.error(f"--compiled: expected off or a torch.compile backend ({', '.join(known)}), "
+                         f"but got {args.compiled!r}")
     try:
         graphs_note(devices, args.cuda_graphs)
     except ValueError as error:

@@ -621,6 +621,11 @@ class DataParallel(TorchDataParallel):
                 )
         args, kws, sizes, used = _split_of(self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim)
         self._local_batch = sum(sizes)  # this process's share, for the process group's weights
+        if criterion is not None and len(sizes) > 1 and 0 in sizes:  # only from an overridden scatter
+            raise ValueError(
+                f"criterion: each replica's loss is weighted by its rows, but {type(self).__name__}.scatter gave "
+                f"replica {sizes.index(0)} no tensor with a dimension {self.dim} to count them by"
+            )
         if used[0] != 0:
             given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
             split = [0] * len(self.device_ids)

@@ -308,8 +308,8 @@ def test_scatter_override_with_criterion_is_really_weighted() -> None:
     with torch.no_grad():
         loss = dp(x, y)
     assert sorted(seen) == [1, 5, 5]
-    parts = [F.cross_entropy(model(a), b) for a, b in zip(torch.split(x, [1, 5, 5]), torch.split(y, [1, 5, 5]))]
     with torch.no_grad():
+        parts = [F.cross_entropy(model(a), b) for a, b in zip(torch.split(x, [1, 5, 5]), torch.split(y, [1, 5, 5]))]
         assert float(loss) == pytest.approx(float(F.cross_entropy(model(x), y)), abs=TOL)
     assert abs(float(sum(parts) / 3) - float(loss)) > 1e-6
 
@@ -424,6 +424,17 @@ def test_scatter_override_returning_too_many_replicas_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="scatter: returned 6 replicas' arguments for 2 device"):
         TooMany(_net(), ["cpu"] * 2)(_batch(0)[0])
+
+
+def test_scatter_override_without_rows_under_criterion_is_an_error() -> None:
+    class NoRows(dpcore.DataParallel):
+        def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+            x, y = inputs
+            return [(x[:5], y[:5]), ("no tensor", 3)], None
+
+    dp = NoRows(_net(), ["cpu"] * 2, criterion=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="replica 1 no tensor with a dimension 0"):
+        dp(*_batch(0))
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ _C = load_extension()
 
 from dpcore import comm  # noqa: E402
 from dpcore.data_parallel import DataParallel, data_parallel  # noqa: E402
+from dpcore._patch import TorchPatch, patch_torch, unpatch_torch  # noqa: E402
 from dpcore.info import info  # noqa: E402
 from dpcore.parallel_apply import parallel_apply  # noqa: E402
 from dpcore.replicate import replicate  # noqa: E402
@@ -25,12 +26,15 @@ __all__ = [
     "Broadcast",
     "DataParallel",
     "SyncBatchNormError",
+    "TorchPatch",
     "comm",
     "data_parallel",
     "gather",
     "info",
     "parallel_apply",
+    "patch_torch",
     "replicate",
     "scatter",
+    "unpatch_torch",
     "__version__",
 ]

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,8 @@ from dpcore._split import _as_weight, as_int, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
-from dpcore.scatter_gather import scatter_kwargs
+from dpcore.replicate import replicate as replicate_module
+from dpcore.scatter_gather import Scattered, scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
 from dpcore.sync_batchnorm import needs_sync, synchronized_apply
 
@@ -30,6 +33,10 @@ if TYPE_CHECKING:
     from dpcore._graphs import GraphRunner
 
 __all__ = ["DataParallel", "data_parallel"]
+
+#: torch's own class, bound when dpcore is imported (before dpcore.patch_torch
+#: can rebind torch's public names to dpcore's class).
+TorchDataParallel = nn.DataParallel
 
 
 def _check_device_list(devices: list[torch.device]) -> None:
@@ -273,10 +280,173 @@ _DDP_ONLY = frozenset({
 })
 
 
-class DataParallel(nn.Module, Joinable):
+_EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
+
+
+def _check_overrides(cls: type, *, cuda_graphs: bool, sync_batchnorm: bool) -> None:
+    """Raises ValueError where an option would silently skip a method that
+    `cls` (a subclass of DataParallel) overrides."""
+    if cls is DataParallel:
+        return
+    overridden = [name for name in _EXTENSION_POINTS if getattr(cls, name) is not getattr(DataParallel, name)]
+    if cuda_graphs:
+        skipped = [name for name in overridden if name in ("replicate", "parallel_apply")]
+        if skipped:
+            raise ValueError(
+                f"cuda_graphs=True replays captured replicas and calls neither replicate nor parallel_apply, "
+                f"but {cls.__name__} overrides {' and '.join(skipped)}: drop cuda_graphs=True or the override"
+            )
+    if sync_batchnorm and "parallel_apply" in overridden:
+        raise ValueError(
+            f"sync_batchnorm=True runs the replicas itself, all at once, since they wait for each other, but "
+            f"{cls.__name__} overrides parallel_apply: drop sync_batchnorm=True or the override"
+        )
+
+
+class _ScatteredPair(tuple):  # type: ignore[type-arg]
+    """What DataParallel.scatter returns: torch's pair ``(inputs, kwargs)``
+    (one entry per replica in each), with dpcore's ``sizes`` (rows per
+    replica) and ``device_indices`` (each replica's index into the device
+    list) as attributes."""
+
+    sizes: list[int]
+    device_indices: list[int]
+
+    def __new__(cls, scattered: Scattered) -> _ScatteredPair:
+        pair = super().__new__(cls, (scattered.args, scattered.kwargs))
+        pair.sizes = scattered.sizes
+        pair.device_indices = scattered.device_indices
+        return pair
+
+
+def _split_of(result: Any, devices: Sequence[torch.device], dim: int) -> tuple[list[Any], list[Any], list[int], list[int]]:
+    """(args, kwargs, sizes, device indices) per replica from what a
+    ``scatter`` returned: dpcore's own pair carries them; for torch's plain
+    ``(inputs, kwargs)`` (an overriding subclass) the replicas sit on the
+    first devices, in order, and each one's rows are the size along `dim` of
+    the first tensor in its arguments. Raises naming ``scatter`` for anything
+    else."""
+    if isinstance(result, _ScatteredPair):
+        return result[0], result[1], result.sizes, result.device_indices
+    if isinstance(result, Scattered):
+        return result.args, result.kwargs, result.sizes, result.device_indices
+    if not isinstance(result, Sequence) or len(result) != 2:
+        raise TypeError(
+            f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
+            f"DataParallel.scatter returns, but got {type(result).__name__}"
+        )
+    inputs, kwargs = result
+    args = [a if isinstance(a, tuple) else tuple(a) if isinstance(a, list) else (a,) for a in inputs]
+    kws = [dict(k or {}) for k in kwargs] if kwargs is not None else [{} for _ in args]
+    if not args and not kws:  # no arguments at all: one replica, as torch
+        args, kws = [()], [{}]
+    if len(args) != len(kws):
+        raise ValueError(
+            f"scatter: expected as many kwargs entries as inputs entries (one per replica), but got "
+            f"{len(args)} inputs and {len(kws)} kwargs"
+        )
+    if len(args) > len(devices):
+        raise ValueError(f"scatter: returned {len(args)} replicas' arguments for {len(devices)} device(s)")
+    sizes = [_rows((a, k), dim) for a, k in zip(args, kws)]
+    return args, kws, sizes, list(range(len(args)))
+
+
+def _rows(tree: Any, dim: int) -> int:
+    """The size along `dim` of the first tensor in `tree` (0 where there is
+    none, or it has too few dimensions)."""
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        if not found:
+            found.append(t)
+        return t
+
+    map_tensors(visit, tree)
+    if not found or not -found[0].dim() <= dim < found[0].dim():
+        return 0
+    return int(found[0].size(dim))
+
+
+class _SignedForward:
+    """``DataParallel.forward`` as a descriptor: ``dp.forward`` is a bound
+    callable whose ``inspect.signature`` is the wrapped module's forward
+    signature (libraries such as Hugging Face's Trainer read it to pick the
+    arguments the model takes)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.fn
+        return _BoundForward(self.fn, obj)
+
+
+class _BoundForward:
+    """A DataParallel's bound ``forward`` (see _SignedForward)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, fn: Callable[..., Any], obj: Any) -> None:
+        self.__func__ = fn
+        self.__self__ = obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        dp = self.__self__
+        if getattr(dp, "criterion", None) is None:
+            try:
+                return inspect.signature(dp.module.forward)
+            except (TypeError, ValueError):
+                pass
+        return inspect.signature(functools.partial(self.__func__, dp))
+
+    @property
+    def __name__(self) -> str:
+        return self.__func__.__name__
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.__func__.__doc__
+
+    def __repr__(self) -> str:
+        return f"<bound method DataParallel.forward of {type(self.__self__).__name__}>"
+
+
+class DataParallel(TorchDataParallel, Joinable):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the outputs
-    are gathered onto ``output_device``. Drop-in for torch.nn.DataParallel.
+    are gathered onto ``output_device``. Drop-in for torch.nn.DataParallel,
+    and an instance of it (``isinstance(dp, torch.nn.DataParallel)`` holds,
+    so libraries that unwrap torch's wrapper by isinstance unwrap this one;
+    torch's ``__init__`` never runs and every method torch's class defines
+    is dpcore's own).
+
+    Extension points, as torch's: ``forward`` calls ``scatter(inputs,
+    kwargs, device_ids)``, ``replicate(module, device_ids)``,
+    ``parallel_apply(replicas, inputs, kwargs)`` and ``gather(outputs,
+    output_device)``, with torch's signatures, so a subclass written for
+    torch's wrapper that overrides any of them works unchanged (as torch,
+    with a single device in ``device_ids`` only ``scatter`` is called and the
+    module's output is returned as is when ``gather`` is overridden). Where
+    a subclass overrides none of them, dpcore's fast paths run (the cached
+    replicas, the worker pool, ``sync_batchnorm``, ``cuda_graphs``). An
+    overridden ``scatter`` returns ``(inputs, kwargs)``, one entry per
+    replica on ``device_ids[0..n-1]``; each replica's rows (its weight with
+    ``criterion=``, its share with a process group) are then the size along
+    ``dim`` of the first tensor in its arguments. Combinations that would
+    silently skip an override are errors: ``cuda_graphs=True`` with an
+    overridden ``replicate`` or ``parallel_apply`` (replays call neither),
+    ``sync_batchnorm=True`` with an overridden ``parallel_apply`` (its
+    replicas must run at once), ``criterion=`` or ``gather=False`` with an
+    overridden ``gather`` (neither gathers outputs). With ``criterion=``,
+    ``parallel_apply`` gets, per replica, a callable that runs the replica
+    and returns its loss. ``inspect.signature(dp.forward)`` is the wrapped
+    module's forward signature (without ``criterion=``).
 
     Args:
         module: the module to parallelise; must sit on ``device_ids[0]``.
@@ -427,6 +597,10 @@ class DataParallel(nn.Module, Joinable):
     # its own call serialization.
     _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
+    # The devices of the replicas of the call in progress, for the default
+    # parallel_apply when a subclass overrides replicate (None otherwise).
+    _call_devices: list[torch.device] | None = None
+
     def __init__(
         self,
         module: nn.Module,
@@ -447,7 +621,9 @@ class DataParallel(nn.Module, Joinable):
         broadcast_buffers: bool = True,
         cuda_graphs: bool = False,
     ) -> None:
-        super().__init__()
+        # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
+        # indices, move the module and warn): only nn.Module's.
+        nn.Module.__init__(self)
         Joinable.__init__(self)  # the join context's per-instance state (disabled outside Join)
         self._calls = _CallGuard()
         self._graphs: GraphRunner | None = None
@@ -464,6 +640,7 @@ class DataParallel(nn.Module, Joinable):
             )
         if cuda_graphs:
             _check_not_compiled(module)
+        _check_overrides(type(self), cuda_graphs=cuda_graphs, sync_batchnorm=sync_batchnorm)
         self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
         self.module = module
@@ -485,7 +662,8 @@ class DataParallel(nn.Module, Joinable):
                 )
             if process_group is not None:
                 raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
-        self.gather = gather
+        # ``gather`` is torch's method name; the option is stored as ``gather_output``.
+        self.gather_output = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         self._sync: GradientSync | None = None
         if device_ids is None and process_group is not None:
@@ -541,8 +719,17 @@ class DataParallel(nn.Module, Joinable):
             ) from None
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The bare module's state dict (no ``module.`` prefix)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The bare module's state dict (no ``module.`` prefix). Reading an
+        entry by torch.nn.DataParallel's key (``sd["module.fc.weight"]``)
+        gives the bare key's entry too (see _StateDict); iteration, ``in``,
+        saving and loading see the bare keys only. With a ``destination``,
+        the module's entries are written into it, as nn.Module does."""
+        if args or kwargs.get("destination") is not None:
+            return self.module.state_dict(*args, **kwargs)
+        kwargs.pop("destination", None)
+        destination = _StateDict()
+        destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        return self.module.state_dict(destination=destination, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict (keys with a ``module.`` prefix, as
@@ -571,6 +758,8 @@ class DataParallel(nn.Module, Joinable):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state.get("gather"), bool):  # pickled before the option became gather_output
+            state["gather_output"] = state.pop("gather")
         super().__setstate__(state)
         self._calls = _CallGuard()
         self._graphs = _graph_runner() if state.get("cuda_graphs") else None
@@ -583,6 +772,58 @@ class DataParallel(nn.Module, Joinable):
         replica._calls = _CallGuard()
         replica._graphs = _graph_runner() if self.cuda_graphs else None
         return replica
+
+    @property
+    def src_device_obj(self) -> torch.device | None:
+        """torch's attribute: the device of the module, ``device_ids[0]``
+        (None where the wrapper runs the module as is, with no device)."""
+        return self.device_ids[0] if self.device_ids else None
+
+    # -- torch.nn.DataParallel's extension points --------------------------
+
+    def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]) -> Any:
+        """torch's ``scatter``: ``(inputs, kwargs)``, the positional and
+        keyword arguments of each replica, split along ``dim`` by dpcore's
+        rules (balanced, or ``chunk_sizes`` / ``weights``; see
+        :func:`dpcore.scatter_gather.scatter_kwargs`). The pair also carries
+        ``.sizes`` (rows per replica) and ``.device_indices`` (the indices
+        into ``device_ids`` of the replicas' devices)."""
+        return _ScatteredPair(scatter_kwargs(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights))
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        """torch's ``replicate``: one module per device of ``device_ids``, the
+        first ``module`` itself, gradients flowing back to it (without
+        autograd history under no_grad, as torch). For this wrapper's module
+        on a leading part of its own ``device_ids`` (what ``forward`` asks
+        for), the cached replicas, refreshed; else fresh ones."""
+        devices = as_devices(device_ids, "device_ids")
+        if module is self.module and devices and devices == self.device_ids[: len(devices)]:
+            return self._replicas(len(devices))
+        return replicate_module(module, devices, detach=not torch.is_grad_enabled())
+
+    def parallel_apply(self, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        """torch's ``parallel_apply``: ``replicas[i](*inputs[i], **kwargs[i])``
+        for every i at once on dpcore's worker pool (see
+        :func:`dpcore.parallel_apply`), each with the device of its replica in
+        this call (else ``device_ids[i]``) as current device; the outputs in
+        order."""
+        if len(replicas) == 1:  # in this thread, as forward runs a single replica
+            first = inputs[0]
+            return [replicas[0](*(first if isinstance(first, (list, tuple)) else (first,)), **((kwargs or [{}])[0] or {}))]
+        devices = self._call_devices
+        if devices is None or len(devices) != len(replicas):
+            devices = self.device_ids[: len(replicas)]
+        return self._parallel_apply(replicas, inputs, kwargs, devices)
+
+    def gather(self, outputs: Sequence[Any], output_device: DeviceLike | None) -> Any:
+        """torch's ``gather``: the per-replica outputs joined along ``dim`` on
+        ``output_device`` (see :func:`dpcore.gather`)."""
+        return gather_outputs(outputs, output_device, dim=self.dim)
+
+    def _overrides(self, name: str) -> bool:
+        """Whether this wrapper's class (or the instance) replaces the
+        extension point `name` of dpcore's class."""
+        return getattr(type(self), name) is not getattr(DataParallel, name) or name in self.__dict__
 
     # -- forward --------------------------------------------------------------
 
@@ -607,6 +848,8 @@ class DataParallel(nn.Module, Joinable):
             self._sync.before_forward(self)
             output = self._forward(*inputs, **kwargs)
             return self._sync.after_forward(output, self._local_batch, _summed(self._reduction))
+
+    forward = _SignedForward(forward)  # type: ignore[assignment]
 
     def _parallel_apply(
         self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any, *, all_at_once: bool = False
@@ -705,8 +948,23 @@ class DataParallel(nn.Module, Joinable):
                 return self.module(*inputs, **kwargs)
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
 
-        args, kws, sizes, used = scatter_kwargs(inputs, kwargs, self.device_ids, self.dim, self.chunk_sizes, self.weights)
+        if criterion is not None or not self.gather_output or self.model_loss is not None:
+            if self._overrides("gather"):
+                given = (
+                    "criterion=" if criterion is not None else "gather=False" if not self.gather_output else "model_loss="
+                )
+                raise ValueError(
+                    f"{type(self).__name__} overrides gather, but with {given} the outputs are not gathered by "
+                    f"gather (a loss, or the per-replica outputs, is returned), so the override would never run: "
+                    f"drop {given} or the override"
+                )
+        args, kws, sizes, used = _split_of(self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim)
         self._local_batch = sum(sizes)  # this process's share, for the process group's weights
+        if criterion is not None and len(sizes) > 1 and 0 in sizes:  # only from an overridden scatter
+            raise ValueError(
+                f"criterion: each replica's loss is weighted by its rows, but {type(self).__name__}.scatter gave "
+                f"replica {sizes.index(0)} no tensor with a dimension {self.dim} to count them by"
+            )
         if used[0] != 0:
             given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
             split = [0] * len(self.device_ids)
@@ -726,9 +984,11 @@ class DataParallel(nn.Module, Joinable):
             outputs = self._graphs.step(self, args, kws, used, make_call)
         replayed = outputs is not None  # by replay (or an eager warm-up on the replica streams)
         if replayed:
-            if not self.gather and criterion is None:
+            if (not self.gather_output or self._overrides("gather")) and criterion is None:
                 # Replayed outputs alias the graphs' static memory, which the next replay overwrites.
                 outputs = [map_tensors(torch.Tensor.clone, o) for o in outputs]
+        elif len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply")):
+            outputs = self._run_overridden(args, kws, used, make_call)
         else:
             outputs = self._run_eagerly(args, kws, used, make_call)
         if criterion is not None:
@@ -742,11 +1002,43 @@ class DataParallel(nn.Module, Joinable):
                 return _weighted_mean([loss.to(out) for loss in outputs], counts, replayed)
             parts = [loss.to(out) * _loss_weight(self._reduction, size, total) for loss, size in zip(outputs, sizes)]
             return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-        if not self.gather:
+        if not self.gather_output:
             return outputs
         if self.model_loss is not None:
             return self._gather_with_model_loss(outputs, args, kws, sizes, devices, replayed)
-        return gather_outputs(outputs, self.output_device, dim=self.dim)
+        if len(self.device_ids) == 1 and self._overrides("gather"):
+            return outputs[0]  # torch: with one device, the module's output as is
+        return self.gather(outputs, self.output_device)
+
+    def _run_overridden(
+        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]
+    ) -> list[Any]:
+        """The outputs of the replicas `used`, through this wrapper's
+        ``replicate`` and ``parallel_apply`` (a subclass overrides one of
+        them): as torch's forward calls them."""
+        replicas = self.replicate(self.module, self.device_ids[: used[-1] + 1])
+        if not isinstance(replicas, Sequence) or len(replicas) != used[-1] + 1:
+            got = len(replicas) if isinstance(replicas, Sequence) else type(replicas).__name__
+            raise ValueError(
+                f"{type(self).__name__}.replicate: expected one replica per device ({used[-1] + 1}), but got {got}"
+            )
+        modules = [replicas[i] for i in used]
+        calls = [make_call(m) for m in modules]
+        devices = [self.device_ids[i] for i in used]
+        self._call_devices = devices
+        try:
+            if self.sync_batchnorm and len(calls) > 1 and needs_sync(self.module):
+                # parallel_apply is dpcore's here (checked at construction)
+                return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+            outputs = self.parallel_apply(calls, args, kws)
+        finally:
+            self._call_devices = None
+        if not isinstance(outputs, Sequence) or len(outputs) != len(calls):
+            got = len(outputs) if isinstance(outputs, Sequence) else type(outputs).__name__
+            raise ValueError(
+                f"{type(self).__name__}.parallel_apply: expected one output per replica ({len(calls)}), but got {got}"
+            )
+        return list(outputs)
 
     def _criterion_counts(self, args: list[Any], kws: list[Any]) -> list[Any] | None:
         """How many items each replica's mean criterion averages over, where
@@ -848,6 +1140,40 @@ def _check_not_compiled(module: nn.Module) -> None:
             "is compiled: pass cuda_graphs=False, where each replica runs its own compiled code, or the "
             "uncompiled module with cuda_graphs=True"
         )
+
+
+class _StateDict(OrderedDict):  # type: ignore[type-arg]
+    """A DataParallel's state dict: the bare module's keys and values, where
+    reading a key that has torch.nn.DataParallel's ``module.`` prefix
+    (``sd["module.fc.weight"]``, as code written for torch's wrapper reads
+    its state dict: timm's ModelEma) gives the entry of the bare key, as a
+    defaultdict answers missing keys; ``in``, ``get``, iteration and
+    ``len`` see the bare keys only. No alias is made where a key of the
+    module itself starts with ``module.`` (a child named ``module``): then
+    a missing key stays a KeyError. Pickles (``torch.save``, also
+    ``torch.load(weights_only=True)``), copies and deep-copies as a plain
+    OrderedDict with its ``_metadata``, so a checkpoint never needs dpcore
+    to load."""
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, str) and key.startswith("module.") and not self._has_prefixed_keys():
+            bare = key[len("module.") :]
+            if dict.__contains__(self, bare):
+                return dict.__getitem__(self, bare)
+        raise KeyError(key)
+
+    def _has_prefixed_keys(self) -> bool:
+        """Whether any real key starts with ``module.`` (cached per length)."""
+        cached = self.__dict__.get("_prefixed")
+        if cached is None or cached[0] != len(self):
+            cached = (len(self), any(isinstance(k, str) and k.startswith("module.") for k in self))
+            self.__dict__["_prefixed"] = cached
+        return cached[1]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        metadata = self.__dict__.get("_metadata")
+        state = None if metadata is None else {"_metadata": metadata}
+        return (OrderedDict, (), state, None, iter(self.items()))
 
 
 def _graph_runner() -> GraphRunner:

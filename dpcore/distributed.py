@@ -79,7 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._pytree import map_tensors
 
 __all__ = ["GradientSync"]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastBucket
 

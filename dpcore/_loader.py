@@ -41,22 +41,22 @@ def is_source_checkout(package_dir: str) -> bool:
 
 
 def installed_elsewhere(package_dir: str, search_path: Sequence[str] | None = None) -> str | None:
-    """The folder of another, built dpcore package on `search_path` (default
-    sys.path) than `package_dir`, one that the import found second because
-    `package_dir` came first; None when there is none.
+    """The folder of the first built dpcore package on `search_path` (default
+    sys.path) other than `package_dir`: the one an import would have found
+    had `package_dir` not come first; None when there is none.
 
     Built means it holds _build_info.py, which setup.py writes next to _C."""
     entries = list(sys.path if search_path is None else search_path)
     shadowing = os.path.realpath(os.path.dirname(package_dir))
-    others = [entry for entry in entries if os.path.realpath(entry or os.getcwd()) != shadowing]
-    spec = importlib.machinery.PathFinder.find_spec("dpcore", others)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        if os.path.realpath(folder) != os.path.realpath(package_dir) and os.path.isfile(
-            os.path.join(folder, "_build_info.py")
-        ):
-            return folder
+    for entry in entries:
+        if os.path.realpath(entry or os.getcwd()) == shadowing:
+            continue
+        spec = importlib.machinery.PathFinder.find_spec("dpcore", [entry])
+        for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+            if os.path.realpath(folder) != os.path.realpath(package_dir) and os.path.isfile(
+                os.path.join(folder, "_build_info.py")
+            ):
+                return folder
     return None
 
 

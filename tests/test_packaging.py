@@ -214,3 +214,10 @@ def test_fresh_venv_without_wheel_names_pip_install_wheel(tmp_path: Path) -> Non
     metadata = _pip(python, "install", "--dry-run", "--no-deps", "--no-build-isolation", ".", cwd=source)
     assert metadata.returncode == 0, metadata.stdout
     assert f"Would install dpcore-{_version()}" in metadata.stdout
+
+
+def test_readme_install_lines_name_wheel_and_the_python_versions() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0 ninja setuptools wheel\n  pip install --no-build-isolation ." in readme
+    assert "Python 3.10 or newer" in readme
+    assert 'requires-python = ">=3.10"' in PYPROJECT.read_text()

@@ -1,6 +1,6 @@
 # Types of dpcore._C, the C++ extension (bindings in csrc/python/*.cpp).
 # Import it as `from dpcore._loader import _C`, which checks the build first.
-# tests/test_info.py compares this stub with the built module: every name and
+# tests/test_layout.py compares this stub with the built module: every name and
 # every parameter name here is one the extension has, and the reverse.
 
 from collections.abc import Callable, Sequence

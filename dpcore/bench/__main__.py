@@ -146,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     notes: list[str] = []
     try:
         import matplotlib  # noqa: F401
+
+        can_plot = True
     except ImportError:
+        can_plot = False
         notes.append(NO_PLOT_NOTE)
         print(f"note: {NO_PLOT_NOTE}", flush=True)
 
@@ -175,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print_table(step_result["rows"], bench_step.COLUMNS)
 
     files = [write_json(out / "comm.json", comm_result), write_json(out / "step.json", step_result)]
-    if not notes:
+    if can_plot:
         title = f"dpcore collectives on {spec} ({comm_result['env']['build']} build)"
         files.append(plot_sweep(sweep, title, out / PLOT_NAME))
     print(f"\nwrote {', '.join(str(f) for f in files)} in {time.perf_counter() - started:.1f} s")

@@ -2,7 +2,8 @@
 
 CUDAExtension when the installed torch has CUDA and nvcc is found, else
 CppExtension; DPCORE_CUDA=0 or DPCORE_CUDA=1 forces either. Install with
-`pip install --no-build-isolation .` after torch.
+`pip install --no-build-isolation .` after torch (and, with a setuptools
+older than 70.1, the `wheel` package: the build says so when it is missing).
 
 The extension always links the shared libstdc++ that torch loads, whatever
 compiler CC / CXX name, and the build refuses a library that does not (see
@@ -29,6 +30,34 @@ except ImportError:  # pragma: no cover - reported to the user
         "dpcore: torch must be installed before dpcore is built; install it, then "
         "run `pip install --no-build-isolation .`"
     )
+
+#: setup.py commands that make a wheel (pip's PEP 517 build runs dist_info for
+#: the metadata, then bdist_wheel; editable installs run editable_wheel).
+WHEEL_COMMANDS = {"bdist_wheel", "dist_info", "editable_wheel"}
+
+
+def _check_wheel_support(commands: list[str]) -> None:
+    """Exits naming the one command that fixes it when `commands` make a wheel
+    and the running setuptools cannot: setuptools ships bdist_wheel itself
+    only from 70.1, older ones need the `wheel` package (a fresh Python 3.11
+    venv has setuptools 65.5 and no wheel; torch 2.13 and newer pull in a
+    recent setuptools, older torch releases do not)."""
+    if not WHEEL_COMMANDS.intersection(commands):
+        return
+    if importlib.util.find_spec("setuptools.command.bdist_wheel") is not None:
+        return
+    if importlib.util.find_spec("wheel") is not None:
+        return
+    import setuptools
+
+    sys.exit(
+        f"dpcore: building a wheel with setuptools {setuptools.__version__} needs the `wheel` package "
+        "(setuptools ships bdist_wheel itself only from 70.1): run `pip install wheel`, then "
+        "`pip install --no-build-isolation .` again"
+    )
+
+
+_check_wheel_support(sys.argv[1:])
 
 ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"

@@ -7,20 +7,16 @@ allowed: ``["cpu"] * 4`` runs four replicas on the CPU.
     model = dpcore.DataParallel(model, device_ids=["cpu"] * 4)
 """
 
-from dpcore._loader import load_extension
-
-_C = load_extension()
-
-from dpcore import comm  # noqa: E402
-from dpcore.data_parallel import DataParallel, data_parallel  # noqa: E402
-from dpcore._patch import TorchPatch, patch_torch, unpatch_torch  # noqa: E402
-from dpcore.info import info  # noqa: E402
-from dpcore.parallel_apply import parallel_apply  # noqa: E402
-from dpcore.replicate import replicate  # noqa: E402
-from dpcore.scatter_gather import Broadcast, gather, scatter  # noqa: E402
-from dpcore.sync_batchnorm import SyncBatchNormError  # noqa: E402
-
-__version__ = "0.1.0"
+from dpcore import comm
+from dpcore._loader import _C as _C
+from dpcore._version import __version__
+from dpcore._patch import TorchPatch, patch_torch, unpatch_torch
+from dpcore.data_parallel import DataParallel, data_parallel
+from dpcore.info import info
+from dpcore.parallel_apply import parallel_apply
+from dpcore.replicate import replicate
+from dpcore.scatter_gather import Broadcast, gather, scatter
+from dpcore.sync_batchnorm import SyncBatchNormError
 
 __all__ = [
     "Broadcast",

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_destination, as_devices, tensor_list
 from dpcore._split import as_int_list
 

@@ -54,7 +54,9 @@ devices): the hybrid wrapper is a DataParallel with the same options.
 
     torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
 
-Needs scikit-learn and tqdm: ``pip install 'dpcore[demo]'``.
+Needs scikit-learn and tqdm: ``pip install scikit-learn tqdm``, or dpcore's
+demo extras (``pip install --no-build-isolation ".[demo]"`` in the source
+folder).
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ HISTORY_COLUMNS = [
     ("seconds", "train s", ".2f"),
 ]
 
-MISSING_DEPS = "dpcore.demo needs scikit-learn and tqdm, but {} missing: pip install 'dpcore[demo]'"
+MISSING_DEPS = (
+    "dpcore.demo needs scikit-learn and tqdm, but {} missing: pip install scikit-learn tqdm "
+    '(or, in the dpcore source folder, pip install --no-build-isolation ".[demo]")'
+)
 
 
 def _require_demo_deps() -> None:

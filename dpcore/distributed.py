@@ -129,7 +129,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._pytree import map_tensors
 
 __all__ = ["GradientSync", "DataParallelJoinHook"]

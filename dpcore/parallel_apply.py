@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_device, normalize_device
 
 __all__ = ["parallel_apply", "start_parallel_apply"]

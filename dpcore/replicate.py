@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from dpcore import _C
 from dpcore._compiled import CompiledReplicas, has_compiled, replicate_module
+from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastBucket
 from dpcore._step_hook import track

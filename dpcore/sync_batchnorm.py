@@ -63,7 +63,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from dpcore import _C
+from dpcore._loader import _C
 from dpcore._devices import DeviceLike
 from dpcore.parallel_apply import parallel_apply
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need from nothing and runs them: a virtual
-# environment with torch 2.13.0 (CPU), dpcore built and installed, the C++
-# gtest suite (CMake + ctest) and the Python pytest suite.
+# environment with torch 2.13.0 (CPU), the lint (scripts/lint.sh), dpcore
+# built and installed, the C++ gtest suite (CMake + ctest) and the Python
+# pytest suite.
 # Usage: bash scripts/test.sh            (the README's test command; CI runs it)
 # Env:   DPCORE_VENV (default .venv), PYTEST_ARGS (extra pytest arguments)
 set -euo pipefail
@@ -26,7 +27,11 @@ step "virtual environment $venv with torch $torch_version"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib \
+  "ruff==0.17.6"
+
+step "lint: ruff (scripts/lint.sh)"
+bash "$root/scripts/lint.sh"
 
 step "build and install dpcore"
 python -m pip install -q --no-build-isolation "$root"

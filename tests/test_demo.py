@@ -1,6 +1,6 @@
 """Tests for the digits demo, ``python -m dpcore.demo`` (dpcore/demo.py).
 
-The demo needs scikit-learn and tqdm (``pip install 'dpcore[demo]'``); the
+The demo needs scikit-learn and tqdm (the demo extras); the
 test environment installs them, so nothing here skips for want of them.
 Runs are kept short: one epoch, or a stratified subset (the hidden
 ``--limit`` option)."""
@@ -350,8 +350,11 @@ def test_missing_dependency_names_the_extra(module: str, monkeypatch: pytest.Mon
     with pytest.raises(SystemExit) as exc:
         demo.main(["--epochs", "1", "--devices", "cpu:2"])
     message = str(exc.value.code)
-    assert "pip install 'dpcore[demo]'" in message and "\n" not in message
-    assert ("scikit-learn" if module == "sklearn" else "tqdm") in message
+    missing = "scikit-learn" if module == "sklearn" else "tqdm"
+    assert message == (
+        f"dpcore.demo needs scikit-learn and tqdm, but {missing} is missing: pip install scikit-learn tqdm "
+        '(or, in the dpcore source folder, pip install --no-build-isolation ".[demo]")'
+    )
 
 
 def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,8 +4,11 @@ torch-version check."""
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -48,7 +51,7 @@ def test_self_check_formats_numbers_in_cpp_errors() -> None:
 def test_self_check_failure_is_reported_and_fails_the_command(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    info_module = importlib.import_module("dpcore.info")  # the module; dpcore.info is the function
+    info_module = importlib.import_module("dpcore.info")  # the package; dpcore.info is the function
     monkeypatch.setattr(dpcore._C, "_self_check", lambda: "self-check: size_t , int64_t , double ")
     verdict = dpcore.info()["self_check"]
     assert verdict.startswith("failed: a C++ error message came out as 'self-check: size_t , int64_t , double '")
@@ -157,3 +160,78 @@ def test_loader_without_build_info_says_how_to_build(monkeypatch: pytest.MonkeyP
     # The real module is intact afterwards.
     monkeypatch.undo()
     assert importlib.import_module("dpcore._build_info").TORCH_VERSION == _build_info.TORCH_VERSION
+
+
+def test_python_m_dpcore_info_runs_without_the_sys_modules_warning() -> None:
+    # `import dpcore` imports dpcore.info and binds the name to the function;
+    # runpy warned "'dpcore.info' found in sys.modules" when that was a module.
+    completed = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "dpcore.info"],
+        cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "found in sys.modules" not in completed.stderr
+    assert "self_check: ok" in completed.stdout
+
+
+def test_dpcore_info_stays_the_function_after_importing_its_module() -> None:
+    module = importlib.import_module("dpcore.info")
+    assert callable(dpcore.info) and dpcore.info is module.info
+    assert set(dpcore.info()) == EXPECTED_KEYS
+
+
+def _unbuilt_checkout(root: Path) -> Path:
+    """A source checkout's layout (setup.py, csrc/, dpcore/*.py) without any build output."""
+    source = Path(TESTS_DIR).parent
+    (root / "csrc").mkdir(parents=True)
+    shutil.copy2(source / "setup.py", root / "setup.py")
+    shutil.copytree(
+        source / "dpcore", root / "dpcore", ignore=shutil.ignore_patterns("*.so", "_build_info.py", "__pycache__")
+    )
+    return root
+
+
+def test_unbuilt_checkout_shadowing_the_installed_dpcore_says_so(tmp_path: Path) -> None:
+    # `python -m dpcore.info` in a source checkout without an in-place build,
+    # with a built dpcore further down sys.path (installed, or on PYTHONPATH).
+    checkout = _unbuilt_checkout(tmp_path / "checkout")
+    completed = subprocess.run(
+        [sys.executable, "-m", "dpcore.info"],
+        cwd=checkout, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert completed.returncode == 1
+    message = completed.stderr.strip().splitlines()[-1]
+    installed = os.path.dirname(os.path.abspath(dpcore.__file__))
+    assert message == (
+        f"ImportError: dpcore was imported from the source checkout {checkout / 'dpcore'}, which has no in-place "
+        f"build, instead of the installed dpcore in {installed}: the checkout comes first on sys.path (it is the "
+        "current directory, or on PYTHONPATH) and shadows the installed package. Run from another directory, or "
+        "build the checkout in place (`python setup.py build_ext --inplace`)"
+    )
+
+
+def test_unbuilt_checkout_alone_says_how_to_build(tmp_path: Path) -> None:
+    checkout = _unbuilt_checkout(tmp_path / "checkout")
+    message = _loader.not_built_message(str(checkout / "dpcore"), [str(checkout)])
+    assert message == (
+        f"dpcore's C++ extension is not built in the source checkout {checkout / 'dpcore'}: install it "
+        f"(`pip install --no-build-isolation .` in {checkout}, then import it from another directory) "
+        "or build in place (`python setup.py build_ext --inplace`)"
+    )
+    # Not a checkout (no setup.py next to it): an install that lost its extension.
+    (checkout / "setup.py").unlink()
+    assert _loader.not_built_message(str(checkout / "dpcore"), [str(checkout)]) == (
+        f"dpcore's C++ extension is not built in {checkout / 'dpcore'}: reinstall dpcore "
+        "(`pip install --no-build-isolation .` from its source folder)"
+    )
+
+
+def test_installed_elsewhere_ignores_the_shadowing_folder_and_unbuilt_copies(tmp_path: Path) -> None:
+    checkout = _unbuilt_checkout(tmp_path / "checkout")
+    other = _unbuilt_checkout(tmp_path / "other")  # a second copy, not built either
+    installed = os.path.dirname(os.path.abspath(dpcore.__file__))
+    parent = os.path.dirname(installed)
+    shadowing = str(checkout / "dpcore")
+    assert _loader.installed_elsewhere(shadowing, [str(checkout), str(other), parent]) == installed
+    assert _loader.installed_elsewhere(shadowing, [str(checkout), str(other)]) is None
+    assert _loader.installed_elsewhere(installed, [parent]) is None  # itself is not "elsewhere"

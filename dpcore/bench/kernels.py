@@ -1,4 +1,4 @@
-"""The kernels and host transfers against the baselines issue 4 names, each
+"""The kernels and host transfers against their baselines, each
 measured in the same run:
 
 * reduce_add_n of 4 buffers: GB/s counting bytes read and written, its

@@ -6,15 +6,15 @@ count of one plain step on 1/K of the batch, so the fair baseline is K plain
 forward/backward passes on a 1/K batch each, run one after another, plus one
 optimizer step: the same arithmetic, with no scatter, replication, threads,
 gather or gradient reduction. ``ratio`` is dpcore's step time over that
-baseline (the issue's target for the MLP: at most 1.1). Also reported: the
+baseline (target for the MLP: at most 1.1). Also reported: the
 plain full-batch step, the time of replication alone (dpcore's cached
 refresh after a parameter update versus torch.nn.parallel.replicate, which
 runs only on CUDA), and on CUDA torch.nn.DataParallel on the same list.
 
 The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
 ``x unsynced`` column is its step time over the same DataParallel step with
-``sync_batchnorm=False`` (per-replica statistics), measured alternately (the
-issue's target: at most 1.3 on CPU lists).
+``sync_batchnorm=False`` (per-replica statistics), measured alternately
+(target: at most 1.3 on CPU lists).
 
 Besides these overhead-dominated models, a wide MLP (50 Linear layers of
 1024) and a ResNet-18-style and a ResNet-50-style network (written here:
@@ -31,7 +31,7 @@ model is also measured with ``dpcore.DataParallel(..., cuda_graphs=True)``,
 its own wrapper over the same model, after ``GRAPH_WARMUP`` untimed calls
 (its eager warm-up and capture happen there). Reported: its step time,
 ``graphed x plain`` (graphed over the plain single-device full-batch step;
-the issue's target for resnet18 at batch 256 on [0, 0, 0, 0]: at most 1.5)
+target for resnet18 at batch 256 on [0, 0, 0, 0]: at most 1.5)
 and ``torch DP / graphed`` (torch.nn.DataParallel over graphed; targets: at
 least 4 for resnet18, the MLP 50x64 and the small CNN rows). A
 synchronized-BatchNorm row is graphed with per-replica statistics (CUDA
@@ -55,12 +55,15 @@ eager dpcore step of the same model (``eager_dpcore_ms``) and the time of
 the untimed first steps, where the compiling happens (``compile_s``).
 
 Every ratio is between two figures measured in the same run, on the same
-model and batch. The JSON's ``targets`` lists the issue's graphed-row targets
+model and batch. The JSON's ``targets`` lists the graphed-row targets
 (``GRAPH_TARGETS``) with the values measured and whether each is met; a
 missed target is reported, not a failure.
 
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
     python bench/bench_step.py --devices 0,0,0,0 --repeats 10 --min-seconds 0.25
+
+The README ("The demo and the benchmarks", "Measured figures") says what
+each figure means and quotes recorded runs.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ CUDA_ONLY = "cuda_graphs: CUDA lists only"
 #: Choices of --cuda-graphs (and of run's `cuda_graphs`).
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 
-#: The issue's targets for the graphed rows, stated for [0, 0, 0, 0]: (row
+#: The targets for the graphed rows, stated for [0, 0, 0, 0]: (row
 #: name, column, "<=" or ">=", bound). Checked wherever the row has the
 #: column; reported, never a failure.
 GRAPH_TARGETS: list[tuple[str, str, str, float]] = [
@@ -215,7 +218,7 @@ def models(quick: bool, full_size: bool, replicas: int) -> list[ModelSpec]:
     """Every model of this benchmark: _models, then a wide MLP and the two
     ResNets, each row's name stating its widths, batch and image size.
 
-    `full_size` (a CUDA list without `quick`): the issue's sizes, MLP
+    `full_size` (a CUDA list without `quick`): the full sizes, MLP
     50x1024 at batch 512, resnet18-style at 256 x 3 x 64 x 64,
     resnet50-style at 128 x 3 x 128 x 128. Otherwise (CPU lists): MLP 50x1024
     at batch 32, both ResNets at full width on 3 x 32 x 32 images at batch

@@ -1,4 +1,8 @@
-"""What was built and what is visible: ``dpcore.info()`` and ``python -m dpcore.info``."""
+"""What was built and what is visible: ``dpcore.info()`` and ``python -m dpcore.info``.
+
+A package, not a module, so that ``python -m dpcore.info`` (its __main__.py)
+runs cleanly although ``import dpcore`` has imported this and bound the name
+``dpcore.info`` to the function info()."""
 
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ def info() -> dict[str, Any]:
     numbers (a size_t, an int64_t, a double), else "failed: ..." with what it
     carried (a static libstdc++ in _C next to torch's shared one drops them).
     """
-    import dpcore
-    from dpcore import _C, _build_info
-    from dpcore._loader import _base
+    import dpcore._build_info as _build_info
+    from dpcore._loader import _C, _base
+    from dpcore._version import __version__
 
     devices = ["cpu"]
     peer_access: dict[str, bool] = {}
@@ -40,7 +44,7 @@ def info() -> dict[str, Any]:
         gpus = [torch.device("cuda", i) for i in range(count)]
         peer_access = {f"cuda:{i} -> cuda:{j}": ok for (i, j), ok in sorted(_C.peer_access(gpus).items())}
     return {
-        "dpcore": dpcore.__version__,
+        "dpcore": __version__,
         "torch": torch.__version__,
         "built_against_torch": _build_info.TORCH_VERSION,
         "torch_matches": _base(_build_info.TORCH_VERSION) == _base(torch.__version__)
@@ -56,7 +60,7 @@ def info() -> dict[str, Any]:
 def self_check() -> str:
     """"ok" when _C formats numbers into its C++ error messages correctly,
     else "failed: " with the message it produced and the likely cause."""
-    from dpcore import _C
+    from dpcore._loader import _C
 
     message = _C._self_check()
     if message == SELF_CHECK_EXPECTED:
@@ -76,7 +80,3 @@ def main() -> None:
     if facts["self_check"] != "ok":
         print(f"dpcore.info: self-check {facts['self_check']}", file=sys.stderr)
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

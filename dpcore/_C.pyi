@@ -1,0 +1,178 @@
+# Types of dpcore._C, the C++ extension (bindings in csrc/python/*.cpp).
+# Import it as `from dpcore._loader import _C`, which checks the build first.
+# tests/test_layout.py compares this stub with the built module: every name and
+# every parameter name here is one the extension has, and the reverse.
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# -- build facts (csrc/python/module.cpp) -------------------------------------
+
+#: Whether the extension was compiled with CUDA (DPCORE_WITH_CUDA).
+with_cuda: bool
+#: The torch version the extension was compiled against (TORCH_VERSION).
+torch_version: str
+#: The CUDA architectures compiled, e.g. ["9.0"]; empty in a CPU build.
+cuda_arch_list: list[str]
+#: dpcore::kDefaultBucketBytes: the bucket size of the coalesced collectives.
+default_bucket_bytes: int
+
+def _self_check() -> str:
+    """The message of a C++ error raised and caught inside _C, with numbers formatted into it."""
+
+# -- collectives (csrc/dpcore/comm/; the public API is dpcore.comm) -----------
+
+def broadcast(tensor: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]: ...
+def broadcast_out(tensor: torch.Tensor, out: Sequence[torch.Tensor]) -> None: ...
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], devices: Sequence[torch.device], bucket_bytes: int
+) -> list[list[torch.Tensor]]:
+    """result[d][i]: tensors[i] on devices[d]."""
+
+def reduce_add(inputs: Sequence[torch.Tensor], destination: torch.device | None) -> torch.Tensor: ...
+def reduce_add_coalesced(
+    inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device | None, bucket_bytes: int
+) -> list[torch.Tensor]:
+    """inputs[d][i]: tensor i on device d; result[i]: their sum on `destination`."""
+
+def scatter(
+    tensor: torch.Tensor,
+    devices: Sequence[torch.device],
+    chunk_sizes: Sequence[int] | None,
+    dim: int,
+    streams: Sequence[torch.Stream | None] | None,
+) -> list[torch.Tensor]: ...
+def scatter_out(
+    tensor: torch.Tensor, out: Sequence[torch.Tensor], dim: int, streams: Sequence[torch.Stream | None] | None
+) -> None: ...
+def gather(tensors: Sequence[torch.Tensor], dim: int, destination: torch.device | None) -> torch.Tensor: ...
+def gather_out(tensors: Sequence[torch.Tensor], out: torch.Tensor, dim: int) -> None: ...
+
+# -- buckets, the host cache, peer access -------------------------------------
+
+def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `tensors` grouped as the C++ core buckets them."""
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+def host_cache_stats() -> dict[str, int]:
+    """{"cached_bytes", "hits", "misses"} of the caching allocator for large CPU buffers."""
+
+def host_cache_clear() -> None: ...
+def peer_access(devices: Sequence[torch.device]) -> dict[tuple[int, int], bool]:
+    """{(reader, owner): whether kernels on CUDA device `reader` read `owner`'s memory directly}."""
+
+# -- parallel_apply on the worker pool (csrc/python/parallel_apply.cpp) --------
+
+class ParallelRun:
+    """The calls started by start_parallel_apply."""
+
+    def result(self) -> list[Any]:
+        """Waits for every call; their results in order, or the error of the lowest failing index."""
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until every call returned or was skipped (at most `timeout` s); whether they have."""
+
+    def cancel(self) -> None:
+        """Calls not yet started will be skipped."""
+
+    @property
+    def done(self) -> bool: ...
+
+def parallel_apply(
+    callables: Sequence[Callable[..., Any]],
+    args: Sequence[Sequence[Any]],
+    kwargs: Sequence[dict[str, Any]],
+    devices: Sequence[torch.device],
+    *,
+    all_at_once: bool = False,
+) -> list[Any]: ...
+def start_parallel_apply(
+    callables: Sequence[Callable[..., Any]],
+    args: Sequence[Sequence[Any]],
+    kwargs: Sequence[dict[str, Any]],
+    devices: Sequence[torch.device],
+    *,
+    all_at_once: bool = False,
+) -> ParallelRun: ...
+def worker_thread_count() -> int: ...
+def worker_pool_count() -> int: ...
+
+# -- replicas (csrc/python/replica_sync.cpp) ------------------------------------
+
+class ReplicaBuffers:
+    """Persistent per-device copies of one bucket of master tensors (built by ReplicaSet)."""
+
+    def __init__(self, like: Sequence[torch.Tensor], targets: Sequence[torch.device]) -> None: ...
+    def refresh(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Brings the buffers up to date; fresh views, device-major (tensors[i] on targets[d] at d * len + i)."""
+
+    def update(self, tensors: Sequence[torch.Tensor]) -> None: ...
+    def invalidate(self) -> None: ...
+    @property
+    def last_refresh_copied(self) -> bool: ...
+
+class ReplicaSet:
+    """The cached replicas of one module on `targets`, refreshed by sync()."""
+
+    def __init__(self, module: nn.Module, targets: Sequence[torch.device], bucket_bytes: int) -> None: ...
+    def valid(self) -> bool:
+        """Whether the masters' structure is still the one the set was built for."""
+
+    def sync(self, rows: int, outputs: Sequence[Sequence[torch.Tensor] | None]) -> list[nn.Module]:
+        """Refreshes rows 0..rows-1 from each bucket's copies (None: refreshed here); their root modules."""
+
+    @property
+    def buckets(self) -> list[tuple[ReplicaBuffers, list[torch.Tensor], bool]]:
+        """(ReplicaBuffers, master tensors, requires_grad) for every bucket, in order."""
+
+    @property
+    def replica_modules(self) -> list[list[nn.Module]]:
+        """rows[j][i]: the replica of module i on targets[j]."""
+
+# -- synchronized BatchNorm (csrc/python/rendezvous.cpp) -------------------------
+
+class SyncBatchNormError(RuntimeError):
+    """A synchronized BatchNorm call could not complete (see dpcore.SyncBatchNormError)."""
+
+class Rendezvous:
+    """A per-call exchange between `participants` ranks (csrc/dpcore/rendezvous.h)."""
+
+    def __init__(self, participants: int, timeout_s: float | None = None) -> None: ...
+    def exchange(
+        self, rank: int, key: str, tensors: Sequence[torch.Tensor], count: int
+    ) -> tuple[list[list[torch.Tensor]], list[int]]:
+        """Blocks until every rank reached this round with the same key: (tensors per rank, count per rank)."""
+
+    def finish(self, rank: int) -> None: ...
+    def fail(self, rank: int, reason: str) -> None: ...
+    def abort(self, reason: str) -> None: ...
+    @property
+    def broken(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def culprit(self) -> int: ...
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def participants(self) -> int: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+def sync_batch_norm(
+    rendezvous: Rendezvous,
+    rank: int,
+    key: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    update_running_stats: bool,
+    momentum: float,
+    eps: float,
+) -> torch.Tensor:
+    """One replica's training-mode BatchNorm with the statistics of every replica's input."""

@@ -25,18 +25,18 @@ from dpcore.data_parallel import TorchDataParallel
 __all__ = ["TorchPatch", "patch_torch", "unpatch_torch"]
 
 
-class _StandInMeta(type):
+class _StandInMeta(type(_DpcoreDataParallel)):  # ABCMeta: the wrapper is a Joinable
     """Metaclass of the class that stands in for torch's while patched:
     torch's own instances and subclasses count as its instances and
     subclasses too (only for that class itself, not for its subclasses)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        if type.__instancecheck__(cls, obj):
+        if super().__instancecheck__(obj):
             return True
         return cls is DataParallel and isinstance(obj, TorchDataParallel)
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        if type.__subclasscheck__(cls, sub):
+        if super().__subclasscheck__(sub):
             return True
         return cls is DataParallel and issubclass(sub, TorchDataParallel)
 

@@ -954,9 +954,8 @@ class DataParallel(TorchDataParallel, Joinable):
                     "criterion=" if criterion is not None else "gather=False" if not self.gather_output else "model_loss="
                 )
                 raise ValueError(
-                    f"{type(self).__name__} overrides gather, but with {given} the outputs are not gathered by "
-                    f"gather (a loss, or the per-replica outputs, is returned), so the override would never run: "
-                    f"drop {given} or the override"
+                    f"{type(self).__name__} overrides gather, but {given} returns a loss or the per-replica "
+                    f"outputs without calling gather, so the override would never run: drop {given} or the override"
                 )
         args, kws, sizes, used = _split_of(self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim)
         self._local_batch = sum(sizes)  # this process's share, for the process group's weights

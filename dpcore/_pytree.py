@@ -28,7 +28,8 @@ The nodes, in the order they are recognized:
   DataParallel). Not iterated: strings, bytes, sets, ranges, dict views,
   iterators and generators, modules, datasets, data loaders, samplers,
   array-likes (``__array__``), enum classes. An iterable without a tensor
-  inside is a leaf;
+  inside is a leaf, and so is one inside a :class:`Broadcast` (passed whole,
+  by reference, to every replica);
 * everything else is a leaf, kept by reference.
 
 Paths such as ``inputs[1]['mask']``, ``kwargs['x'].field`` or
@@ -67,7 +68,9 @@ class Broadcast(Generic[T]):
     * a value that contains no tensor is passed by reference (every replica
       gets ``x`` itself);
     * a container holding tensors is rebuilt per replica with each tensor
-      broadcast as above and every other leaf passed by reference.
+      broadcast as above and every other leaf passed by reference; an
+      iterable that is a container only by torch DP's rebuild rule (not
+      registered with ``torch.utils._pytree``) is passed by reference.
 
     Tensors inside a Broadcast take no part in the batch-size check.
     """
@@ -447,7 +450,7 @@ _TENSOR = Spec(TENSOR, None, None, (), 1)
 _NONE = Spec(NONE, type(None), None, (), 0)
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, int]]) -> Spec:
+def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, int]], inside: bool = False) -> Spec:
     t = type(obj)
     node_kind = _KINDS.get(t) if _registry_size == len(torch_pytree.SUPPORTED_NODES) else None
     if node_kind is None:
@@ -461,14 +464,16 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, i
         return _NONE
     start = len(tensors)
     if node_kind is BROADCAST:
-        inner = _flatten(obj.value, tensors, broadcast)
+        inner = _flatten(obj.value, tensors, broadcast, True)
         if len(tensors) == start:  # nothing to copy: every replica gets the value itself
             inner = Spec(LEAF, type(obj.value), obj.value, (), 0)
         else:
             broadcast.append((start, len(tensors)))
         return Spec(BROADCAST, t, None, (inner,), len(tensors) - start)
+    if node_kind is ITERABLE and inside:  # passed whole, by reference, as before it was taught
+        return Spec(LEAF, t, obj, (), 0)
     context, kids, template = _node(obj, node_kind)
-    specs = tuple([_flatten(child, tensors, broadcast) for child in kids])
+    specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
     count = len(tensors) - start
     if node_kind is ITERABLE and count == 0:
         return Spec(LEAF, t, obj, (), 0)

@@ -322,11 +322,10 @@ def _merge(
             orders[j] = [position[k] for k in keys]
     else:
         for j, s in enumerate(specs[1:], 1):
+            if (first_kind is pt.REGISTERED or first_kind is pt.DATACLASS) and not (s.context,) == (first.context,):
+                raise mismatch(j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})")
             if len(s.children) != count:
                 raise mismatch(j)
-            if first_kind is pt.REGISTERED or first_kind is pt.DATACLASS:
-                if not (s.context,) == (first.context,):
-                    raise mismatch(j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})")
 
     child_starts = []
     for s, start in zip(specs, starts):

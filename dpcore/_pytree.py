@@ -160,11 +160,16 @@ _KINDS: dict[type, str] = {}
 _registry_size = -1
 
 
-def _kind_of(t: type) -> str:
+def _check_registry() -> None:
+    """Drops the kinds known by type when torch's pytree registry changed."""
     global _registry_size
     if len(torch_pytree.SUPPORTED_NODES) != _registry_size:
         _KINDS.clear()
         _registry_size = len(torch_pytree.SUPPORTED_NODES)
+
+
+def _kind_of(t: type) -> str:
+    _check_registry()
     found = _KINDS.get(t)
     if found is None:
         found = _KINDS[t] = _type_kind(t)
@@ -243,12 +248,11 @@ def _node(obj: Any, node_kind: str) -> tuple[Any, list[Any], Any]:
 
 class RebuildError(TypeError):
     """An iterable that cannot be rebuilt from its elements (torch DP's rule);
-    ``trail`` holds the child indices from the root of the tree being rebuilt
-    to the iterable (see path_at)."""
+    ``node`` is its Spec once raised by unflatten (see Spec.trail_to)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.trail: list[int] = []
+        self.node: Spec | None = None
 
 
 def _rebuild(node_kind: str, cls: type, context: Any, template: Any, values: list[Any]) -> Any:
@@ -410,10 +414,23 @@ class Spec:
         order) in place of its tensors; with ``unwrap_broadcast`` every
         :class:`Broadcast` is replaced by its rebuilt value (what a replica
         gets). Raises RebuildError (a TypeError) for an iterable that cannot
-        be rebuilt, with ``trail`` set (see path_at)."""
+        be rebuilt, its ``node`` set (``self.trail_to(node)`` locates it)."""
         if len(tensors) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} tensors to unflatten, but got {len(tensors)}")
         return _build(self, iter(tensors), unwrap_broadcast)
+
+    def unflatten_replicas(
+        self, columns: Sequence[Sequence[torch.Tensor]], count: int, *, unwrap_broadcast: bool = True
+    ) -> list[Any]:
+        """``count`` trees, tree ``j`` holding ``columns[i][j]`` in place of
+        tensor ``i``: ``[self.unflatten([c[j] for c in columns]) for j in
+        range(count)]`` in one walk of the spec (what scatter hands each
+        replica: every container rebuilt per tree, other leaves shared; by
+        default every :class:`Broadcast` replaced by its value). Raises
+        RebuildError as unflatten does."""
+        if len(columns) != self.num_tensors:
+            raise ValueError(f"expected {self.num_tensors} columns of tensors to unflatten, but got {len(columns)}")
+        return _build_replicas(self, iter(columns), count, unwrap_broadcast)
 
     def tensor_trail(self, index: int) -> list[int]:
         """The child indices from the root to tensor ``index`` (flatten order)."""
@@ -429,6 +446,18 @@ class Spec:
             else:
                 raise IndexError(index)
         return trail
+
+    def trail_to(self, node: Spec) -> list[int]:
+        """The child indices from the root to the container `node` (by identity)."""
+        if self is node:
+            return []
+        for i, child in enumerate(self.children):
+            if child.children:
+                try:
+                    return [i, *child.trail_to(node)]
+                except LookupError:
+                    pass
+        raise LookupError(node)
 
     def unhashable_leaf(self) -> tuple[list[int], Any] | None:
         """(trail, value) of the first non-tensor leaf that cannot be hashed, or None."""
@@ -451,8 +480,9 @@ _NONE = Spec(NONE, type(None), None, (), 0)
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, int]], inside: bool = False) -> Spec:
+    # (the caller has checked the registry: _KINDS is current)
     t = type(obj)
-    node_kind = _KINDS.get(t) if _registry_size == len(torch_pytree.SUPPORTED_NODES) else None
+    node_kind = _KINDS.get(t)
     if node_kind is None:
         node_kind = _kind_of(t)
     if node_kind is TENSOR:
@@ -484,6 +514,7 @@ def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
     """``(tensors, spec)`` of `tree`: every tensor in it, depth first in child
     order (Broadcast contents included), and the :class:`Spec` that rebuilds
     it. One walk of the tree."""
+    _check_registry()
     tensors: list[torch.Tensor] = []
     return tensors, _flatten(tree, tensors, [])
 
@@ -491,6 +522,7 @@ def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
 def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, list[tuple[int, int]]]:
     """As :func:`flatten`, also returning the ``[start, end)`` ranges of the
     tensors that sit inside a :class:`Broadcast`."""
+    _check_registry()
     tensors: list[torch.Tensor] = []
     broadcast: list[tuple[int, int]] = []
     spec = _flatten(tree, tensors, broadcast)
@@ -505,16 +537,44 @@ def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
         return spec.context
     if node_kind is NONE:
         return None
-    values = []
-    for i, child in enumerate(spec.children):
-        try:
-            values.append(_build(child, tensors, unwrap))
-        except RebuildError as e:
-            e.trail.insert(0, i)
-            raise
+    values = [_build(child, tensors, unwrap) for child in spec.children]
     if node_kind is BROADCAST:
         return values[0] if unwrap else Broadcast(values[0])
-    return _rebuild(node_kind, spec.type, spec.context, spec.template, values)
+    try:
+        return _rebuild(node_kind, spec.type, spec.context, spec.template, values)
+    except RebuildError as e:
+        if e.node is None:
+            e.node = spec
+        raise
+
+
+def _build_replicas(spec: Spec, columns: Any, count: int, unwrap: bool) -> list[Any]:
+    node_kind = spec.kind
+    if node_kind is TENSOR:
+        return list(next(columns))
+    if node_kind is LEAF:
+        return [spec.context] * count
+    if node_kind is NONE:
+        return [None] * count
+    kids = [_build_replicas(child, columns, count, unwrap) for child in spec.children]
+    if node_kind is BROADCAST:
+        return kids[0] if unwrap else [Broadcast(v) for v in kids[0]]
+    cls = spec.type
+    if not kids:
+        rows: Any = [[] for _ in range(count)]
+    else:
+        rows = zip(*kids)
+        if node_kind is SEQUENCE and cls is tuple:
+            return list(rows)
+        if node_kind is MAPPING and cls is dict:
+            keys = spec.context[0]
+            return [dict(zip(keys, row)) for row in rows]
+    try:
+        return [_rebuild(node_kind, cls, spec.context, spec.template, list(row)) for row in rows]
+    except RebuildError as e:
+        if e.node is None:
+            e.node = spec
+        raise
 
 
 def unflatten(spec: Spec, tensors: Sequence[torch.Tensor]) -> Any:

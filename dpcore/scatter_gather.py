@@ -33,7 +33,7 @@ from dpcore import _pytree as pt
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
-from dpcore._pytree import Broadcast
+from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, TENSOR, Broadcast
 from dpcore._split import check_split, split_sizes
 
 __all__ = ["Broadcast", "Scattered", "scatter_kwargs", "scatter", "gather"]
@@ -152,12 +152,10 @@ def _split(
     for (tree, path), (tensors, spec, _), marked in zip(trees, flats, marks):
         columns = [per_replica(t, marked is not None and marked[i]) for i, t in enumerate(tensors)]
         try:
-            values.append(
-                [spec.unflatten([col[j] for col in columns], unwrap_broadcast=True) for j in range(len(used))]
-            )
+            values.append(spec.unflatten_replicas(columns, len(used)))
         except pt.RebuildError as e:
             raise TypeError(
-                f"{pt.path_at(tree, e.trail, path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
+                f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
                 f"every replica"
             ) from e
     return values, used_sizes, used
@@ -249,7 +247,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
 
 
 _WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
-_VALUES = (pt.NONE, pt.LEAF, pt.BROADCAST)
+_VALUES = (NONE, LEAF, BROADCAST)
 
 
 class _Mismatch(Exception):
@@ -263,11 +261,23 @@ class _Mismatch(Exception):
 
 def _value(spec: pt.Spec, tensors: list[torch.Tensor], start: int) -> Any:
     """The non-tensor value at `spec` (None, a leaf, or a rebuilt Broadcast)."""
-    if spec.kind is pt.LEAF:
+    if spec.kind is LEAF:
         return spec.context
-    if spec.kind is pt.NONE:
+    if spec.kind is NONE:
         return None
     return spec.unflatten(tensors[start : start + spec.num_tensors])
+
+
+def _mismatch(
+    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], j: int, what: str = ""
+) -> _Mismatch:
+    got, first = specs[j], specs[0]
+    return _Mismatch(
+        j,
+        pt.describe_spec(got, flats[j][starts[j]] if got.kind is TENSOR else None),
+        pt.describe_spec(first, flats[0][starts[0]] if first.kind is TENSOR else None),
+        what,
+    )
 
 
 def _merge(
@@ -280,53 +290,50 @@ def _merge(
     where the structures differ."""
     first = specs[0]
     first_kind = first.kind
-
-    def mismatch(j: int, what: str = "") -> _Mismatch:
-        s = specs[j]
-        got = pt.describe_spec(s, flats[j][starts[j]] if s.kind is pt.TENSOR else None)
-        expected = pt.describe_spec(first, flats[0][starts[0]] if first_kind is pt.TENSOR else None)
-        return _Mismatch(j, got, expected, what)
+    if first_kind is TENSOR:
+        for j, s in enumerate(specs):
+            if s.kind is not TENSOR:
+                raise _mismatch(specs, starts, flats, j)
+        columns.append([flat[start] for flat, start in zip(flats, starts)])
+        return first
 
     if first_kind in _VALUES:
         # Plain values: None stays None if every replica returned None; any
         # mix of non-container, non-tensor values gathers into a list.
         for j, s in enumerate(specs):
             if s.kind not in _VALUES:
-                raise mismatch(j)
-        if all(s.kind is pt.NONE for s in specs):
+                raise _mismatch(specs, starts, flats, j)
+        if all(s.kind is NONE for s in specs):
             return first
-        return pt.Spec(pt.LEAF, list, [_value(s, flats[j], starts[j]) for j, s in enumerate(specs)], (), 0)
+        return pt.Spec(LEAF, list, [_value(s, flats[j], starts[j]) for j, s in enumerate(specs)], (), 0)
 
-    for j, s in enumerate(specs):
-        if s.kind is not first_kind or s.type is not first.type:
-            raise mismatch(j)
-
-    if first_kind is pt.TENSOR:
-        columns.append([flats[j][start] for j, start in enumerate(starts)])
-        return first
-
+    cls = first.type
     count = len(first.children)
-    orders: list[list[int] | None] = [None] * len(specs)  # per replica: its child index of each of first's
-    if first_kind is pt.MAPPING:
-        keys = first.context[0]
-        key_set = set(keys)
-        for j, s in enumerate(specs[1:], 1):
-            other = s.context[0]
+    orders: list[list[int] | None] | None = None  # per replica: its child index of each of first's
+    for j in range(1, len(specs)):
+        s = specs[j]
+        if s.kind is not first_kind or s.type is not cls:
+            raise _mismatch(specs, starts, flats, j)
+        if first_kind is MAPPING:
+            keys, other = first.context[0], s.context[0]
             if other == keys:
                 continue
-            if set(other) != key_set:
+            if set(other) != set(keys):
                 missing = [k for k in keys if k not in set(other)]
-                extra = [k for k in other if k not in key_set]
-                raise mismatch(j, f" (missing keys {missing}, extra keys {extra})")
+                extra = [k for k in other if k not in set(keys)]
+                raise _mismatch(specs, starts, flats, j, f" (missing keys {missing}, extra keys {extra})")
             position = {k: i for i, k in enumerate(other)}
+            orders = orders or [None] * len(specs)
             orders[j] = [position[k] for k in keys]
-    else:
-        for j, s in enumerate(specs[1:], 1):
-            if (first_kind is pt.REGISTERED or first_kind is pt.DATACLASS) and not (s.context,) == (first.context,):
-                raise mismatch(j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})")
-            if len(s.children) != count:
-                raise mismatch(j)
+            continue
+        if (first_kind is REGISTERED or first_kind is DATACLASS) and not (s.context,) == (first.context,):
+            raise _mismatch(
+                specs, starts, flats, j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})"
+            )
+        if len(s.children) != count:
+            raise _mismatch(specs, starts, flats, j)
 
+    # Where each replica's tensors of each child begin.
     child_starts = []
     for s, start in zip(specs, starts):
         offsets = []
@@ -337,20 +344,19 @@ def _merge(
     before = len(columns)
     kids = []
     for c in range(count):
-        picks = [c if order is None else order[c] for order in orders]
+        if orders is None:
+            sub_specs = [s.children[c] for s in specs]
+            sub_starts = [offsets[c] for offsets in child_starts]
+        else:
+            picks = [c if order is None else order[c] for order in orders]
+            sub_specs = [s.children[i] for s, i in zip(specs, picks)]
+            sub_starts = [offsets[i] for offsets, i in zip(child_starts, picks)]
         try:
-            kids.append(
-                _merge(
-                    [s.children[i] for s, i in zip(specs, picks)],
-                    [offsets[i] for offsets, i in zip(child_starts, picks)],
-                    flats,
-                    columns,
-                )
-            )
+            kids.append(_merge(sub_specs, sub_starts, flats, columns))
         except _Mismatch as e:
             e.trail.insert(0, c)
             raise
-    return pt.Spec(first_kind, first.type, first.context, tuple(kids), len(columns) - before, first.template)
+    return pt.Spec(first_kind, cls, first.context, tuple(kids), len(columns) - before, first.template)
 
 
 def _gather_tensors(values: list[torch.Tensor], path: Any, destination: DeviceLike | None, dim: int) -> torch.Tensor:
@@ -407,14 +413,18 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
             f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
             f"{e.expected}{e.what}; every replica must return the same structure"
         ) from None
-    gathered = [
-        _gather_tensors(column, pt.LazyPath(first, spec, i, "output"), target_device, dim)
-        for i, column in enumerate(columns)
-    ]
+    gathered = []
+    for i, column in enumerate(columns):
+        try:
+            gathered.append(Gather.apply(target_device, dim, *column))
+        except _WRAPPABLE as e:
+            if type(e) in _WRAPPABLE:
+                raise type(e)(f"gather: {pt.tensor_path(first, spec, i, 'output')}: {e}") from e
+            raise
     try:
         return spec.unflatten(gathered)
     except pt.RebuildError as e:
         raise TypeError(
-            f"gather: {pt.path_at(first, e.trail, 'output')} {e}; or use gather=False to get the per-replica outputs"
+            f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the per-replica outputs"
         ) from e
 

@@ -22,14 +22,15 @@ The nodes, in the order they are recognized:
   lists (and their subclasses), Mappings (any ``collections.abc.Mapping``,
   ``defaultdict`` with its ``default_factory``): rebuilt with their own type
   and form;
-* other iterables that hold a tensor: torch.nn.DataParallel's gather rule,
+* other sized iterables (``__iter__`` and ``__len__``) that hold a tensor:
+  torch.nn.DataParallel's gather rule,
   ``type(obj)(iterator over the rebuilt elements)`` (``DynamicCache`` and
   ``EncoderDecoderCache`` of transformers keep that constructor form for
   DataParallel). Not iterated: strings, bytes, sets, ranges, dict views,
   iterators and generators, modules, datasets, data loaders, samplers,
   array-likes (``__array__``), enum classes. An iterable without a tensor
-  inside is a leaf, and so is one inside a :class:`Broadcast` (passed whole,
-  by reference, to every replica);
+  inside is a leaf (so is one whose iteration raises), and so is one inside
+  a :class:`Broadcast` (passed whole, by reference, to every replica);
 * everything else is a leaf, kept by reference.
 
 Paths such as ``inputs[1]['mask']``, ``kwargs['x'].field`` or
@@ -150,6 +151,7 @@ def _type_kind(t: type) -> str:
         or hasattr(t, "__next__")
         or any(hasattr(t, name) for name in _ARRAY_PROTOCOLS)
         or getattr(t, "__iter__", None) is None
+        or getattr(t, "__len__", None) is None  # an unsized iterable may never end
     ):
         return LEAF
     return ITERABLE
@@ -500,14 +502,20 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, i
         else:
             broadcast.append((start, len(tensors)))
         return Spec(BROADCAST, t, None, (inner,), len(tensors) - start)
-    if node_kind is ITERABLE and inside:  # passed whole, by reference, as before it was taught
-        return Spec(LEAF, t, obj, (), 0)
+    if node_kind is ITERABLE:
+        if inside:  # passed whole, by reference, as an unknown object always was
+            return Spec(LEAF, t, obj, (), 0)
+        try:
+            kids = list(obj)
+        except Exception:  # noqa: BLE001 - an object that cannot be iterated is a leaf
+            return Spec(LEAF, t, obj, (), 0)
+        specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
+        if len(tensors) == start:
+            return Spec(LEAF, t, obj, (), 0)
+        return Spec(ITERABLE, t, None, specs, len(tensors) - start)
     context, kids, template = _node(obj, node_kind)
     specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
-    count = len(tensors) - start
-    if node_kind is ITERABLE and count == 0:
-        return Spec(LEAF, t, obj, (), 0)
-    return Spec(node_kind, t, context, specs, count, template)
+    return Spec(node_kind, t, context, specs, len(tensors) - start, template)
 
 
 def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:

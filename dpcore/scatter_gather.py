@@ -4,7 +4,7 @@ Pytrees (see :mod:`dpcore._pytree`, which flattens them) are walked through
 tensors, tuples, lists, dicts (any Mapping subclass), namedtuples
 (collections and typing), dataclass instances, types registered with
 ``torch.utils._pytree`` (through their registered flatten and unflatten),
-other iterables holding tensors (rebuilt from their elements, as
+other sized iterables holding tensors (rebuilt from their elements, as
 torch.nn.DataParallel's gather does) and :class:`Broadcast` wrappers; every
 container is rebuilt with its own type for every replica, every other value
 is a leaf. ``torch.Size`` is a leaf. How many rows each device gets is
@@ -382,7 +382,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
     * Tuples, lists, Mappings (in replica 0's key order), namedtuples and
       dataclasses are rebuilt with their own type; types registered with
       ``torch.utils._pytree`` through their unflatten function (the
-      replicas' contexts must be equal); other iterables holding tensors as
+      replicas' contexts must be equal); other sized iterables holding tensors as
       torch.nn.DataParallel rebuilds them, ``type(out)(iterator over the
       gathered elements)`` (a KV cache comes back as one cache for the
       whole batch); an iterable whose type cannot be rebuilt so is a

@@ -420,6 +420,9 @@ class _Pairish:
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.a, self.b = a, b
 
+    def __len__(self) -> int:
+        return 2
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.a, self.b))
 
@@ -434,10 +437,34 @@ def test_iterable_that_cannot_be_rebuilt_is_an_error_naming_its_path() -> None:
         dpcore.gather([(torch.zeros(2), p), (torch.zeros(2), p)], "cpu")
 
 
+class _Endless:
+    """Iterable without a length (it never ends): never iterated."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.t
+
+
+class _Unreadable:
+    """Iterable whose iteration raises: a leaf, as before."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        raise TypeError("not iterable today")
+
+
 def test_true_leaves_are_passed_by_reference_and_gathered_into_lists() -> None:
     x = torch.zeros(4, 2)
     gen = (i for i in range(3))
-    leaves = ("text", b"bytes", torch.Size([2, 3]), range(3), {1, 2}, np.zeros((4, 2)), gen, nn.Linear(2, 2), {"a": 1}.keys())
+    leaves = (
+        "text", b"bytes", torch.Size([2, 3]), range(3), {1, 2}, np.zeros((4, 2)), gen, nn.Linear(2, 2), {"a": 1}.keys(),
+        _Endless(torch.zeros(4)), _Unreadable(),
+    )
     args, _, _, _ = scatter_kwargs((x, *leaves), None, ["cpu"] * 2)
     for a in args:
         assert all(got is leaf for got, leaf in zip(a[1:], leaves))

@@ -101,48 +101,55 @@ def hook_reason(modules: Sequence[nn.Module]) -> str | None:
     return None
 
 
-def _structure(obj: Any, path: str) -> Any:
-    """A hashable description of `obj`: its containers and their keys, every
-    tensor's shape, strides, dtype, device and requires_grad, and the value of
-    every other leaf (baked into a captured graph). Raises Uncapturable for a
-    tensor off CUDA or an unhashable leaf."""
-    node_kind = pt.kind(obj)
-    if node_kind == pt.TENSOR:
-        if obj.device.type != _DEVICE_TYPE:
-            raise Uncapturable(f"{path} is a tensor on {obj.device}; a CUDA graph takes CUDA tensors only")
-        if obj.layout != torch.strided:
-            raise Uncapturable(f"{path} is a {obj.layout} tensor; a CUDA graph takes dense tensors only")
-        return (node_kind, tuple(obj.shape), obj.stride(), obj.dtype, obj.device.index, obj.requires_grad)
-    if node_kind == pt.NONE:
-        return None
-    if node_kind in pt.CONTAINERS:
-        kids = pt.children(obj, node_kind, path)
-        return (node_kind, type(obj), tuple(p for p, _ in kids), tuple(_structure(c, p) for p, c in kids))
-    value = obj.value if node_kind == pt.BROADCAST else obj
+def _flatten_input(args: tuple[Any, ...], kwargs: dict[str, Any], root: str) -> tuple[list[torch.Tensor], Any]:
+    """(tensors, key) of one replica's call: its tensors in flatten order, and
+    a hashable description of it: the pytree spec of ``(args, kwargs)`` (its
+    containers and their keys, the value of every non-tensor leaf, baked into
+    a captured graph) with every tensor's shape, strides, dtype, device and
+    requires_grad. Raises Uncapturable for a tensor off CUDA or not dense, or
+    an unhashable leaf; the message names its path under `root`."""
+    tree = (args, kwargs)
+    tensors, spec = pt.flatten(tree)
+    metas = []
+    for i, t in enumerate(tensors):
+        if t.device.type != _DEVICE_TYPE:
+            raise Uncapturable(
+                f"{pt.tensor_path(tree, spec, i, root)} is a tensor on {t.device}; a CUDA graph takes CUDA tensors only"
+            )
+        if t.layout != torch.strided:
+            raise Uncapturable(
+                f"{pt.tensor_path(tree, spec, i, root)} is a {t.layout} tensor; a CUDA graph takes dense tensors only"
+            )
+        metas.append((tuple(t.shape), t.stride(), t.dtype, t.device.index, t.requires_grad))
     try:
-        hash(value)
+        hash(spec)
     except TypeError:
+        found = spec.unhashable_leaf()
+        if found is None:
+            raise
+        trail, value = found
         raise Uncapturable(
-            f"{path} is an unhashable {type(value).__name__}, which a captured graph would have to bake in"
+            f"{pt.path_at(tree, trail, root)} is an unhashable {type(value).__name__}, which a captured graph would "
+            f"have to bake in"
         ) from None
-    return (node_kind, type(value), value)
+    return tensors, (spec, tuple(metas))
 
 
-def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]) -> tuple[Any, ...]:
-    """The key a call's captured graphs are kept under: which replicas run
-    (`used`), each replica's argument structure (see _structure), grad mode,
-    inference mode, CUDA autocast state and every module's training flag.
-    Raises Uncapturable when the call cannot be captured."""
+def _signature(
+    args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]
+) -> tuple[tuple[Any, ...], list[list[torch.Tensor]], list[Any]]:
+    """(key, tensors, specs) of a call: the key its captured graphs are kept
+    under (see call_signature), and per replica its input tensors and the
+    spec of its ``(args, kwargs)``, from one walk of each replica's inputs."""
     cuda_autocast = torch.is_autocast_enabled("cuda")
     if cuda_autocast and torch.is_autocast_cache_enabled():
         raise Uncapturable(
             "autocast runs with its weight cache enabled; CUDA graphs need torch.autocast(..., cache_enabled=False)"
         )
-    replicas = tuple(
-        _structure((a, k), f"replica {i}'s input") for i, (a, k) in zip(used, zip(args, kws))
-    )
+    flat = [_flatten_input(a, k, f"replica {i}'s input") for i, a, k in zip(used, args, kws)]
+    replicas = tuple(key for _, key in flat)
     autocast = (cuda_autocast, torch.get_autocast_dtype("cuda") if cuda_autocast else None)
-    return (
+    key = (
         tuple(used),
         replicas,
         torch.is_grad_enabled(),
@@ -150,28 +157,16 @@ def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Seq
         autocast,
         tuple(m.training for m in modules),
     )
+    return key, [tensors for tensors, _ in flat], [spec for _, (spec, _) in flat]
 
 
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors in `obj`, in the order pt.map_tensors visits them."""
-    out: list[torch.Tensor] = []
-
-    def visit(node: Any) -> None:
-        node_kind = pt.kind(node)
-        if node_kind == pt.TENSOR:
-            out.append(node)
-        elif node_kind in pt.CONTAINERS:
-            for _, child in pt.children(node, node_kind, ""):
-                visit(child)
-
-    visit(obj)
-    return out
-
-
-def _refill(template: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """`template` with its tensors replaced, in order, by `tensors`."""
-    it = iter(tensors)
-    return pt.map_tensors(lambda _: next(it), template)
+def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The key a call's captured graphs are kept under: which replicas run
+    (`used`), each replica's argument structure (the pytree spec of its
+    ``(args, kwargs)`` and its tensors' metadata), grad mode, inference mode,
+    CUDA autocast state and every module's training flag. Raises
+    Uncapturable when the call cannot be captured."""
+    return _signature(args, kws, used, modules)[0]
 
 
 class _Token:
@@ -240,8 +235,8 @@ class _ReplicaGraph:
     def __init__(
         self,
         call: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        leaves: list[torch.Tensor],
+        spec: pt.Spec,
         params: list[torch.Tensor],
         stream: torch.cuda.Stream,
         rng: torch.Generator,
@@ -260,19 +255,18 @@ class _ReplicaGraph:
         self.replays = 0
         self.stream = stream
         self.device = stream.device
-        leaves = _leaves((args, kwargs))
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             # Holding this call's values (not garbage): nothing at capture
             # may see out-of-range indices or non-finite numbers.
             self.static_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in leaves]
         self.input_needs_grad = [t.requires_grad for t in leaves]
-        static_args, static_kwargs = _refill((args, kwargs), self.static_inputs)
+        static_args, static_kwargs = spec.unflatten(self.static_inputs)
         self.pool = torch.cuda.graph_pool_handle()
         self.fwd = torch.cuda.CUDAGraph()
         grad = torch.is_grad_enabled()
         with _capturing(self.fwd, self.pool, stream, rng):
             output = call(*static_args, **static_kwargs)
-        outputs = _leaves(output)
+        outputs, self.output_spec = pt.flatten(output)
         self.output_needs_grad = [grad and o.requires_grad for o in outputs]
         self.bwd: torch.cuda.CUDAGraph | None = None
         self.static_grad_outputs: list[torch.Tensor] = []
@@ -292,7 +286,6 @@ class _ReplicaGraph:
         # The captured autograd graph is not needed any more (its saved
         # tensors live in the pool, written by each replay).
         self.static_outputs = [o.detach() for o in outputs]
-        self.template = _refill(output, self.static_outputs)
         self._pending: weakref.ref[_Token] | None = None
 
     def busy(self) -> bool:
@@ -303,7 +296,7 @@ class _ReplicaGraph:
         return token is not None and not token.done
 
     def load(self, leaves: Sequence[torch.Tensor]) -> None:
-        """Copies the call's input tensors (`leaves`, in _leaves order) into
+        """Copies the call's input tensors (`leaves`, in flatten order) into
         the placeholders, on the caller's current stream of this device (so
         the inputs are only ever read on the stream that made them); the
         replica's stream must wait for that stream before :meth:`launch`."""
@@ -328,7 +321,7 @@ class _ReplicaGraph:
                 token = _Token(self.replays)
                 self._pending = weakref.ref(token)
                 outputs = _Replay.apply(self, token, *differentiable, *params)
-        return _refill(self.template, outputs)
+        return self.output_spec.unflatten(outputs)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """Replays the backward with `grads` (one per forward output) and
@@ -521,7 +514,7 @@ class GraphRunner:
             self._warn(reason)
             return None
         try:
-            key = call_signature(args, kws, used, self._modules)
+            key, leaves, specs = _signature(args, kws, used, self._modules)
         except Uncapturable as e:
             self._warn(str(e))
             return None
@@ -536,9 +529,9 @@ class GraphRunner:
             while len(self._seen) > _SEEN_SIZE:
                 self._seen.popitem(last=False)
             if seen <= WARMUP_CALLS:
-                return self._warm_up(owner, cache, args, kws, used, make_call)
+                return self._warm_up(owner, cache, args, kws, used, make_call, leaves)
             try:
-                entry = self._capture(owner, cache, args, kws, used, make_call)
+                entry = self._capture(owner, cache, used, make_call, leaves, specs)
             except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
                 with contextlib.suppress(Exception):
                     self._synchronize()
@@ -567,10 +560,20 @@ class GraphRunner:
                 "run eagerly"
             )
             return None
-        return self._replay(owner, cache, entry, args, kws, used)
+        return self._replay(owner, cache, entry, used, leaves)
 
-    def _warm_up(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> list[Any]:
-        """An eager call, each replica in this thread on its own stream."""
+    def _warm_up(
+        self,
+        owner: Any,
+        cache: Any,
+        args: list[Any],
+        kws: list[Any],
+        used: list[int],
+        make_call: Callable[[nn.Module], Callable[..., Any]],
+        leaves: list[list[torch.Tensor]],
+    ) -> list[Any]:
+        """An eager call, each replica in this thread on its own stream
+        (`leaves`: each replica's input tensors)."""
         with self._master_stream(owner) as master:
             replicas = owner._replicas(used[-1] + 1)
         outputs = []
@@ -582,7 +585,7 @@ class GraphRunner:
             callers.append((caller, stream))
             stream.wait_stream(caller)
             stream.wait_stream(master)
-            for t in _leaves((args[j], kws[j])):
+            for t in leaves[j]:
                 t.record_stream(stream)  # allocated on the caller's stream, read on this one
             try:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -594,8 +597,17 @@ class GraphRunner:
             caller.wait_stream(stream)
         return outputs
 
-    def _capture(self, owner: Any, cache: Any, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]) -> _Entry:
-        """Captures every replica of `used` for this call's signature."""
+    def _capture(
+        self,
+        owner: Any,
+        cache: Any,
+        used: list[int],
+        make_call: Callable[[nn.Module], Callable[..., Any]],
+        leaves: list[list[torch.Tensor]],
+        specs: list[pt.Spec],
+    ) -> _Entry:
+        """Captures every replica of `used` for this call's signature (each
+        replica's input tensors `leaves` and the `specs` of its arguments)."""
         replicas, slots = cache.capture_replicas(used[-1] + 1)
         self._synchronize()
         graphs = []
@@ -605,19 +617,19 @@ class GraphRunner:
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             graphs.append(
                 _ReplicaGraph(
-                    make_call(replica), args[j], kws[j], params, self.stream(i, device), self._generator(i, device),
+                    make_call(replica), leaves[j], specs[j], params, self.stream(i, device), self._generator(i, device),
                     keep=cache, copy_grads=len(used) == 1,
                 )
             )
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
         return _Entry(graphs, used_slots, owner.module)
 
-    def _replay(self, owner: Any, cache: Any, entry: _Entry, args: list[Any], kws: list[Any], used: list[int]) -> list[Any]:
-        """Refreshes the replica buffers from the master and replays."""
+    def _replay(self, owner: Any, cache: Any, entry: _Entry, used: list[int], leaves: list[list[torch.Tensor]]) -> list[Any]:
+        """Refreshes the replica buffers from the master and replays (`leaves`:
+        each replica's input tensors)."""
         with self._master_stream(owner) as master:
             copies = cache.refresh_copies()
         grad = torch.is_grad_enabled()
-        leaves = [_leaves((a, k)) for a, k in zip(args, kws)]
         callers = [torch.cuda.current_stream(graph.device) for graph in entry.graphs]
         for graph, inputs in zip(entry.graphs, leaves):
             graph.load(inputs)

@@ -1,22 +1,57 @@
-"""Pytrees as dpcore's scatter and gather walk them (private).
+"""Pytrees as dpcore walks them (private): one flatten, one spec, one rebuild.
 
-A pytree is walked through tuples, lists, dicts (any Mapping subclass),
-namedtuples (collections and typing), dataclass instances and
-:class:`Broadcast` wrappers; every container can be rebuilt with its own type
-and form, every other value is a leaf (``torch.Size`` too). Paths such as
-``inputs[1]['mask']``, ``kwargs['x'].field`` or ``output['logits'][0]`` name
-values in error messages.
+Every walk of nested inputs and outputs (scatter, gather, the CUDA-graph
+signature and placeholders, ``map_tensors``) goes through :func:`flatten`,
+which returns the tree's tensors in a fixed order and a :class:`Spec` that
+rebuilds the tree around any tensors of that count (:meth:`Spec.unflatten`).
+A new container type is taught here, once.
+
+The nodes, in the order they are recognized:
+
+* tensors (any ``torch.Tensor`` subclass): the leaves that are split,
+  gathered, broadcast or copied;
+* :class:`Broadcast` wrappers; ``None``;
+* ``torch.Size``: a leaf (torch registers it with its pytree; dpcore never
+  splits or gathers shapes);
+* types registered with ``torch.utils._pytree`` (``register_pytree_node``,
+  ``register_dataclass``; transformers registers its ModelOutput classes
+  there), other than the builtin containers below: split and joined through
+  their registered flatten and unflatten functions (the registry is looked
+  up by exact type, as torch's own pytree does);
+* dataclass instances, namedtuples (collections and typing), tuples and
+  lists (and their subclasses), Mappings (any ``collections.abc.Mapping``,
+  ``defaultdict`` with its ``default_factory``): rebuilt with their own type
+  and form;
+* other sized iterables (``__iter__`` and ``__len__``) that hold a tensor:
+  torch.nn.DataParallel's gather rule,
+  ``type(obj)(iterator over the rebuilt elements)`` (``DynamicCache`` and
+  ``EncoderDecoderCache`` of transformers keep that constructor form for
+  DataParallel). Not iterated: strings, bytes, sets, ranges, dict views,
+  iterators and generators, modules, datasets, data loaders, samplers,
+  array-likes (``__array__``), enum classes. An iterable without a tensor
+  inside is a leaf (so is one whose iteration raises), and so is one inside
+  a :class:`Broadcast` (passed whole, by reference, to every replica);
+* everything else is a leaf, kept by reference.
+
+Paths such as ``inputs[1]['mask']``, ``kwargs['x'].field`` or
+``output['logits'][0]`` name values in error messages; they are computed only
+when a message needs one (:func:`path_at`), never on the fast path.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+import enum
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Mapping, MappingView, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.utils._pytree as torch_pytree
+import torch.utils.data as torch_data
+from torch import nn
 
 T = TypeVar("T")
 
@@ -34,7 +69,9 @@ class Broadcast(Generic[T]):
     * a value that contains no tensor is passed by reference (every replica
       gets ``x`` itself);
     * a container holding tensors is rebuilt per replica with each tensor
-      broadcast as above and every other leaf passed by reference.
+      broadcast as above and every other leaf passed by reference; an
+      iterable that is a container only by torch DP's rebuild rule (not
+      registered with ``torch.utils._pytree``) is passed by reference.
 
     Tensors inside a Broadcast take no part in the batch-size check.
     """
@@ -55,11 +92,34 @@ DATACLASS = "dataclass"
 NAMEDTUPLE = "namedtuple"
 SEQUENCE = "sequence"
 MAPPING = "mapping"
+REGISTERED = "registered"
+ITERABLE = "iterable"
 NONE = "none"
 LEAF = "leaf"
 
 #: The kinds with children (see children and rebuild).
-CONTAINERS = (DATACLASS, NAMEDTUPLE, SEQUENCE, MAPPING)
+CONTAINERS = (DATACLASS, NAMEDTUPLE, SEQUENCE, MAPPING, REGISTERED, ITERABLE)
+
+#: Containers dpcore rebuilds itself although torch registers them.
+_OWN_CONTAINERS = frozenset({tuple, list, dict, OrderedDict, defaultdict})
+
+#: Iterables that are never iterated (leaves).
+_NEVER_ITERATED: tuple[type, ...] = (
+    str,
+    bytes,
+    bytearray,
+    memoryview,
+    range,
+    AbstractSet,
+    MappingView,
+    nn.Module,
+    torch_data.Dataset,
+    torch_data.DataLoader,
+    torch_data.Sampler,
+    enum.EnumMeta,
+)
+
+_ARRAY_PROTOCOLS = ("__array__", "__array_interface__", "__cuda_array_interface__")
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -67,108 +127,539 @@ def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields") and hasattr(obj, "_asdict")
 
 
-def kind(obj: Any) -> str:
-    """The kind of pytree node `obj` is (one of the constants above)."""
-    if isinstance(obj, torch.Tensor):
+def _type_kind(t: type) -> str:
+    if issubclass(t, torch.Tensor):
         return TENSOR
-    if isinstance(obj, Broadcast):
+    if issubclass(t, Broadcast):
         return BROADCAST
-    if obj is None:
+    if t is type(None):
         return NONE
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return DATACLASS
-    if is_namedtuple(obj):
-        return NAMEDTUPLE
-    if isinstance(obj, torch.Size):
+    if issubclass(t, torch.Size):
         return LEAF
-    if isinstance(obj, (tuple, list)):
+    if t in torch_pytree.SUPPORTED_NODES and t not in _OWN_CONTAINERS:
+        return REGISTERED
+    if dataclasses.is_dataclass(t):
+        return DATACLASS
+    if issubclass(t, tuple) and hasattr(t, "_fields") and hasattr(t, "_asdict"):
+        return NAMEDTUPLE
+    if issubclass(t, (tuple, list)):
         return SEQUENCE
-    if isinstance(obj, Mapping):
+    if issubclass(t, Mapping):
         return MAPPING
-    return LEAF
+    if (
+        issubclass(t, _NEVER_ITERATED)
+        or hasattr(t, "__next__")
+        or any(hasattr(t, name) for name in _ARRAY_PROTOCOLS)
+        or getattr(t, "__iter__", None) is None
+        or getattr(t, "__len__", None) is None  # an unsized iterable may never end
+    ):
+        return LEAF
+    return ITERABLE
 
 
-def _dataclass_fields(obj: Any) -> list[dataclasses.Field]:
-    # An init=False field without a default may never have been set.
-    return [f for f in dataclasses.fields(obj) if hasattr(obj, f.name)]
+# Kind by exact type; dropped when a type is (de)registered with torch's pytree.
+_KINDS: dict[type, str] = {}
+_registry_size = -1
+
+
+def _check_registry() -> None:
+    """Drops the kinds known by type when torch's pytree registry changed."""
+    global _registry_size
+    if len(torch_pytree.SUPPORTED_NODES) != _registry_size:
+        _KINDS.clear()
+        _registry_size = len(torch_pytree.SUPPORTED_NODES)
+
+
+def _kind_of(t: type) -> str:
+    _check_registry()
+    found = _KINDS.get(t)
+    if found is None:
+        found = _KINDS[t] = _type_kind(t)
+    return found
+
+
+def kind(obj: Any) -> str:
+    """The kind of pytree node `obj` is (one of the constants above). An
+    ITERABLE without a tensor inside is flattened as a leaf."""
+    return _kind_of(type(obj))
+
+
+# ---------------------------------------------------------------------------
+# Nodes: children, context and rebuild (the one place a container is taught)
+# ---------------------------------------------------------------------------
+
+
+class _DataclassInfo:
+    __slots__ = ("names", "init", "initvars")
+
+    def __init__(self, cls: type) -> None:
+        self.names = tuple(f.name for f in dataclasses.fields(cls))
+        self.init = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+        initvar = getattr(dataclasses, "_FIELD_INITVAR", None)
+        self.initvars = any(
+            getattr(f, "_field_type", None) is initvar for f in getattr(cls, "__dataclass_fields__", {}).values()
+        )
+
+
+_DATACLASSES: dict[type, _DataclassInfo] = {}
+
+
+def _dataclass_info(cls: type) -> _DataclassInfo:
+    info = _DATACLASSES.get(cls)
+    if info is None:
+        info = _DATACLASSES[cls] = _DataclassInfo(cls)
+    return info
+
+
+def _node(obj: Any, node_kind: str) -> tuple[Any, list[Any], Any]:
+    """(context, children, template) of a container of kind `node_kind`:
+    the children in the order rebuild takes them, what besides its type
+    identifies the node (compared and hashed), and what else a rebuild needs
+    (neither compared nor hashed)."""
+    if node_kind is SEQUENCE:
+        return None, list(obj), None
+    if node_kind is MAPPING:
+        if isinstance(obj, dict):
+            keys, values = tuple(obj), list(obj.values())
+        else:
+            items = list(obj.items())
+            keys, values = tuple(k for k, _ in items), [v for _, v in items]
+        factory = obj.default_factory if isinstance(obj, defaultdict) else None
+        return (keys, factory), values, None
+    if node_kind is NAMEDTUPLE:
+        return None, list(obj), None
+    if node_kind is DATACLASS:
+        # An init=False field without a default may never have been set.
+        info = _dataclass_info(type(obj))
+        names = tuple(name for name in info.names if hasattr(obj, name))
+        template = None
+        if info.initvars:
+            # InitVar arguments cannot be recovered: rebuilt from a copy of
+            # the instance (without its fields, which the spec must not keep).
+            template = copy.copy(obj)
+            for name in names:
+                object.__delattr__(template, name)
+        return names, [getattr(obj, name) for name in names], template
+    if node_kind is REGISTERED:
+        children, context = torch_pytree.SUPPORTED_NODES[type(obj)].flatten_fn(obj)
+        return context, list(children), None
+    if node_kind is ITERABLE:
+        return None, list(obj), None
+    raise AssertionError(node_kind)
+
+
+class RebuildError(TypeError):
+    """An iterable that cannot be rebuilt from its elements (torch DP's rule);
+    ``node`` is its Spec once raised by unflatten (see Spec.trail_to)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.node: Spec | None = None
+
+
+def _rebuild(node_kind: str, cls: type, context: Any, template: Any, values: list[Any]) -> Any:
+    if node_kind is SEQUENCE:
+        if cls is tuple:
+            return tuple(values)
+        if cls is list:
+            return values
+        return cls(values)
+    if node_kind is MAPPING:
+        keys, factory = context
+        if cls is dict:
+            return dict(zip(keys, values))
+        if issubclass(cls, defaultdict):
+            new = cls(factory)
+            new.update(zip(keys, values))
+            return new
+        return cls(dict(zip(keys, values)))
+    if node_kind is NAMEDTUPLE:
+        return cls(*values)
+    if node_kind is DATACLASS:
+        if template is not None:
+            new = copy.copy(template)
+            for name, value in zip(context, values):
+                object.__setattr__(new, name, value)
+            return new
+        init = _dataclass_info(cls).init
+        new = cls(**{name: value for name, value in zip(context, values) if name in init})
+        for name, value in zip(context, values):
+            if name not in init:
+                object.__setattr__(new, name, value)
+        return new
+    if node_kind is REGISTERED:
+        return torch_pytree.SUPPORTED_NODES[cls].unflatten_fn(values, context)
+    if node_kind is ITERABLE:
+        try:
+            return cls(iter(values))
+        except Exception as e:  # noqa: BLE001 - any failure of the constructor is reported the same way
+            raise RebuildError(
+                f"is a {cls.__name__}, an iterable holding tensors, which DataParallel splits and joins as "
+                f"torch.nn.DataParallel's gather does: rebuilt from its elements as "
+                f"{cls.__name__}(iterator over the elements), but that raised {type(e).__name__}: {e}. Register "
+                f"{cls.__name__} with torch.utils._pytree.register_pytree_node to say how it is taken apart "
+                f"and rebuilt"
+            ) from e
+    raise AssertionError(node_kind)
 
 
 def children(obj: Any, node_kind: str, path: str) -> list[tuple[str, Any]]:
     """(path, child) pairs of a container of kind `node_kind` at `path`, in
     a fixed order (the order rebuild takes its values in)."""
-    if node_kind == DATACLASS:
-        return [(f"{path}.{f.name}", getattr(obj, f.name)) for f in _dataclass_fields(obj)]
-    if node_kind == NAMEDTUPLE:
-        return [(f"{path}.{name}", v) for name, v in zip(obj._fields, obj)]
-    if node_kind == SEQUENCE:
-        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    if node_kind == MAPPING:
-        return [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    raise AssertionError(node_kind)
-
-
-def _has_initvars(cls: type) -> bool:
-    initvar = getattr(dataclasses, "_FIELD_INITVAR", None)
-    return any(getattr(f, "_field_type", None) is initvar for f in getattr(cls, "__dataclass_fields__", {}).values())
+    context, kids, _ = _node(obj, node_kind)
+    return [(path + key, child) for key, child in zip(_keys(obj, node_kind, context, len(kids)), kids)]
 
 
 def rebuild(obj: Any, node_kind: str, values: list[Any]) -> Any:
     """A container of ``obj``'s type (and form: a defaultdict keeps its
     default_factory, a dataclass its init=False fields) holding ``values``,
     in the order of ``children(obj)``."""
-    if node_kind == DATACLASS:
-        fields = _dataclass_fields(obj)
-        by_name = {f.name: v for f, v in zip(fields, values)}
-        if _has_initvars(type(obj)):
-            new = copy.copy(obj)  # replace() cannot recover InitVar arguments
-            later = fields
-        else:
-            new = dataclasses.replace(obj, **{f.name: by_name[f.name] for f in fields if f.init})
-            later = [f for f in fields if not f.init]
-        for f in later:
-            object.__setattr__(new, f.name, by_name[f.name])
-        return new
-    if node_kind == NAMEDTUPLE:
-        return type(obj)(*values)
-    if node_kind == SEQUENCE:
-        if type(obj) is tuple:
-            return tuple(values)
-        if type(obj) is list:
-            return values
-        return type(obj)(values)
-    if node_kind == MAPPING:
-        items = dict(zip(obj.keys(), values))
-        if type(obj) is dict:
-            return items
-        if isinstance(obj, defaultdict):
-            new = type(obj)(obj.default_factory)
-            new.update(items)
-            return new
-        return type(obj)(items)
+    context, _, template = _node(obj, node_kind)
+    return _rebuild(node_kind, type(obj), context, template, values)
+
+
+def _keys(obj: Any, node_kind: str, context: Any, count: int) -> list[str]:
+    """The path suffixes of a node's children ("[0]", "['k']", ".name")."""
+    if node_kind is SEQUENCE or node_kind is ITERABLE:
+        return [f"[{i}]" for i in range(count)]
+    if node_kind is MAPPING:
+        return [f"[{k!r}]" for k in context[0]]
+    if node_kind is NAMEDTUPLE:
+        return [f".{name}" for name in type(obj)._fields]
+    if node_kind is DATACLASS:
+        return [f".{name}" for name in context]
+    if node_kind is REGISTERED:
+        with_keys = torch_pytree.SUPPORTED_NODES[type(obj)].flatten_with_keys_fn
+        if with_keys is not None:
+            try:
+                return [str(key) for key, _ in with_keys(obj)[0]]
+            except Exception:  # noqa: BLE001 - only a name for a message
+                pass
+        return [f"[{i}]" for i in range(count)]
+    if node_kind is BROADCAST:
+        return [""]
     raise AssertionError(node_kind)
+
+
+# ---------------------------------------------------------------------------
+# Spec, flatten, unflatten
+# ---------------------------------------------------------------------------
+
+
+class Spec:
+    """The structure of a flattened pytree: what rebuilds it around its tensors.
+
+    Guarantees: ``flatten(tree)`` gives ``(tensors, spec)`` with
+    ``spec.unflatten(tensors)`` equal to ``tree`` (containers rebuilt with
+    their own type and form, other leaves the same objects); two specs are
+    equal when their trees have the same containers (types, keys, field
+    names, registered contexts), tensors at the same places and equal
+    non-tensor leaves of the same types. A spec is hashable (the key of a
+    CUDA graph) unless a non-tensor leaf is unhashable (TypeError); a
+    registered type's context is compared, and hashed where it can be. A spec
+    keeps the tree's non-tensor leaves, never its tensors.
+    """
+
+    __slots__ = ("kind", "type", "context", "children", "num_tensors", "template", "_hash")
+
+    def __init__(
+        self,
+        node_kind: str,
+        cls: Any,
+        context: Any,
+        kids: tuple[Spec, ...],
+        num_tensors: int,
+        template: Any = None,
+    ) -> None:
+        self.kind = node_kind
+        self.type = cls
+        self.context = context  # the value itself for a leaf
+        self.children = kids
+        self.num_tensors = num_tensors
+        self.template = template  # rebuild-only information (neither compared nor hashed)
+        self._hash: int | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Spec):
+            return NotImplemented
+        return (
+            self.kind is other.kind
+            and self.type is other.type
+            and self.num_tensors == other.num_tensors
+            and (self.context,) == (other.context,)
+            and self.children == other.children
+        )
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if h is None:
+            context = self.context
+            if self.kind is REGISTERED:
+                try:
+                    context = hash(context)
+                except TypeError:  # e.g. a list of keys: compared by __eq__ only
+                    context = None
+            h = self._hash = hash((self.kind, self.type, context, self.children))
+        return h
+
+    def __repr__(self) -> str:
+        if self.kind is TENSOR:
+            return "*"
+        if self.kind is LEAF or self.kind is NONE:
+            return repr(self.context)
+        return f"{getattr(self.type, '__name__', self.type)}({', '.join(map(repr, self.children))})"
+
+    def unflatten(self, tensors: Sequence[torch.Tensor], *, unwrap_broadcast: bool = False) -> Any:
+        """The tree with ``tensors`` (``num_tensors`` of them, in flatten
+        order) in place of its tensors; with ``unwrap_broadcast`` every
+        :class:`Broadcast` is replaced by its rebuilt value (what a replica
+        gets). Raises RebuildError (a TypeError) for an iterable that cannot
+        be rebuilt, its ``node`` set (``self.trail_to(node)`` locates it)."""
+        if len(tensors) != self.num_tensors:
+            raise ValueError(f"expected {self.num_tensors} tensors to unflatten, but got {len(tensors)}")
+        return _build(self, iter(tensors), unwrap_broadcast)
+
+    def unflatten_replicas(
+        self, columns: Sequence[Sequence[torch.Tensor]], count: int, *, unwrap_broadcast: bool = True
+    ) -> list[Any]:
+        """``count`` trees, tree ``j`` holding ``columns[i][j]`` in place of
+        tensor ``i``: ``[self.unflatten([c[j] for c in columns]) for j in
+        range(count)]`` in one walk of the spec (what scatter hands each
+        replica: every container rebuilt per tree, other leaves shared; by
+        default every :class:`Broadcast` replaced by its value). Raises
+        RebuildError as unflatten does."""
+        if len(columns) != self.num_tensors:
+            raise ValueError(f"expected {self.num_tensors} columns of tensors to unflatten, but got {len(columns)}")
+        return _build_replicas(self, iter(columns), count, unwrap_broadcast)
+
+    def tensor_trail(self, index: int) -> list[int]:
+        """The child indices from the root to tensor ``index`` (flatten order)."""
+        trail: list[int] = []
+        spec = self
+        while spec.kind is not TENSOR:
+            for i, child in enumerate(spec.children):
+                if index < child.num_tensors:
+                    trail.append(i)
+                    spec = child
+                    break
+                index -= child.num_tensors
+            else:
+                raise IndexError(index)
+        return trail
+
+    def trail_to(self, node: Spec) -> list[int]:
+        """The child indices from the root to the container `node` (by identity)."""
+        if self is node:
+            return []
+        for i, child in enumerate(self.children):
+            if child.children:
+                try:
+                    return [i, *child.trail_to(node)]
+                except LookupError:
+                    pass
+        raise LookupError(node)
+
+    def unhashable_leaf(self) -> tuple[list[int], Any] | None:
+        """(trail, value) of the first non-tensor leaf that cannot be hashed, or None."""
+        if self.kind is LEAF:
+            try:
+                hash(self.context)
+            except TypeError:
+                return [], self.context
+            return None
+        for i, child in enumerate(self.children):
+            found = child.unhashable_leaf()
+            if found is not None:
+                found[0].insert(0, i)
+                return found
+        return None
+
+
+_TENSOR = Spec(TENSOR, None, None, (), 1)
+_NONE = Spec(NONE, type(None), None, (), 0)
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, int]], inside: bool = False) -> Spec:
+    # (the caller has checked the registry: _KINDS is current)
+    t = type(obj)
+    node_kind = _KINDS.get(t)
+    if node_kind is None:
+        node_kind = _kind_of(t)
+    if node_kind is TENSOR:
+        tensors.append(obj)
+        return _TENSOR
+    if node_kind is LEAF:
+        return Spec(LEAF, t, obj, (), 0)
+    if node_kind is NONE:
+        return _NONE
+    start = len(tensors)
+    if node_kind is BROADCAST:
+        inner = _flatten(obj.value, tensors, broadcast, True)
+        if len(tensors) == start:  # nothing to copy: every replica gets the value itself
+            inner = Spec(LEAF, type(obj.value), obj.value, (), 0)
+        else:
+            broadcast.append((start, len(tensors)))
+        return Spec(BROADCAST, t, None, (inner,), len(tensors) - start)
+    if node_kind is ITERABLE:
+        if inside:  # passed whole, by reference, as an unknown object always was
+            return Spec(LEAF, t, obj, (), 0)
+        try:
+            kids = list(obj)
+        except Exception:  # noqa: BLE001 - an object that cannot be iterated is a leaf
+            return Spec(LEAF, t, obj, (), 0)
+        specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
+        if len(tensors) == start:
+            return Spec(LEAF, t, obj, (), 0)
+        return Spec(ITERABLE, t, None, specs, len(tensors) - start)
+    context, kids, template = _node(obj, node_kind)
+    specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
+    return Spec(node_kind, t, context, specs, len(tensors) - start, template)
+
+
+def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
+    """``(tensors, spec)`` of `tree`: every tensor in it, depth first in child
+    order (Broadcast contents included), and the :class:`Spec` that rebuilds
+    it. One walk of the tree."""
+    _check_registry()
+    tensors: list[torch.Tensor] = []
+    return tensors, _flatten(tree, tensors, [])
+
+
+def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, list[tuple[int, int]]]:
+    """As :func:`flatten`, also returning the ``[start, end)`` ranges of the
+    tensors that sit inside a :class:`Broadcast`."""
+    _check_registry()
+    tensors: list[torch.Tensor] = []
+    broadcast: list[tuple[int, int]] = []
+    spec = _flatten(tree, tensors, broadcast)
+    return tensors, spec, broadcast
+
+
+def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
+    node_kind = spec.kind
+    if node_kind is TENSOR:
+        return next(tensors)
+    if node_kind is LEAF:
+        return spec.context
+    if node_kind is NONE:
+        return None
+    values = [_build(child, tensors, unwrap) for child in spec.children]
+    if node_kind is BROADCAST:
+        return values[0] if unwrap else Broadcast(values[0])
+    try:
+        return _rebuild(node_kind, spec.type, spec.context, spec.template, values)
+    except RebuildError as e:
+        if e.node is None:
+            e.node = spec
+        raise
+
+
+def _build_replicas(spec: Spec, columns: Any, count: int, unwrap: bool) -> list[Any]:
+    node_kind = spec.kind
+    if node_kind is TENSOR:
+        return list(next(columns))
+    if node_kind is LEAF:
+        return [spec.context] * count
+    if node_kind is NONE:
+        return [None] * count
+    kids = [_build_replicas(child, columns, count, unwrap) for child in spec.children]
+    if node_kind is BROADCAST:
+        return kids[0] if unwrap else [Broadcast(v) for v in kids[0]]
+    cls = spec.type
+    if not kids:
+        rows: Any = [[] for _ in range(count)]
+    else:
+        rows = zip(*kids)
+        if node_kind is SEQUENCE and cls is tuple:
+            return list(rows)
+        if node_kind is MAPPING and cls is dict:
+            keys = spec.context[0]
+            return [dict(zip(keys, row)) for row in rows]
+    try:
+        return [_rebuild(node_kind, cls, spec.context, spec.template, list(row)) for row in rows]
+    except RebuildError as e:
+        if e.node is None:
+            e.node = spec
+        raise
+
+
+def unflatten(spec: Spec, tensors: Sequence[torch.Tensor]) -> Any:
+    """``spec.unflatten(tensors)``."""
+    return spec.unflatten(tensors)
+
+
+def path_at(tree: Any, trail: Sequence[int], root: str) -> str:
+    """The path (``root`` followed by keys) of the node of `tree` reached by
+    the child indices `trail` (as Spec.tensor_trail gives them)."""
+    path = root
+    node = tree
+    for index in trail:
+        node_kind = kind(node)
+        if node_kind is BROADCAST:
+            node = node.value
+            continue
+        context, kids, _ = _node(node, node_kind)
+        path += _keys(node, node_kind, context, len(kids))[index]
+        node = kids[index]
+    return path
+
+
+def tensor_path(tree: Any, spec: Spec, index: int, root: str) -> str:
+    """The path of tensor ``index`` (flatten order) of `tree`, whose spec is `spec`."""
+    return path_at(tree, spec.tensor_trail(index), root)
+
+
+class LazyPath:
+    """The path of one tensor of a flattened tree, formatted (and computed)
+    only when a message uses it: ``f"{path}"`` or ``str(path)``."""
+
+    __slots__ = ("tree", "spec", "index", "root")
+
+    def __init__(self, tree: Any, spec: Spec, index: int, root: str) -> None:
+        self.tree, self.spec, self.index, self.root = tree, spec, index, root
+
+    def __str__(self) -> str:
+        return tensor_path(self.tree, self.spec, self.index, self.root)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self), format_spec)
+
+    def __repr__(self) -> str:
+        return repr(str(self))
 
 
 def contains_tensor(obj: Any) -> bool:
     """Whether a tensor sits anywhere in `obj` (inside Broadcast too)."""
-    node_kind = kind(obj)
-    if node_kind == TENSOR:
-        return True
-    if node_kind == BROADCAST:
-        return contains_tensor(obj.value)
-    if node_kind in CONTAINERS:
-        return any(contains_tensor(child) for _, child in children(obj, node_kind, ""))
-    return False
+    return bool(flatten(obj)[0])
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """``obj`` with every tensor ``t`` replaced by ``fn(t)``, containers
     rebuilt with their own type (as gather does); other leaves are kept."""
-    node_kind = kind(obj)
-    if node_kind == TENSOR:
-        return fn(obj)
-    if node_kind in CONTAINERS:
-        return rebuild(obj, node_kind, [map_tensors(fn, child) for _, child in children(obj, node_kind, "")])
-    return obj
+    tensors, spec = flatten(obj)
+    if spec.kind is LEAF or spec.kind is NONE:
+        return obj
+    return spec.unflatten([fn(t) for t in tensors])
+
+
+def describe_spec(spec: Spec, tensor: torch.Tensor | None = None) -> str:
+    """The node `spec` (its first tensor `tensor`) in a few words for an
+    error message ("a list of length 2")."""
+    node_kind = spec.kind
+    if node_kind is TENSOR:
+        return "a tensor" if tensor is None else f"a tensor of shape {list(tensor.shape)}"
+    if node_kind is NONE:
+        return "None"
+    name = spec.type.__name__
+    if node_kind is SEQUENCE or node_kind is NAMEDTUPLE:
+        return f"a {name} of length {len(spec.children)}"
+    if node_kind is MAPPING:
+        return f"a {name} with keys {list(spec.context[0])}"
+    if node_kind is ITERABLE:
+        return f"a {name} of {len(spec.children)} elements"
+    return f"a {name}"
 
 
 def describe(obj: Any, node_kind: str) -> str:

@@ -1,10 +1,13 @@
 """Scatter of inputs and gather of outputs for data parallelism, over pytrees.
 
-Pytrees (see :mod:`dpcore._pytree`) are walked through tensors, tuples,
-lists, dicts (any Mapping subclass), namedtuples (collections and typing),
-dataclass instances and :class:`Broadcast` wrappers; every container is
-rebuilt with its own type for every replica, every other value is a leaf.
-``torch.Size`` is a leaf. How many rows each device gets is
+Pytrees (see :mod:`dpcore._pytree`, which flattens them) are walked through
+tensors, tuples, lists, dicts (any Mapping subclass), namedtuples
+(collections and typing), dataclass instances, types registered with
+``torch.utils._pytree`` (through their registered flatten and unflatten),
+other sized iterables holding tensors (rebuilt from their elements, as
+torch.nn.DataParallel's gather does) and :class:`Broadcast` wrappers; every
+container is rebuilt with its own type for every replica, every other value
+is a leaf. ``torch.Size`` is a leaf. How many rows each device gets is
 :func:`dpcore._split.split_sizes`.
 
 * :func:`scatter_kwargs`: splits positional and keyword arguments into one
@@ -21,7 +24,7 @@ Errors name the pytree path of the offending value, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +33,7 @@ from dpcore import _pytree as pt
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
-from dpcore._pytree import Broadcast
+from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, TENSOR, Broadcast
 from dpcore._split import check_split, plan_split
 
 __all__ = ["Broadcast", "Scattered", "scatter_kwargs", "scatter", "gather"]
@@ -50,16 +53,6 @@ class Scattered(NamedTuple):
     device_indices: list[int]
 
 
-def _collect_tensors(obj: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> None:
-    """Appends (path, tensor) for every tensor to scatter (outside Broadcast)."""
-    kind = pt.kind(obj)
-    if kind == pt.TENSOR:
-        out.append((path, obj))
-    elif kind in pt.CONTAINERS:
-        for sub, child in pt.children(obj, kind, path):
-            _collect_tensors(child, sub, out)
-
-
 def _broadcast_tensor(tensor: torch.Tensor, devices: list[torch.device]) -> list[torch.Tensor]:
     if not (torch.is_grad_enabled() and tensor.requires_grad):
         return list(comm.broadcast(tensor, devices))
@@ -70,38 +63,6 @@ def _broadcast_tensor(tensor: torch.Tensor, devices: list[torch.device]) -> list
             outs[i] = tensor  # the source replica gets the object itself
             break
     return outs
-
-
-def _broadcast_tree(obj: Any, devices: list[torch.device]) -> list[Any]:
-    """One copy of ``obj`` per device: tensors broadcast, containers rebuilt,
-    other leaves (and tensor-free subtrees) by reference."""
-    if not pt.contains_tensor(obj):
-        return [obj] * len(devices)
-    kind = pt.kind(obj)
-    if kind == pt.TENSOR:
-        return _broadcast_tensor(obj, devices)
-    if kind == pt.BROADCAST:
-        return _broadcast_tree(obj.value, devices)
-    columns = [_broadcast_tree(child, devices) for _, child in pt.children(obj, kind, "")]
-    return [pt.rebuild(obj, kind, [col[j] for col in columns]) for j in range(len(devices))]
-
-
-def _scatter_tree(
-    obj: Any,
-    path: str,
-    n: int,
-    scatter_tensor: Callable[[torch.Tensor], Sequence[torch.Tensor]],
-    devices: list[torch.device],
-) -> list[Any]:
-    kind = pt.kind(obj)
-    if kind == pt.TENSOR:
-        return list(scatter_tensor(obj))
-    if kind == pt.BROADCAST:
-        return _broadcast_tree(obj.value, devices)
-    if kind in pt.CONTAINERS:
-        columns = [_scatter_tree(child, sub, n, scatter_tensor, devices) for sub, child in pt.children(obj, kind, path)]
-        return [pt.rebuild(obj, kind, [col[j] for col in columns]) for j in range(n)]
-    return [obj] * n
 
 
 def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> list[tuple[str, int | None]]:
@@ -134,6 +95,16 @@ def _devices(devices: Sequence[DeviceLike], arg: str) -> list[torch.device]:
     return devs
 
 
+def _broadcast_marks(count: int, ranges: list[tuple[int, int]]) -> list[bool] | None:
+    """Which of `count` flattened tensors sit inside a Broadcast (None: none)."""
+    if not ranges:
+        return None
+    marks = [False] * count
+    for start, end in ranges:
+        marks[start:end] = [True] * (end - start)
+    return marks
+
+
 def _split(
     trees: Sequence[tuple[Any, str]],
     devices: list[torch.device],
@@ -144,10 +115,15 @@ def _split(
 ) -> tuple[list[list[Any]], list[int], list[int]]:
     """Splits each (tree, path) of `trees` into one value per replica; returns
     (per tree, its values), the replicas' sizes and their device indices.
-    With no tensor to split the replicas are the devices `without_tensors`."""
-    leaves: list[tuple[str, torch.Tensor]] = []
-    for tree, path in trees:
-        _collect_tensors(tree, path, leaves)
+    With no tensor to split the replicas are the devices `without_tensors`.
+    Each tree is flattened once; its spec rebuilds it for every replica."""
+    flats = [pt.flatten_marked(tree) for tree, _ in trees]
+    marks = [_broadcast_marks(len(tensors), ranges) for tensors, _, ranges in flats]
+    leaves: list[tuple[Any, torch.Tensor]] = []  # (path, tensor) of the tensors to split
+    for (tree, path), (tensors, spec, _), marked in zip(trees, flats, marks):
+        for i, t in enumerate(tensors):
+            if marked is None or not marked[i]:
+                leaves.append((pt.LazyPath(tree, spec, i, path), t))
     plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim)
     if plan.batch is not None:
         used = [i for i, s in enumerate(plan.sizes) if s > 0] or [0]
@@ -155,21 +131,30 @@ def _split(
     else:
         used, used_sizes = without_tensors, [0] * len(without_tensors)
     used_devices = [devices[i] for i in used]
-    memo: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
+    memo: dict[tuple[int, bool], tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
 
-    def scatter_tensor(t: torch.Tensor) -> Sequence[torch.Tensor]:
-        # plan_split checked every tensor: 0-dim whole, the batch's size by the split, any other one row each
-        hit = memo.get(id(t))
+    def per_replica(t: torch.Tensor, whole: bool) -> Sequence[torch.Tensor]:
+        hit = memo.get((id(t), whole))
         if hit is None:
-            if t.dim() == 0:
+            # plan_split checked every tensor: 0-dim whole, the batch's size by the split, any other one row each
+            if whole or t.dim() == 0:
                 parts: Sequence[torch.Tensor] = _broadcast_tensor(t, used_devices)
             else:
                 rows = used_sizes if t.size(dim) == plan.batch else [1] * len(used)
                 parts = Scatter.apply(used_devices, rows, dim, t)
-            hit = memo[id(t)] = (t, parts)
+            hit = memo[(id(t), whole)] = (t, parts)
         return hit[1]
 
-    values = [_scatter_tree(tree, path, len(used), scatter_tensor, used_devices) for tree, path in trees]
+    values = []
+    for (tree, path), (tensors, spec, _), marked in zip(trees, flats, marks):
+        columns = [per_replica(t, marked is not None and marked[i]) for i, t in enumerate(tensors)]
+        try:
+            values.append(spec.unflatten_replicas(columns, len(used)))
+        except pt.RebuildError as e:
+            raise TypeError(
+                f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
+                f"every replica"
+            ) from e
     return values, used_sizes, used
 
 
@@ -210,9 +195,14 @@ def scatter_kwargs(
       its source tensor's device is a view of it.
     * Containers (tuple, list, any Mapping subclass incl. OrderedDict and
       defaultdict with its ``default_factory``, namedtuples, dataclasses,
-      also with ``init=False`` fields) are rebuilt with their own type for
-      every replica; empty containers survive; every other leaf is passed by
-      reference (``is`` the caller's object) to every replica.
+      also with ``init=False`` fields, types registered with
+      ``torch.utils._pytree`` through their flatten and unflatten, other
+      iterables holding tensors as ``type(obj)(iterator over the split
+      elements)``, e.g. a KV cache fed back for the next decoding step) are
+      rebuilt with their own type for every replica; empty containers
+      survive; every other leaf is passed by reference (``is`` the caller's
+      object) to every replica. An iterable whose type cannot be rebuilt so
+      is a TypeError naming its path.
     * With no tensor to split, or a batch of 0 rows, there is exactly one
       replica (on ``devices[0]``), with ``sizes == [0]`` and
       ``device_indices == [0]``.
@@ -257,69 +247,126 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
 # ---------------------------------------------------------------------------
 
 
-def _mismatch(path: str, j: int, value: Any, kind: str, first: Any, first_kind: str, what: str = "") -> ValueError:
-    return ValueError(
-        f"gather: {path} of replica {j} is {pt.describe(value, kind)} but replica 0's is "
-        f"{pt.describe(first, first_kind)}{what}; every replica must return the same structure"
+_WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
+_VALUES = (NONE, LEAF, BROADCAST)
+
+
+class _Mismatch(Exception):
+    """Replica ``replica``'s output differs from replica 0's at ``trail``."""
+
+    def __init__(self, replica: int, got: str, expected: str, what: str = "") -> None:
+        super().__init__()
+        self.replica, self.got, self.expected, self.what = replica, got, expected, what
+        self.trail: list[int] = []
+
+
+def _value(spec: pt.Spec, tensors: list[torch.Tensor], start: int) -> Any:
+    """The non-tensor value at `spec` (None, a leaf, or a rebuilt Broadcast)."""
+    if spec.kind is LEAF:
+        return spec.context
+    if spec.kind is NONE:
+        return None
+    return spec.unflatten(tensors[start : start + spec.num_tensors])
+
+
+def _mismatch(
+    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], j: int, what: str = ""
+) -> _Mismatch:
+    got, first = specs[j], specs[0]
+    return _Mismatch(
+        j,
+        pt.describe_spec(got, flats[j][starts[j]] if got.kind is TENSOR else None),
+        pt.describe_spec(first, flats[0][starts[0]] if first.kind is TENSOR else None),
+        what,
     )
 
 
-_WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
+def _merge(
+    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[list[torch.Tensor]]
+) -> pt.Spec:
+    """The spec of the gathered output at one node, from the replicas' specs
+    there (`starts`: where each replica's tensors of this node begin in its
+    flattened list `flats[j]`). Appends one column of per-replica tensors to
+    `columns` per tensor, in the order of the returned spec; raises _Mismatch
+    where the structures differ."""
+    first = specs[0]
+    first_kind = first.kind
+    if first_kind is TENSOR:
+        for j, s in enumerate(specs):
+            if s.kind is not TENSOR:
+                raise _mismatch(specs, starts, flats, j)
+        columns.append([flat[start] for flat, start in zip(flats, starts)])
+        return first
 
-
-def _gather_tree(values: list[Any], path: str, destination: DeviceLike | None, dim: int) -> Any:
-    first = values[0]
-    first_kind = pt.kind(first)
-    kinds = [pt.kind(v) for v in values]
-
-    if first_kind in (pt.NONE, pt.LEAF, pt.BROADCAST):
+    if first_kind in _VALUES:
         # Plain values: None stays None if every replica returned None; any
         # mix of non-container, non-tensor values gathers into a list.
-        for j, (v, k) in enumerate(zip(values, kinds)):
-            if k not in (pt.NONE, pt.LEAF, pt.BROADCAST):
-                raise _mismatch(path, j, v, k, first, first_kind)
-        if all(k == pt.NONE for k in kinds):
-            return None
-        return list(values)
+        for j, s in enumerate(specs):
+            if s.kind not in _VALUES:
+                raise _mismatch(specs, starts, flats, j)
+        if all(s.kind is NONE for s in specs):
+            return first
+        return pt.Spec(LEAF, list, [_value(s, flats[j], starts[j]) for j, s in enumerate(specs)], (), 0)
 
-    for j, (v, k) in enumerate(zip(values, kinds)):
-        if k != first_kind or type(v) is not type(first):
-            raise _mismatch(path, j, v, k, first, first_kind)
+    cls = first.type
+    count = len(first.children)
+    orders: list[list[int] | None] | None = None  # per replica: its child index of each of first's
+    for j in range(1, len(specs)):
+        s = specs[j]
+        if s.kind is not first_kind or s.type is not cls:
+            raise _mismatch(specs, starts, flats, j)
+        if first_kind is MAPPING:
+            keys, other = first.context[0], s.context[0]
+            if other == keys:
+                continue
+            if set(other) != set(keys):
+                missing = [k for k in keys if k not in set(other)]
+                extra = [k for k in other if k not in set(keys)]
+                raise _mismatch(specs, starts, flats, j, f" (missing keys {missing}, extra keys {extra})")
+            position = {k: i for i, k in enumerate(other)}
+            orders = orders or [None] * len(specs)
+            orders[j] = [position[k] for k in keys]
+            continue
+        if (first_kind is REGISTERED or first_kind is DATACLASS) and not (s.context,) == (first.context,):
+            raise _mismatch(
+                specs, starts, flats, j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})"
+            )
+        if len(s.children) != count:
+            raise _mismatch(specs, starts, flats, j)
 
-    if first_kind == pt.TENSOR:
+    # Where each replica's tensors of each child begin.
+    child_starts = []
+    for s, start in zip(specs, starts):
+        offsets = []
+        for child in s.children:
+            offsets.append(start)
+            start += child.num_tensors
+        child_starts.append(offsets)
+    before = len(columns)
+    kids = []
+    for c in range(count):
+        if orders is None:
+            sub_specs = [s.children[c] for s in specs]
+            sub_starts = [offsets[c] for offsets in child_starts]
+        else:
+            picks = [c if order is None else order[c] for order in orders]
+            sub_specs = [s.children[i] for s, i in zip(specs, picks)]
+            sub_starts = [offsets[i] for offsets, i in zip(child_starts, picks)]
         try:
-            return Gather.apply(destination, dim, *values)
-        except _WRAPPABLE as e:
-            if type(e) in _WRAPPABLE:
-                raise type(e)(f"gather: {path}: {e}") from e
+            kids.append(_merge(sub_specs, sub_starts, flats, columns))
+        except _Mismatch as e:
+            e.trail.insert(0, c)
             raise
+    return pt.Spec(first_kind, cls, first.context, tuple(kids), len(columns) - before, first.template)
 
-    if first_kind == pt.MAPPING:
-        keys = list(first.keys())
-        key_set = set(keys)
-        for j, v in enumerate(values[1:], 1):
-            other = set(v.keys())
-            if other != key_set:
-                missing = [k for k in keys if k not in other]
-                extra = [k for k in v.keys() if k not in key_set]
-                raise _mismatch(
-                    path, j, v, first_kind, first, first_kind, f" (missing keys {missing}, extra keys {extra})"
-                )
-        gathered = [
-            _gather_tree([v[key] for v in values], f"{path}[{key!r}]", destination, dim) for key in keys
-        ]
-        return pt.rebuild(first, first_kind, gathered)
 
-    child_lists = [pt.children(v, first_kind, path) for v in values]
-    first_paths = [p for p, _ in child_lists[0]]
-    for j, children in enumerate(child_lists[1:], 1):
-        if [p for p, _ in children] != first_paths:
-            raise _mismatch(path, j, values[j], first_kind, first, first_kind)
-    gathered = [
-        _gather_tree([children[i][1] for children in child_lists], sub, destination, dim)
-        for i, sub in enumerate(first_paths)
-    ]
-    return pt.rebuild(first, first_kind, gathered)
+def _gather_tensors(values: list[torch.Tensor], path: Any, destination: DeviceLike | None, dim: int) -> torch.Tensor:
+    try:
+        return Gather.apply(destination, dim, *values)
+    except _WRAPPABLE as e:
+        if type(e) in _WRAPPABLE:
+            raise type(e)(f"gather: {path}: {e}") from e
+        raise
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 0) -> Any:
@@ -334,7 +381,13 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
       replica's output); 0-dim tensors (per-replica scalars) are stacked into
       a 1-D tensor, without a warning.
     * Tuples, lists, Mappings (in replica 0's key order), namedtuples and
-      dataclasses are rebuilt with their own type.
+      dataclasses are rebuilt with their own type; types registered with
+      ``torch.utils._pytree`` through their unflatten function (the
+      replicas' contexts must be equal); other sized iterables holding tensors as
+      torch.nn.DataParallel rebuilds them, ``type(out)(iterator over the
+      gathered elements)`` (a KV cache comes back as one cache for the
+      whole batch); an iterable whose type cannot be rebuilt so is a
+      TypeError naming its path.
     * None stays None when every replica returned None; strings, numbers and
       other leaves gather into a list of the per-replica values (None among
       them included).
@@ -349,5 +402,30 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
     values = list(outputs)
     if not values:
         raise ValueError("outputs: expected at least one replica's output, but got none")
-    return _gather_tree(values, "output", target_device, dim)
+    first = values[0]
+    if all(type(v) is torch.Tensor for v in values):
+        return _gather_tensors(values, "output", target_device, dim)
+    flats = [pt.flatten(v) for v in values]
+    columns: list[list[torch.Tensor]] = []
+    try:
+        spec = _merge([s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns)
+    except _Mismatch as e:
+        raise ValueError(
+            f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
+            f"{e.expected}{e.what}; every replica must return the same structure"
+        ) from None
+    gathered = []
+    for i, column in enumerate(columns):
+        try:
+            gathered.append(Gather.apply(target_device, dim, *column))
+        except _WRAPPABLE as e:
+            if type(e) in _WRAPPABLE:
+                raise type(e)(f"gather: {pt.tensor_path(first, spec, i, 'output')}: {e}") from e
+            raise
+    try:
+        return spec.unflatten(gathered)
+    except pt.RebuildError as e:
+        raise TypeError(
+            f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the per-replica outputs"
+        ) from e
 

@@ -27,8 +27,9 @@ __all__ = ["TorchPatch", "patch_torch", "unpatch_torch"]
 
 class _StandInMeta(type(_DpcoreDataParallel)):  # ABCMeta: the wrapper is a Joinable
     """Metaclass of the class that stands in for torch's while patched:
-    torch's own instances and subclasses count as its instances and
-    subclasses too (only for that class itself, not for its subclasses)."""
+    torch's own wrappers count as its instances too (only for that class
+    itself, not for its subclasses). dpcore.DataParallel's own checks stay
+    nominal (data_parallel._WrapperMeta), so they never ask this class."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         if super().__instancecheck__(obj):

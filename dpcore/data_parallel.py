@@ -417,7 +417,21 @@ class _BoundForward:
         return f"<bound method DataParallel.forward of {type(self.__self__).__name__}>"
 
 
-class DataParallel(TorchDataParallel, Joinable):
+class _WrapperMeta(type(Joinable)):  # type: ignore[misc]
+    """The wrapper's metaclass: ABCMeta (it is a Joinable), with plain
+    nominal isinstance/issubclass. ABCMeta would answer them by asking the
+    subclasses too, so a subclass with a wider check (dpcore.patch_torch's
+    stand-in, which accepts torch's own wrappers) would make torch's
+    wrappers instances of this class."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return type.__instancecheck__(cls, obj)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return type.__subclasscheck__(cls, sub)
+
+
+class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the outputs
     are gathered onto ``output_device``. Drop-in for torch.nn.DataParallel,

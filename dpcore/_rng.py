@@ -15,22 +15,30 @@ least two members gets one fresh ``torch.Generator`` per call, seeded from
 one number taken from that default generator when the first of them draws
 (so it is advanced: later draws outside the wrapper and the next step's
 draws differ, deterministically; a step that draws nothing, in eval mode
-say, leaves it untouched) and the call's position in its group. Inside the call, every random operation on
-that device that is given no generator draws from the call's own one. So the
-numbers depend only on the seed and the sequence of calls, never on thread
-timing: under one ``torch.manual_seed``, two runs are bitwise equal. A call
-alone on its device (one replica; replicas on distinct CUDA devices) is left
-as it is and draws from its device's generator exactly as the bare module
-would. A generator passed explicitly is used as given. A call that itself
-runs parallel calls (a nested DataParallel) derives their streams from its
-own stream. Eval-mode modules draw nothing and are unaffected.
+say, leaves it untouched) and the call's position in its group. Inside the
+call, every random operation on that device that is given no generator
+draws from the call's own one. So the numbers depend only on the seed and
+the sequence of calls, never on thread timing: under one
+``torch.manual_seed``, two runs are bitwise equal. A call alone on its
+device (one replica; replicas on distinct CUDA devices) is left as it is
+and draws from its device's generator exactly as the bare module would. A
+generator passed explicitly is used as given. A call that itself runs
+parallel calls (a nested DataParallel) derives their streams from its own
+stream. The numbers differ from a single-device run's (one stream per
+replica, not one for the whole batch), as with torch.nn.DataParallel.
 
-Not covered: CPU draws made by CUDA replicas (the CPU generator stays shared,
-as with torch.nn.DataParallel), and CUDA's fused attention kernels with
-dropout (``scaled_dot_product_attention`` on its flash / memory-efficient /
-cuDNN backends takes the device generator inside the kernel, out of any
-dispatcher's reach). CUDA's fused ``native_dropout`` is covered: it is
-computed as a ``bernoulli_`` mask on the call's generator times the input.
+Saving and restoring the state works on the stream: inside such a call,
+``torch.get_rng_state``/``torch.set_rng_state`` (and ``torch.cuda``'s for
+the call's device) read and write the call's own generator, so
+``torch.random.fork_rng`` and activation checkpointing (which saves the
+state in forward and recomputes the dropout masks from it in backward, on
+another thread, with the default generator) see the numbers the replica
+drew: the recomputed masks are the forward's. Not covered: CPU draws made by
+CUDA replicas (the CPU generator stays shared, as with
+torch.nn.DataParallel), ``torch.manual_seed`` called inside a replica (it
+seeds the default generators, which the call no longer draws from), and
+code that holds a reference to the default generator object
+(``torch.default_generator``) and draws from it explicitly.
 
 Mechanism, and why. A thread-local dispatch key, included only on the
 worker threads of calls that got a stream of their own and only while they
@@ -44,22 +52,31 @@ while the operator runs, random operators called inside ATen's own
 composites (dropout's ``bernoulli_``, the dropout inside
 ``TransformerEncoderLayer`` and ``scaled_dot_product_attention``'s math
 path, LSTM dropout on the CPU, ``rand``'s ``uniform_``) are caught too.
+CUDA kernels that take the device generator themselves, with no generator
+argument (the fused ``native_dropout``, the flash / memory-efficient / cuDNN
+attention kernels), run with the device's default generator holding the
+call's state, swapped in and out under a lock per device: the same kernel
+as on one device, on the call's own stream of numbers.
 
 The alternatives: a ``torch.overrides.TorchFunctionMode`` on the replica
 threads sees only Python-level calls (it misses the random operators inside
 C++ composites such as the attention dropout above, and every function
 without a ``generator=`` argument would need a rewrite), and it costs a
 Python call for every torch function a replica's forward makes, random or
-not, on every CPU replica: a measurable slowdown of every CPU step. A
-``TorchDispatchMode`` sees every ATen operator, but costs a Python call for
-each of them. The dispatch key costs nothing for non-random operators and a
-Python call only for random ones. The key used is c10's
-``TESTING_ONLY_GenericMode``, the one mode key that PyTorch leaves unused
-(its other mode keys belong to autocast, functorch, tracing and the Python
-dispatcher); where some other library has already registered on it, or a
-PyTorch build lacks it, the mechanism stays off with one warning (the
-replicas then draw from the shared generator, as before) rather than
-fighting over the key.
+not, on every CPU replica (a pass-through mode made the forward and
+backward of an MLP of 50 layers of 64 at batch 8 12 % slower, minimum of 15
+alternating rounds, one thread). A ``TorchDispatchMode`` sees every ATen
+operator, but costs a Python call for each of them. The dispatch key costs
+nothing for non-random operators and a Python call only for random ones
+(and a lock per call of the CUDA kernels above). The key is c10's
+``TESTING_ONLY_GenericMode``: c10 reserves it for tests, but it is the one
+mode key (a functionality key above autograd, included thread-locally)
+that PyTorch itself never registers on or includes (its other mode keys
+belong to autocast, functorch, tracing and the Python dispatcher), and
+PyTorch offers no thread-local generator override. Where some other code
+has already registered on it, or a PyTorch build lacks it, the mechanism
+stays off with one warning (the replicas then draw from the shared
+generator, as before) rather than fighting over the key.
 """
 
 from __future__ import annotations
@@ -251,7 +268,11 @@ def _install() -> tuple[Any, list[Any]]:
             libraries = [fallback, aten]
             for name, op, index in _random_operators():
                 aten.impl(name, _generator_kernel(op, index, candidate), _KEY_NAME, with_keyset=True)
-            aten.impl("native_dropout", _native_dropout_kernel(candidate), _KEY_NAME, with_keyset=True)
+            for name in _DEVICE_GENERATOR_OPERATORS:
+                op = getattr(torch.ops.aten, name, None)
+                if op is not None and hasattr(op, "default"):
+                    aten.impl(name, _device_generator_kernel(op.default, candidate), _KEY_NAME, with_keyset=True)
+            _patch_state_functions()
             key = candidate
             reason = ""
     except (RuntimeError, AttributeError) as error:  # a PyTorch whose internals moved
@@ -322,29 +343,115 @@ def _generator_kernel(op: Any, index: int, key: Any) -> Callable[..., Any]:
     return kernel
 
 
-def _native_dropout_kernel(key: Any) -> Callable[..., Any]:
-    """``native_dropout`` (no generator argument): on the CPU it draws with
-    ``bernoulli_`` (caught by its kernel); on CUDA a fused kernel takes the
-    device generator, so in training, on the stream's device, it is computed
-    here as ATen's CPU kernel does: a ``bernoulli_(1 - p)`` mask on the
-    stream's generator, ``input * mask / (1 - p)`` (autograd records these
-    operations) and the mask as booleans."""
-    op = torch.ops.aten.native_dropout.default
+#: CUDA operators without a ``generator`` argument whose kernels take the
+#: device's default generator themselves (fused dropout and attention).
+_DEVICE_GENERATOR_OPERATORS = (
+    "native_dropout",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+_device_locks: dict[int, threading.Lock] = {}
+
+
+def _device_generator_kernel(op: Any, key: Any) -> Callable[..., Any]:
+    """The kernel of an operator that takes a CUDA device's default generator
+    inside its kernel (``native_dropout``, the fused attention kernels): on
+    a thread with a stream of its own for that device, the device's default
+    generator holds the stream's state while the operator runs (under a lock
+    per device, so the replicas of one device take turns for the launch
+    only), and the stream takes the advanced state back. The same kernel
+    runs as on one device, so a recomputation from the saved state (see
+    _patch_state_functions) draws the same numbers. The CPU's
+    ``native_dropout`` draws with ``bernoulli_``, which its own kernel
+    catches."""
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         stream = getattr(_local, "stream", None)
-        if stream is not None and len(args) == 3 and not kwargs:
-            input, p, train = args
-            if (
-                train is not False
-                and input.device == stream.device
-                and input.device.type != "cpu"
-                and 0.0 < p < 1.0
-                and input.numel() > 0
-                and not input.is_nested
-            ):
-                keep = torch.empty_like(input).bernoulli_(1.0 - p, generator=stream.generator())
-                return input * keep * (1.0 / (1.0 - p)), keep.to(torch.bool)
+        if stream is not None and stream.device.type == "cuda":
+            tensor = _first_tensor(args, kwargs)
+            if tensor is not None and tensor.device == stream.device:
+                own = stream.generator()
+                default = torch.cuda.default_generators[stream.device.index]
+                lock = _device_locks.setdefault(stream.device.index, threading.Lock())
+                with lock:
+                    saved = default.get_state()
+                    default.set_state(own.get_state())
+                    try:
+                        return op.redispatch(keyset.remove(key), *args, **kwargs)
+                    finally:
+                        own.set_state(default.get_state())
+                        default.set_state(saved)
         return op.redispatch(keyset.remove(key), *args, **kwargs)
 
     return kernel
+
+
+def _cuda_index(device: Any) -> int:
+    """The CUDA device index that torch.cuda's RNG-state functions resolve `device` to."""
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def _patch_state_functions() -> None:
+    """Makes ``torch.get_rng_state``/``torch.set_rng_state`` (and
+    ``torch.cuda``'s, for the stream's device) read and write the calling
+    thread's own stream where it has one, and the default generator
+    everywhere else, as before. So code inside a replica that saves and
+    restores "the" generator state sees the generator it draws from:
+    ``torch.random.fork_rng``, and activation checkpointing, which saves the
+    state in forward and recomputes from it in backward (on another thread,
+    from the default generator, which then draws the numbers the replica
+    drew). Installed once, with the dispatch key."""
+    import functools
+
+    import torch.random
+
+    cpu_get, cpu_set = torch.random.get_rng_state, torch.random.set_rng_state
+
+    @functools.wraps(cpu_get)
+    def get_rng_state() -> torch.Tensor:
+        stream = getattr(_local, "stream", None)
+        if stream is not None and stream.device.type == "cpu":
+            return stream.generator().get_state()
+        return cpu_get()
+
+    @functools.wraps(cpu_set)
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        stream = getattr(_local, "stream", None)
+        if stream is not None and stream.device.type == "cpu":
+            stream.generator().set_state(new_state)
+        else:
+            cpu_set(new_state)
+
+    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
+    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
+
+    import torch.cuda
+    import torch.cuda.random
+
+    cuda_get, cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rng_state
+
+    @functools.wraps(cuda_get)
+    def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        stream = getattr(_local, "stream", None)
+        if stream is not None and stream.device.type == "cuda" and _cuda_index(device) == stream.device.index:
+            return stream.generator().get_state()
+        return cuda_get(device)
+
+    @functools.wraps(cuda_set)
+    def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        stream = getattr(_local, "stream", None)
+        if stream is not None and stream.device.type == "cuda" and _cuda_index(device) == stream.device.index:
+            stream.generator().set_state(new_state)
+        else:
+            cuda_set(new_state, device)
+
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = cuda_get_rng_state
+    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = cuda_set_rng_state

@@ -251,3 +251,122 @@ def test_distinct_cuda_devices_keep_their_generators() -> None:
         second = model.to(1)(x[4:].to(1))
     assert torch.equal(out[:4] != 0, first != 0)
     assert torch.equal(out[4:].cpu() != 0, second.cpu() != 0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("devices", CPU_LISTS + CUDA_LISTS)
+def test_checkpointed_dropout_recomputes_the_forward_masks(devices: list[Any], reentrant: bool) -> None:
+    """Activation checkpointing saves the generator state in forward and
+    recomputes the masks from it in backward: the gradient must use the
+    masks of the forward (x -> dropout(x * w), so d sum / dx = kept * 2)."""
+    from torch.utils.checkpoint import checkpoint
+
+    device = torch.device("cpu") if devices[0] == "cpu" else torch.device("cuda", devices[0])
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1, dtype=torch.double, device=device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda t: F.dropout(t * self.w, 0.5), x, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    dp = dpcore.DataParallel(Checkpointed(), devices)
+    for _ in range(3):
+        x = torch.ones(6 * len(devices), 128, dtype=torch.double, device=device, requires_grad=True)
+        y = dp(x)
+        y.sum().backward()
+        assert torch.equal(x.grad, (y != 0).double() * 2)
+
+
+def test_lstm_dropout_and_multinomial_are_reproducible() -> None:
+    """LSTM's inter-layer dropout (drawn inside ATen's lstm) and multinomial."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 8, num_layers=2, dropout=0.5, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lstm(x)[0]
+            picks = torch.multinomial(torch.ones(y.shape[0], 5, dtype=y.dtype), 3)
+            return y + picks.to(y.dtype).sum(-1).reshape(-1, 1, 1)
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Recurrent().double()
+        return dpcore.DataParallel(model, ["cpu"] * 3)(torch.randn(6, 3, 4, dtype=torch.double))
+
+    first = run()
+    for _ in range(4):
+        assert torch.equal(first, run())
+
+
+def test_nested_data_parallel_is_reproducible() -> None:
+    """A DataParallel inside a replica derives its replicas' streams from the
+    outer replica's stream."""
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(1)
+        inner = dpcore.DataParallel(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5)).double(), ["cpu"] * 2)
+        outer = dpcore.DataParallel(nn.Sequential(inner, nn.Dropout(0.3)), ["cpu"] * 2)
+        return outer(torch.randn(8, 4, dtype=torch.double))
+
+    first = run()
+    for _ in range(4):
+        assert torch.equal(first, run())
+
+
+def test_fork_rng_inside_a_replica_works_on_its_stream() -> None:
+    """Saving and restoring the state inside a replica (torch.random.fork_rng,
+    get_rng_state/set_rng_state) acts on the generator the replica draws from."""
+
+    class Replay(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            state = torch.get_rng_state()
+            first = torch.rand_like(x)
+            torch.set_rng_state(state)
+            second = torch.rand_like(x)
+            with torch.random.fork_rng():
+                torch.rand_like(x)
+            third = torch.rand_like(x)
+            return torch.stack([first, second, third])
+
+    torch.manual_seed(2)
+    out = dpcore.DataParallel(Replay(), ["cpu"] * 3, dim=1)(torch.zeros(1, 6, 16))
+    first, second, third = out.unbind(0)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, third)
+    assert not torch.equal(first[0], first[2])  # the replicas' streams differ
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_fused_kernels_are_reproducible_on_one_device() -> None:
+    """[0, 0]: the fused dropout kernel and scaled_dot_product_attention with
+    dropout (fused kernels that take the device generator themselves)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.proj(x).view(x.shape[0], 4, 16, 16)
+            y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+            return F.dropout(y, 0.5).flatten(1)
+
+    def run(dtype: torch.dtype) -> torch.Tensor:
+        torch.manual_seed(3)
+        model = Attention().to("cuda", dtype)
+        dp = dpcore.DataParallel(model, [0, 0])
+        x = torch.randn(8, 16, 64, device="cuda", dtype=dtype)
+        out = dp(x)
+        out.float().square().sum().backward()
+        return torch.cat([out.detach().flatten().float(), model.proj.weight.grad.flatten().float()])
+
+    for dtype in (torch.float32, torch.float16):
+        first = run(dtype)
+        for _ in range(3):
+            assert torch.equal(first, run(dtype))

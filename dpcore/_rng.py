@@ -92,6 +92,7 @@ __all__ = ["with_own_streams"]
 
 _KEY_NAME = "TESTING_ONLY_GenericMode"
 _MASK64 = (1 << 64) - 1
+_CPU = torch.device("cpu")
 
 # Per thread: the _OwnStream of the call running on this thread, else absent.
 _local = threading.local()
@@ -109,16 +110,6 @@ def _mix(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def _generator_device(device: torch.device) -> torch.device | None:
-    """The device whose default generator a call on `device` draws from (the
-    CPU, or a CUDA device with its index); None for other device types."""
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type == "cuda":
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
 def _parent(device: torch.device) -> torch.Generator:
     """The generator that calls on `device` would draw from on this thread:
     this thread's own stream where it has one for `device` (a nested parallel
@@ -126,7 +117,7 @@ def _parent(device: torch.device) -> torch.Generator:
     stream = getattr(_local, "stream", None)
     if stream is not None and stream.device == device:
         return stream.generator()
-    if device.type == "cpu":
+    if device == _CPU:
         return torch.default_generator
     if not torch.cuda.default_generators:
         torch.cuda.init()
@@ -170,11 +161,12 @@ class _OwnStream:
     created and seeded on the first such draw (a call that draws nothing
     touches no generator)."""
 
-    __slots__ = ("fn", "device", "group", "position", "key", "_generator")
+    __slots__ = ("fn", "device", "kind", "group", "position", "key", "_generator")
 
     def __init__(self, fn: Callable[..., Any], device: torch.device, group: _Group, position: int, key: Any) -> None:
         self.fn = fn
         self.device = device
+        self.kind = device.type
         self.group = group
         self.position = position
         self.key = key
@@ -213,20 +205,23 @@ def with_own_streams(fns: Sequence[Callable[..., Any]], devices: Sequence[torch.
     whatever the order in which the calls run."""
     if len(fns) < 2:
         return list(fns)
-    groups: dict[torch.device, list[int]] = {}
+    groups: dict[int | None, list[int]] = {}  # None: the CPU; else a CUDA device index
     for i, device in enumerate(devices):
-        shared = _generator_device(device)
-        if shared is not None:
-            groups.setdefault(shared, []).append(i)
+        if device == _CPU or device.type == "cpu":  # the comparison first: reading .type costs more
+            groups.setdefault(None, []).append(i)
+        elif device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            groups.setdefault(index, []).append(i)
     if all(len(members) < 2 for members in groups.values()):
         return list(fns)
     key = _dispatch_key()
     if key is None:
         return list(fns)
     wrapped = list(fns)
-    for device, members in groups.items():
+    for index, members in groups.items():
         if len(members) < 2:
             continue
+        device = _CPU if index is None else torch.device("cuda", index)
         group = _Group(_parent(device))
         for position, i in enumerate(members):
             wrapped[i] = _OwnStream(fns[i], device, group, position, key)
@@ -372,7 +367,7 @@ def _device_generator_kernel(op: Any, key: Any) -> Callable[..., Any]:
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         stream = getattr(_local, "stream", None)
-        if stream is not None and stream.device.type == "cuda":
+        if stream is not None and stream.kind == "cuda":
             tensor = _first_tensor(args, kwargs)
             if tensor is not None and tensor.device == stream.device:
                 own = stream.generator()
@@ -418,14 +413,14 @@ def _patch_state_functions() -> None:
     @functools.wraps(cpu_get)
     def get_rng_state() -> torch.Tensor:
         stream = getattr(_local, "stream", None)
-        if stream is not None and stream.device.type == "cpu":
+        if stream is not None and stream.kind == "cpu":
             return stream.generator().get_state()
         return cpu_get()
 
     @functools.wraps(cpu_set)
     def set_rng_state(new_state: torch.Tensor) -> None:
         stream = getattr(_local, "stream", None)
-        if stream is not None and stream.device.type == "cpu":
+        if stream is not None and stream.kind == "cpu":
             stream.generator().set_state(new_state)
         else:
             cpu_set(new_state)
@@ -441,14 +436,14 @@ def _patch_state_functions() -> None:
     @functools.wraps(cuda_get)
     def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
         stream = getattr(_local, "stream", None)
-        if stream is not None and stream.device.type == "cuda" and _cuda_index(device) == stream.device.index:
+        if stream is not None and stream.kind == "cuda" and _cuda_index(device) == stream.device.index:
             return stream.generator().get_state()
         return cuda_get(device)
 
     @functools.wraps(cuda_set)
     def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
         stream = getattr(_local, "stream", None)
-        if stream is not None and stream.device.type == "cuda" and _cuda_index(device) == stream.device.index:
+        if stream is not None and stream.kind == "cuda" and _cuda_index(device) == stream.device.index:
             stream.generator().set_state(new_state)
         else:
             cuda_set(new_state, device)

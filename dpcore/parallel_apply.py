@@ -10,6 +10,7 @@ import torch
 
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_device, normalize_device
+from dpcore._rng import with_own_streams
 
 __all__ = ["parallel_apply", "start_parallel_apply"]
 
@@ -97,5 +98,5 @@ def start_parallel_apply(
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
     return _C.start_parallel_apply(
-        list(modules), args, [dict(k or {}) for k in kwargs_tup], resolved, all_at_once=bool(all_at_once)
+        with_own_streams(modules, resolved), args, [dict(k or {}) for k in kwargs_tup], resolved, all_at_once=bool(all_at_once)
     )

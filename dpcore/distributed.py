@@ -120,7 +120,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -774,7 +773,7 @@ class GradientSync:
         rank = torch.tensor([float(self.rank) if is_last_joiner else -1.0], device=self.device)
         dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.group)
         src = int(rank.item())
-        tensors = [p for p in self.module.parameters()]
+        tensors = list(self.module.parameters())
         if self.broadcast_buffers:
             tensors += list(self.module.buffers())
         if tensors:

@@ -390,7 +390,7 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     model.reducer = "the module's own"  # a module attribute of that name still falls through
     assert dp.reducer == "the module's own"
     with pytest.raises(AttributeError, match="'Linear' object has no attribute 'no_such_thing'"):
-        dp.no_such_thing
+        _ = dp.no_such_thing
     with pytest.raises(ValueError, match=r"Join: needs a dpcore.DataParallel with a process_group="):
         Join([plain])
     with pytest.raises(ValueError, match=r"join\(\): needs a dpcore.DataParallel with a process_group="):

@@ -117,7 +117,15 @@ class ReplicaBuffers:
 class ReplicaSet:
     """The cached replicas of one module on `targets`, refreshed by sync()."""
 
-    def __init__(self, module: nn.Module, targets: Sequence[torch.device], bucket_bytes: int) -> None: ...
+    def __init__(
+        self,
+        module: nn.Module,
+        targets: Sequence[torch.device],
+        bucket_bytes: int,
+        replicate: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> None:
+        """`replicate(master)` makes each replica module (default: its
+        ``_replicate_for_data_parallel()``)."""
     def valid(self) -> bool:
         """Whether the masters' structure is still the one the set was built for."""
 

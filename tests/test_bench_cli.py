@@ -158,7 +158,7 @@ def test_without_matplotlib_writes_json_and_tables_and_skips_the_plot(
     # rows (the full run is test_quick_run_writes_json_and_plot's); the sweep,
     # whose plot is skipped, runs for real at one small size.
     monkeypatch.setattr(bench_cli.bench_comm, "run", lambda devices, quick, repeats: {"rows": [], "env": {"build": "cpu"}})
-    monkeypatch.setattr(bench_cli.bench_step, "run", lambda devices, quick, repeats, min_seconds: {"rows": []})
+    monkeypatch.setattr(bench_cli.bench_step, "run", lambda devices, quick, repeats, min_seconds, compiled=None: {"rows": []})
     out = tmp_path / "results"
     result = bench_cli.main(["--smoke", "--devices", "cpu:2", "--sizes", "16K", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["comm.json", "step.json"]

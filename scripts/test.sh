@@ -29,6 +29,11 @@ source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib \
   "ruff==0.17.6"
+# The libraries of the drop-in tests (Hugging Face Trainer and accelerate),
+# pinned to versions that run with this torch; those tests skip, naming the
+# package, where it is missing. timm is not installed: it needs torchvision,
+# whose PyPI wheel does not load beside the CPU torch 2.13 wheel.
+python -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
 
 step "lint: ruff (scripts/lint.sh)"
 bash "$root/scripts/lint.sh"

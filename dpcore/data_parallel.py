@@ -606,9 +606,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     touches the replicas.
     """
 
-    # Attributes a replica of this wrapper (DataParallel nested in a model
-    # that is itself replicated) keeps for itself: its own replica cache and
-    # its own call serialization.
+    # The wrapper's private per-instance state, the one list of it: its
+    # replica cache, its call serialization and its CUDA-graph runner. A
+    # replica of this wrapper (DataParallel nested in a model that is itself
+    # replicated) keeps its own (ReplicaSet reads this name); a pickle holds
+    # none of it; each is made by _fresh_private_state.
     _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
     # The devices of the replicas of the call in progress, for the default
@@ -639,8 +641,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         # indices, move the module and warn): only nn.Module's.
         nn.Module.__init__(self)
         Joinable.__init__(self)  # the join context's per-instance state (disabled outside Join)
-        self._calls = _CallGuard()
-        self._graphs: GraphRunner | None = None
+        self.__dict__.update(_fresh_private_state(cuda_graphs=False))
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
         if not isinstance(sync_batchnorm, bool):
@@ -682,17 +683,27 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         self._sync: GradientSync | None = None
         if device_ids is None and process_group is not None:
             device_ids = [_module_device(module)]  # one device per process, as DDP
-        if device_ids is None:
+        defaulted = device_ids is None
+        if defaulted:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-            if not device_ids:
-                if cuda_graphs:
-                    raise ValueError(
-                        "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
-                    )
-                self.device_ids: list[torch.device] = []
-                self.output_device = None
-                self._cache = None
-                return
+            if not device_ids and cuda_graphs:
+                raise ValueError("cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible")
+        if defaulted and not device_ids:  # no accelerator and no list: the module runs as is
+            self.device_ids: list[torch.device] = []
+            self.output_device = None
+        else:
+            self._set_up_devices(module, device_ids, output_device, cuda_graphs, process_group, broadcast_buffers)
+
+    def _set_up_devices(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike],
+        output_device: DeviceLike | None,
+        cuda_graphs: bool,
+        process_group: Any,
+        broadcast_buffers: bool,
+    ) -> None:
+        """The device list and what hangs on it (checked; see __init__)."""
         self.device_ids = as_devices(device_ids, "device_ids")
         _check_device_list(self.device_ids)
         if cuda_graphs and self.device_ids[0].type != "cuda":
@@ -704,9 +715,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         self.output_device = as_destination(output_device, "output_device") or self.device_ids[0]
         _check_usable(self.output_device, "output_device")
         check_on_device(module, self.device_ids[0], "device_ids[0]")
-        self._cache: ReplicaCache | None = None
-        if cuda_graphs:
-            self._graphs = _graph_runner()
+        self.__dict__.update(_fresh_private_state(cuda_graphs))
         if process_group is not None:
             self._sync = GradientSync(
                 module, self.device_ids[0], process_group,
@@ -719,7 +728,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "_cache", "_calls", "_graphs", "_join_config"):
+            if name in ("module", "_join_config", *self._replica_private_attrs):
                 raise
             try:
                 return getattr(self.module, name)
@@ -766,25 +775,21 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_cache"] = None
-        state["_calls"] = None  # a lock cannot be pickled; each copy gets its own
-        state["_graphs"] = None  # CUDA graphs and streams neither
+        for name in self._replica_private_attrs:  # a lock, CUDA graphs, streams: each copy gets its own
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state.get("gather"), bool):  # pickled before the option became gather_output
             state["gather_output"] = state.pop("gather")
         super().__setstate__(state)
-        self._calls = _CallGuard()
-        self._graphs = _graph_runner() if state.get("cuda_graphs") else None
+        self.__dict__.update(_fresh_private_state(bool(state.get("cuda_graphs"))))
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         # A replica of this wrapper (nested in a replicated model) runs its
         # own replicas, concurrently with the master's: never share them.
         replica = super()._replicate_for_data_parallel()
-        replica._cache = None
-        replica._calls = _CallGuard()
-        replica._graphs = _graph_runner() if self.cuda_graphs else None
+        replica.__dict__.update(_fresh_private_state(self.cuda_graphs))
         return replica
 
     @property
@@ -1187,6 +1192,14 @@ class _StateDict(OrderedDict):  # type: ignore[type-arg]
         metadata = self.__dict__.get("_metadata")
         state = None if metadata is None else {"_metadata": metadata}
         return (OrderedDict, (), state, None, iter(self.items()))
+
+
+def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
+    """A new value for each of DataParallel._replica_private_attrs: no
+    replica cache yet, a call guard of its own, and a CUDA-graph runner
+    where ``cuda_graphs``."""
+    graphs: GraphRunner | None = _graph_runner() if cuda_graphs else None
+    return {"_cache": None, "_calls": _CallGuard(), "_graphs": graphs}
 
 
 def _graph_runner() -> GraphRunner:

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dpcore._loader import _C
+
 __all__ = [
     "as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes",
     "SplitPlan", "plan_split",
@@ -121,10 +123,9 @@ def check_split(
 
 def balanced(total: int, parts: int) -> list[int]:
     """`total` split into `parts` sizes differing by at most one, the larger
-    first (10 into 4: 3, 3, 2, 2). The same as the C++ core's
-    balanced_chunk_sizes, which comm.scatter uses without chunk sizes."""
-    quotient, remainder = divmod(total, parts)
-    return [quotient + 1] * remainder + [quotient] * (parts - remainder)
+    first (10 into 4: 3, 3, 2, 2): the C++ core's balanced_chunk_sizes, the
+    one home of the rule, which comm.scatter uses without chunk sizes."""
+    return _C.balanced_chunk_sizes(total, parts)
 
 
 def _proportional(total: int, weights: Sequence[float]) -> list[int]:

@@ -1,7 +1,8 @@
 // Bindings of the collectives (csrc/dpcore/comm.h) and of the bucketing and
 // unflattening they build on (csrc/dpcore/flatten.h): dpcore._C.broadcast,
 // broadcast_out, broadcast_coalesced, reduce_add, reduce_add_coalesced,
-// scatter, scatter_out, gather, gather_out, make_buckets, unflatten. Every
+// scatter, scatter_out, gather, gather_out, balanced_chunk_sizes, make_buckets,
+// unflatten. Every
 // collective releases the GIL while it runs.
 #include <torch/extension.h>
 
@@ -92,6 +93,10 @@ void bind_comm(py::module_& m) {
         dpcore::gather_out(tensors, out, dim);
       },
       py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
+  m.def(
+      "balanced_chunk_sizes", &balanced_chunk_sizes, py::arg("total"), py::arg("parts"),
+      "`total` split into `parts` sizes differing by at most one, the larger first: what scatter "
+      "uses without chunk sizes, and DataParallel's balanced split (dpcore._split.balanced).");
 
   m.def(
       "make_buckets",

@@ -234,6 +234,19 @@ def _times(factor: float) -> Any:
     return hook
 
 
+def _copy_back(bucket: _Bucket, present: Sequence[bool]) -> None:
+    """Copies an all-reduced bucket into its parameters' ``.grad``: in place
+    where this process had a gradient, into a new tensor where only another
+    process had one (its flag), and not at all where no process had one (the
+    gradient stays None, as on one device)."""
+    used = bucket.flags.ne(0).tolist()
+    for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
+        if had:
+            p.grad.copy_(view)
+        elif anyone:
+            p.grad = torch.empty_like(p).copy_(view)
+
+
 class GradientSync:
     """The cross-process half of ``DataParallel(..., process_group=pg)``; see
     the module docstring for what it guarantees. ``module`` is the master
@@ -613,12 +626,7 @@ class GradientSync:
                 if all(present):
                     torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
                     continue
-                used = bucket.flags.ne(0).tolist()
-                for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
-                    if had:
-                        p.grad.copy_(view)
-                    elif anyone:
-                        p.grad = torch.empty_like(p).copy_(view)
+                _copy_back(bucket, present)
             if changed:
                 alpha = self._alpha if self._alpha is not None else 0.0
                 weight = 0.0 if self._counted and self._local_count == 0 else alpha
@@ -699,12 +707,7 @@ class GradientSync:
             dist.all_reduce(bucket.flat, group=self.group)
             if not contribute:
                 continue
-            used = bucket.flags.ne(0).tolist()
-            for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
-                if had:
-                    p.grad.copy_(view)
-                elif anyone:
-                    p.grad = torch.empty_like(p).copy_(view)
+            _copy_back(bucket, present)
 
     # -- Join (uneven inputs) ---------------------------------------------
 

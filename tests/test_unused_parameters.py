@@ -27,6 +27,7 @@ from torch import nn
 
 import dpcore
 from conftest import as_torch_device
+from distributed_worker import Branchy
 from test_cuda_graphs import stand_in_cuda  # noqa: F401 - the fixture: torch.cuda's graph API on the CPU
 
 F64 = torch.float64
@@ -50,37 +51,8 @@ STEPS = len(PLAN)
 BATCH = 12
 
 
-class Branchy(nn.Module):
-    """A trunk and a head used on every call, and three more parameters:
-
-    * ``sometimes``: used while the attribute ``use_sometimes`` is True (the
-      same for every replica of a call);
-    * ``flagged``: used by a call only where a row of its input has the flag
-      (last column) set, and then only for those rows: on a split batch, by
-      the replicas whose chunk holds a flagged row (each replica decides on
-      its own chunk); its value on one device is the same, since unflagged
-      rows add nothing;
-    * ``never``: never used.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(5, 6)
-        self.head = nn.Linear(6, 3)
-        self.sometimes = nn.Linear(6, 3)
-        self.flagged = nn.Linear(5, 3)
-        self.never = nn.Parameter(torch.randn(4))
-        self.use_sometimes = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features, flag = x[:, :5], x[:, 5:].detach()  # a flag, not a feature: no gradient
-        hidden = torch.tanh(self.trunk(features))
-        out = self.head(hidden)
-        if self.use_sometimes:
-            out = out + self.sometimes(hidden)
-        if bool(flag.any()):
-            out = out + flag * self.flagged(features)
-        return out
+# Branchy: the model both this file and the hybrid scenario train (its
+# docstring says which parameter is used when).
 
 
 def _batch(step: int, flags: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

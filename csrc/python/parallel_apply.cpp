@@ -167,20 +167,8 @@ bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s, con
       }
       py::error_already_set first;  // the handler's exception, fetched
       call->interrupt_running();
-      for (;;) {
-        bool finished = false;
-        {
-          py::gil_scoped_release no_gil;
-          finished = run.wait_for(kSignalPoll);
-        }
-        if (finished) {
-          throw first;
-        }
-        if (PyErr_CheckSignals() != 0) {
-          abandoned_runs().add(run);
-          throw py::error_already_set();
-        }
-      }
+      wait_interruptibly(run, std::nullopt);  // a second signal abandons the run and raises its exception
+      throw first;
     }
     if (bounded && Clock::now() >= deadline) {
       return false;

@@ -49,7 +49,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -57,7 +57,9 @@ from torch.autograd.function import once_differentiable
 
 from dpcore import _pytree as pt
 
-__all__ = ["GraphRunner", "call_signature", "hook_reason", "Uncapturable", "WARMUP_CALLS", "CACHE_SIZE"]
+__all__ = [
+    "GraphRunner", "CaptureSource", "call_signature", "hook_reason", "Uncapturable", "WARMUP_CALLS", "CACHE_SIZE",
+]
 
 #: Eager calls of a signature before it is captured (torch's
 #: make_graphed_callables warms up 3 times).
@@ -169,7 +171,7 @@ def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Seq
     return _signature(args, kws, used, modules)[0]
 
 
-class _Token:
+class _ReplayToken:
     """Lives as long as one replay's autograd node; says whether its backward ran."""
 
     __slots__ = ("done", "replay", "__weakref__")
@@ -286,7 +288,7 @@ class _ReplicaGraph:
         # The captured autograd graph is not needed any more (its saved
         # tensors live in the pool, written by each replay).
         self.static_outputs = [o.detach() for o in outputs]
-        self._pending: weakref.ref[_Token] | None = None
+        self._pending: weakref.ref[_ReplayToken] | None = None
 
     def busy(self) -> bool:
         """Whether the last replay's backward is still to come (its autograd
@@ -318,7 +320,7 @@ class _ReplicaGraph:
             else:
                 differentiable = [t for t, g in zip(leaves, self.input_needs_grad) if g]
                 self.replays += 1
-                token = _Token(self.replays)
+                token = _ReplayToken(self.replays)
                 self._pending = weakref.ref(token)
                 outputs = _Replay.apply(self, token, *differentiable, *params)
         return self.output_spec.unflatten(outputs)
@@ -355,7 +357,7 @@ class _Replay(torch.autograd.Function):
     its static outputs; backward replays its backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, graph: _ReplicaGraph, token: _Token, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, graph: _ReplicaGraph, token: _ReplayToken, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.graph = graph
         ctx.token = token
         graph.fwd.replay()
@@ -379,7 +381,7 @@ class _Replay(torch.autograd.Function):
         return (None, None) + result
 
 
-class _Entry:
+class _SignatureGraphs:
     """The captured graphs of one signature: one _ReplicaGraph per replica
     that runs, and what they assumed about the master. The master's tensor
     objects are fixed while the replica cache is valid (any change of them
@@ -399,6 +401,37 @@ class _Entry:
         return tuple(t.data_ptr() for t in self.master_tensors)
 
 
+class CaptureSource(Protocol):
+    """What a :class:`GraphRunner` needs of the replicas it captures: the
+    wrapper's replica cache (:class:`dpcore.replicate.ReplicaCache`, whose
+    section "The CUDA-graph interface" documents the three members below that
+    exist for this runner only). The runner holds nothing else of the
+    wrapper."""
+
+    #: The master module (replica 0), on ``devices[0]``.
+    module: nn.Module
+    #: One device per replica, the master's first.
+    devices: list[torch.device]
+
+    @property
+    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
+        """(replica buffers, master tensors, requires_grad) of every bucket."""
+        ...
+
+    def replicas(self, n: int) -> list[nn.Module]:
+        """The master plus n-1 refreshed eager replicas."""
+        ...
+
+    def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
+        """The buckets brought up to date; per bucket its autograd-linked copies or None."""
+        ...
+
+    def capture_replicas(self, n: int) -> tuple[list[nn.Module], list[list[tuple[int, int]]]]:
+        """Replicas whose parameters view the persistent buffers, and where
+        each one's parameters sit among refresh_copies()'s copies."""
+        ...
+
+
 class GraphRunner:
     """The CUDA-graph side of one DataParallel: per-replica streams and
     random-number states, the captured signatures (at most CACHE_SIZE, least
@@ -407,10 +440,13 @@ class GraphRunner:
     ``step(...)`` returns the replicas' outputs (losses with a criterion) for
     one call, by replay, capture or eager warm-up, or None where the call must
     run on the ordinary eager path (the reason has been warned about once).
+    It is given everything it uses: the replica cache (a
+    :class:`CaptureSource`), the scattered arguments, the replicas to run and
+    how to call one; it never reads the wrapper.
     """
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self._entries: OrderedDict[Any, _SignatureGraphs] = OrderedDict()
         self._seen: OrderedDict[Any, int] = OrderedDict()
         self._refused: dict[Any, str] = {}
         self._warned: set[str] = set()
@@ -437,15 +473,15 @@ class GraphRunner:
         for device in self._devices:
             torch.cuda.synchronize(device)
 
-    def _bind(self, cache: Any, module: nn.Module) -> None:
+    def _bind(self, cache: CaptureSource) -> None:
         """Follows the wrapper's current replica cache."""
         if cache is self._cache:
             return
         self.reset()
         self._cache = cache
         self._devices = list(dict.fromkeys(cache.devices))
-        self._modules = list(module.modules())
-        buffers = {id(b) for b in module.buffers()}
+        self._modules = list(cache.module.modules())
+        buffers = {id(b) for b in cache.module.buffers()}
         self._buffer_buckets = [
             bucket for bucket, masters, _ in cache.bucket_plan if any(id(t) in buffers for t in masters)
         ]
@@ -481,15 +517,15 @@ class GraphRunner:
         return rng
 
     @contextlib.contextmanager
-    def _master_stream(self, owner: Any) -> Iterator[torch.cuda.Stream]:
+    def _master_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
         """Replica 0's stream, after the caller's stream of that device, as
         the current stream: where the autograd nodes that touch the master's
         parameters (BroadcastBucket, and so the parameters' AccumulateGrad
         nodes) are made. A node keeps the stream it was made on, and one made
         on the caller's (default) stream would make capturing replica 0's
         backward wait for a stream that is not capturing, which invalidates
-        the capture; made here, every such node is on replica 0's stream."""
-        device = owner.device_ids[0]
+        the capture; made here, every such node is on replica 0's stream
+        (`device`: the master's)."""
         stream = self.stream(0, device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -499,16 +535,25 @@ class GraphRunner:
 
     def step(
         self,
-        owner: Any,
+        cache: CaptureSource,
         args: list[tuple[Any, ...]],
         kws: list[dict[str, Any]],
         used: list[int],
         make_call: Callable[[nn.Module], Callable[..., Any]],
+        *,
+        combined: bool,
     ) -> list[Any] | None:
-        """The outputs of the replicas `used` (indices into owner.device_ids)
-        on their scattered `args`/`kws`, or None for the eager path."""
-        cache = owner._replica_cache()
-        self._bind(cache, owner.module)
+        """The outputs of the replicas `used` (indices into ``cache.devices``)
+        on their scattered `args`/`kws`, each replica called as
+        ``make_call(replica)(*args[j], **kws[j])``, or None for the eager
+        path.
+
+        Replayed outputs live in the graphs' static memory, which the next
+        replay overwrites: unless `combined` (the caller makes new tensors of
+        them, as a gather of several replicas or a weighted sum of their
+        losses does, before anything reaches the user), they are returned
+        cloned, so what the runner returns never aliases its graphs."""
+        self._bind(cache)
         reason = hook_reason(self._modules)
         if reason is not None:
             self._warn(reason)
@@ -529,9 +574,9 @@ class GraphRunner:
             while len(self._seen) > _SEEN_SIZE:
                 self._seen.popitem(last=False)
             if seen <= WARMUP_CALLS:
-                return self._warm_up(owner, cache, args, kws, used, make_call, leaves)
+                return self._warm_up(cache, args, kws, used, make_call, leaves)
             try:
-                entry = self._capture(owner, cache, used, make_call, leaves, specs)
+                entry = self._capture(cache, used, make_call, leaves, specs)
             except Exception as e:  # noqa: BLE001 - any capture failure means: eager for this signature
                 with contextlib.suppress(Exception):
                     self._synchronize()
@@ -560,12 +605,14 @@ class GraphRunner:
                 "run eagerly"
             )
             return None
-        return self._replay(owner, cache, entry, used, leaves)
+        outputs = self._replay(cache, entry, used, leaves)
+        if combined:
+            return outputs
+        return [pt.map_tensors(torch.Tensor.clone, o) for o in outputs]
 
     def _warm_up(
         self,
-        owner: Any,
-        cache: Any,
+        cache: CaptureSource,
         args: list[Any],
         kws: list[Any],
         used: list[int],
@@ -574,12 +621,12 @@ class GraphRunner:
     ) -> list[Any]:
         """An eager call, each replica in this thread on its own stream
         (`leaves`: each replica's input tensors)."""
-        with self._master_stream(owner) as master:
-            replicas = owner._replicas(used[-1] + 1)
+        with self._master_stream(cache.devices[0]) as master:
+            replicas = cache.replicas(used[-1] + 1)
         outputs = []
         callers = []
         for j, i in enumerate(used):
-            device = owner.device_ids[i]
+            device = cache.devices[i]
             stream = self.stream(i, device)
             caller = torch.cuda.current_stream(device)
             callers.append((caller, stream))
@@ -599,20 +646,19 @@ class GraphRunner:
 
     def _capture(
         self,
-        owner: Any,
-        cache: Any,
+        cache: CaptureSource,
         used: list[int],
         make_call: Callable[[nn.Module], Callable[..., Any]],
         leaves: list[list[torch.Tensor]],
         specs: list[pt.Spec],
-    ) -> _Entry:
+    ) -> _SignatureGraphs:
         """Captures every replica of `used` for this call's signature (each
         replica's input tensors `leaves` and the `specs` of its arguments)."""
         replicas, slots = cache.capture_replicas(used[-1] + 1)
         self._synchronize()
         graphs = []
         for j, i in enumerate(used):
-            device = owner.device_ids[i]
+            device = cache.devices[i]
             replica = replicas[i]
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             graphs.append(
@@ -622,12 +668,14 @@ class GraphRunner:
                 )
             )
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
-        return _Entry(graphs, used_slots, owner.module)
+        return _SignatureGraphs(graphs, used_slots, cache.module)
 
-    def _replay(self, owner: Any, cache: Any, entry: _Entry, used: list[int], leaves: list[list[torch.Tensor]]) -> list[Any]:
+    def _replay(
+        self, cache: CaptureSource, entry: _SignatureGraphs, used: list[int], leaves: list[list[torch.Tensor]]
+    ) -> list[Any]:
         """Refreshes the replica buffers from the master and replays (`leaves`:
-        each replica's input tensors)."""
-        with self._master_stream(owner) as master:
+        each replica's input tensors); the outputs alias the graphs' memory."""
+        with self._master_stream(cache.devices[0]) as master:
             copies = cache.refresh_copies()
         grad = torch.is_grad_enabled()
         callers = [torch.cuda.current_stream(graph.device) for graph in entry.graphs]

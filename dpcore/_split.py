@@ -31,7 +31,7 @@ from dpcore._loader import _C
 
 __all__ = [
     "as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes",
-    "SplitPlan", "plan_split",
+    "SplitPlan", "plan_split", "check_first_device",
 ]
 
 
@@ -197,6 +197,14 @@ class SplitPlan(NamedTuple):
     sizes: list[int]
     replicas: int
 
+    def devices(self, without_batch: Sequence[int]) -> list[int]:
+        """The indices of the devices that get a replica, in order: those
+        whose entry of ``sizes`` is non-zero (``[0]`` for a batch of 0
+        rows), or `without_batch` when the call has no batch tensor."""
+        if self.batch is None:
+            return list(without_batch)
+        return [i for i, s in enumerate(self.sizes) if s > 0] or [0]
+
 
 def _replicas(sizes: Sequence[int]) -> int:
     return max(1, sum(1 for s in sizes if s > 0))
@@ -267,4 +275,26 @@ def plan_split(
         f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
         f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
         f"to pass it whole to every replica)"
+    )
+
+
+def check_first_device(
+    sizes: Sequence[int], devices: Sequence[int], n_devices: int,
+    chunk_sizes: Sequence[int] | None, weights: Sequence[float] | None,
+) -> None:
+    """DataParallel's rule on top of the split: the first device, which holds
+    the module, gets rows. `sizes` are the rows of the replicas on the device
+    indices `devices` (as :meth:`SplitPlan.devices` chose them); a split
+    that leaves device 0 out is a ValueError naming ``chunk_sizes`` or
+    ``weights`` and the split, per device."""
+    if not devices or devices[0] == 0:
+        return
+    given = "chunk_sizes" if chunk_sizes is not None else "weights"
+    split = [0] * n_devices
+    for index, size in zip(devices, sizes):
+        split[index] = size
+    raise ValueError(
+        f"{given}: the first device (device_ids[0], which holds the module) must get a non-empty "
+        f"chunk, but {given}={chunk_sizes if chunk_sizes is not None else weights} split the batch of "
+        f"{sum(sizes)} into {split}"
     )

@@ -42,10 +42,8 @@ __all__ = [
 
 #: Default bucket size of the coalesced collectives (10 MiB, the C++ core's
 #: kDefaultBucketBytes): torch.cuda.comm's default buffer_size, so that calls
-#: ported from torch coalesce alike. The cached replicas of DataParallel use
-#: smaller buckets on purpose (replicate.DEFAULT_BUCKET_BYTES, 4 MiB: each is
-#: an autograd node whose gradient reduction starts as soon as its gradients
-#: exist); these one-shot collectives take fewer, larger ones.
+#: ported from torch coalesce alike (DataParallel's replicas use smaller ones:
+#: see replicate.DEFAULT_BUCKET_BYTES).
 DEFAULT_BUFFER_SIZE: int = _C.default_bucket_bytes
 
 

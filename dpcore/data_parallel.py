@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._pytree import map_tensors
-from dpcore._split import _as_weight, as_int, check_split
+from dpcore._split import _as_weight, as_int, check_first_device, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
@@ -241,16 +241,15 @@ def _with_loss_replaced(gathered: Any, loss: torch.Tensor) -> Any:
     return type(gathered)([loss, *gathered[1:]])
 
 
-def _weighted_mean(parts: Sequence[torch.Tensor], counts: Sequence[Any], replayed: bool) -> torch.Tensor:
+def _weighted_mean(parts: Sequence[torch.Tensor], counts: Sequence[Any]) -> torch.Tensor:
     """The mean over all items of per-replica means `parts` (one-element
     tensors on one device) over `counts` items each: sum of part * count /
     total. A replica with no item adds nothing (its own mean is 0/0); no
     item at all gives NaN, as a mean over nothing does on one device. One
-    replica returns its own loss (cloned where it lives in replayed graph
-    memory)."""
+    replica returns its own loss."""
     parts = [p.reshape(()) for p in parts]
     if len(parts) == 1:
-        return parts[0].clone() if replayed else parts[0]
+        return parts[0]
     if any(isinstance(c, torch.Tensor) for c in counts):  # counted on the devices: masked, not filtered
         stacked = torch.stack(parts)
         c = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=stacked.device) for n in counts])
@@ -283,12 +282,19 @@ _DDP_ONLY = frozenset({
 _EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
 
 
-def _check_overrides(cls: type, *, cuda_graphs: bool, sync_batchnorm: bool) -> None:
+def _check_overrides(cls: type, *, cuda_graphs: bool, sync_batchnorm: bool, bypasses_gather: str | None) -> None:
     """Raises ValueError where an option would silently skip a method that
-    `cls` (a subclass of DataParallel) overrides."""
+    `cls` (a subclass of DataParallel) overrides; `bypasses_gather` names the
+    option (``criterion=``, ``gather=False``, ``model_loss=``) that returns
+    without calling gather, if one was given."""
     if cls is DataParallel:
         return
     overridden = [name for name in _EXTENSION_POINTS if getattr(cls, name) is not getattr(DataParallel, name)]
+    if bypasses_gather is not None and "gather" in overridden:
+        raise ValueError(
+            f"{cls.__name__} overrides gather, but {bypasses_gather} returns a loss or the per-replica "
+            f"outputs without calling gather, so the override would never run: drop {bypasses_gather} or the override"
+        )
     if cuda_graphs:
         skipped = [name for name in overridden if name in ("replicate", "parallel_apply")]
         if skipped:
@@ -525,48 +531,26 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         gather: False returns the per-replica outputs where they were computed.
         bucket_bytes: size of the parameter buckets broadcast to replicas
             (a positive int; with a process group, also the size of the
-            gradient all-reduce buckets).
+            gradient all-reduce buckets; the default's rationale:
+            dpcore.replicate.DEFAULT_BUCKET_BYTES).
         sync_batchnorm: BatchNorm layers that use batch statistics normalize
-            with those of the whole batch across the replicas of the call
-            (dpcore/sync_batchnorm.py: exact against one device, the running
-            statistics too; a replica that raises or skips a BatchNorm call
-            gives one clear error, never a hang). The modules stay plain
-            BatchNorm; eval mode is unchanged.
-        process_group: a torch.distributed process group; every process of
+            with those of the whole batch across the replicas of the call,
+            exactly as on one device (the rules: README, "Synchronized
+            BatchNorm"; the mechanism: dpcore/sync_batchnorm.py).
+        process_group: a torch.distributed process group: every process of
             it runs this in-process data parallelism over its own
             ``device_ids`` and together they train one model (hybrid data
-            parallelism, see dpcore.distributed): parameters and buffers
-            start from the group's rank 0, gradients after ``backward()`` are
-            those of the loss over the global batch (each process weighted
-            by its share; without ``criterion=`` the loss is taken to be a
-            mean over the batch, as DDP averages). ``device_ids`` defaults to
-            the module's device here.
-        broadcast_buffers: with a process group, broadcast buffers from rank
-            0 at construction and before each forward that can start a
-            gradient synchronization (grad mode on and a parameter that
-            requires grad; other forwards make no collective, so one rank
-            may evaluate alone). False: buffers are never sent, as DDP's
-            option of that name. The wrapper is a
-            ``torch.distributed.algorithms.join.Joinable``: see join_hook.
+            parallelism; the rules: README, "Several processes (hybrid)"; the
+            mechanism: dpcore/distributed.py). ``device_ids`` defaults to the
+            module's device here.
+        broadcast_buffers: with a process group, whether buffers are sent
+            from rank 0 (README, "Several processes (hybrid)").
         cuda_graphs: capture each replica's forward and backward into CUDA
-            graphs and replay them (see dpcore/_graphs.py). Per input
-            signature (which replicas run; every argument's structure,
-            shapes, strides, dtypes and requires_grad, non-tensor argument
-            values; grad and inference mode; autocast; every submodule's
-            training flag) the first 3 calls run eagerly, each replica on a
-            stream of its own, the 4th captures and every later one replays:
-            one launch per replica and graph, replicas on one device
-            overlapping. Results equal eager dpcore's (BatchNorm statistics
-            too; dropout draws fresh numbers every replay from a per-replica
-            generator state). Module hooks, host synchronizations in forward,
-            parameters whose storage was replaced rather than updated in
-            place, autocast with its cache on, and non-CUDA or unhashable
-            arguments run eagerly, with one warning naming the reason. A
-            replay runs no Python of the module: attributes other than
-            ``training`` that forward reads are those of the capture, and
-            replayed gradients support no double backward. CUDA device lists
-            only (else ValueError); not with ``sync_batchnorm``, nor with a
-            torch.compile'd module or submodule (ValueError).
+            graphs per input signature and replay them (the rules and
+            fallbacks: README, "CUDA graphs"; the mechanism:
+            dpcore/_graphs.py). CUDA device lists only (else ValueError);
+            not with ``sync_batchnorm``, nor with a torch.compile'd module
+            or submodule (ValueError).
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a parameter that no replica used
@@ -655,7 +639,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             )
         if cuda_graphs:
             _check_not_compiled(module)
-        _check_overrides(type(self), cuda_graphs=cuda_graphs, sync_batchnorm=sync_batchnorm)
+        _check_overrides(
+            type(self), cuda_graphs=cuda_graphs, sync_batchnorm=sync_batchnorm,
+            bypasses_gather=(
+                "criterion=" if criterion is not None else "gather=False" if not gather
+                else "model_loss=" if model_loss is not None else None
+            ),
+        )
         self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
         self.module = module
@@ -863,10 +853,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._calls:
             if self._sync is None:
-                return self._forward(*inputs, **kwargs)
+                return self._forward(*inputs, **kwargs)[0]
             self._sync.before_forward(self)
-            output = self._forward(*inputs, **kwargs)
-            return self._sync.after_forward(output, self._local_batch, _summed(self._reduction))
+            output, local_batch = self._forward(*inputs, **kwargs)
+            return self._sync.after_forward(output, local_batch, _summed(self._reduction))
 
     forward = _SignedForward(forward)  # type: ignore[assignment]
 
@@ -957,73 +947,70 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             if self._cache is not None:
                 self._cache.invalidate()
 
-    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, int]:
+        """The call's output and this process's rows (the sum of the
+        replicas', for the process group's weights): the inputs scattered,
+        the replicas run (replayed graphs, or eagerly), their outputs
+        combined by :meth:`_combine`."""
         criterion = self.criterion
         if criterion is not None:
             if not inputs:
                 raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-        if not self.device_ids:
+        if not self.device_ids:  # the module as is (never with a process group: it needs a device)
             if criterion is None:
-                return self.module(*inputs, **kwargs)
-            return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])
-
-        if criterion is not None or not self.gather_output or self.model_loss is not None:
-            if self._overrides("gather"):
-                given = (
-                    "criterion=" if criterion is not None else "gather=False" if not self.gather_output else "model_loss="
-                )
-                raise ValueError(
-                    f"{type(self).__name__} overrides gather, but {given} returns a loss or the per-replica "
-                    f"outputs without calling gather, so the override would never run: drop {given} or the override"
-                )
+                return self.module(*inputs, **kwargs), 0
+            return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1]), 0
         args, kws, sizes, used = _split_of(self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim)
-        self._local_batch = sum(sizes)  # this process's share, for the process group's weights
         if criterion is not None and len(sizes) > 1 and 0 in sizes:  # only from an overridden scatter
             raise ValueError(
                 f"criterion: each replica's loss is weighted by its rows, but {type(self).__name__}.scatter gave "
                 f"replica {sizes.index(0)} no tensor with a dimension {self.dim} to count them by"
             )
-        if used[0] != 0:
-            given = "chunk_sizes" if self.chunk_sizes is not None else "weights"
-            split = [0] * len(self.device_ids)
-            for index, size in zip(used, sizes):
-                split[index] = size
-            raise ValueError(
-                f"{given}: the first device (device_ids[0], which holds the module) must get a non-empty "
-                f"chunk, but {given}={self.chunk_sizes or self.weights} split the batch of {sum(sizes)} "
-                f"into {split}"
-            )
+        check_first_device(sizes, used, len(self.device_ids), self.chunk_sizes, self.weights)
         devices = [self.device_ids[i] for i in used]
         make_call: Callable[[nn.Module], Callable[..., Any]] = (
             (lambda m: m) if criterion is None else functools.partial(_with_loss, criterion=criterion)
         )
         outputs = None
         if self._graphs is not None:
-            outputs = self._graphs.step(self, args, kws, used, make_call)
-        replayed = outputs is not None  # by replay (or an eager warm-up on the replica streams)
-        if replayed:
-            if (not self.gather_output or self._overrides("gather")) and criterion is None:
-                # Replayed outputs alias the graphs' static memory, which the next replay overwrites.
-                outputs = [map_tensors(torch.Tensor.clone, o) for o in outputs]
-        elif len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply")):
-            outputs = self._run_overridden(args, kws, used, make_call)
-        else:
-            outputs = self._run_eagerly(args, kws, used, make_call)
+            # Outputs that become new tensors before they reach the user: any
+            # through dpcore's own gather (it copies, one replica's too), and
+            # several replicas' losses (summed); the graphs clone the rest.
+            plain_gather = criterion is None and self.model_loss is None and self.gather_output
+            combined = (plain_gather and not self._overrides("gather")) or (
+                len(used) > 1 and (criterion is not None or self.model_loss is not None)
+            )
+            outputs = self._graphs.step(self._replica_cache(), args, kws, used, make_call, combined=combined)
+        if outputs is None:  # not by the graphs: eagerly
+            if len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply")):
+                outputs = self._run_overridden(args, kws, used, make_call)
+            else:
+                outputs = self._run_eagerly(args, kws, used, make_call)
+        return self._combine(outputs, args, kws, sizes, devices), sum(sizes)
+
+    def _combine(
+        self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int], devices: list[torch.device]
+    ) -> Any:
+        """What the call returns, from the replicas' `outputs` (on `devices`,
+        of `sizes` rows, called with `args`/`kws`): with a criterion, the
+        weighted loss; with gather=False, the outputs as they are; with
+        model_loss=, the gathered outputs with one loss; else ``gather``."""
+        criterion = self.criterion
         if criterion is not None:
             _check_losses(outputs, devices)
             total = sum(sizes)
             if total == 0:
-                return outputs[0].clone() if replayed else outputs[0]
+                return outputs[0]
             out = self.output_device
             counts = self._criterion_counts(args, kws)
             if counts is not None:  # a mean over counted items (loss_items, or CrossEntropyLoss's own targets)
-                return _weighted_mean([loss.to(out) for loss in outputs], counts, replayed)
+                return _weighted_mean([loss.to(out) for loss in outputs], counts)
             parts = [loss.to(out) * _loss_weight(self._reduction, size, total) for loss, size in zip(outputs, sizes)]
             return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
         if not self.gather_output:
             return outputs
         if self.model_loss is not None:
-            return self._gather_with_model_loss(outputs, args, kws, sizes, devices, replayed)
+            return self._gather_with_model_loss(outputs, args, kws, sizes, devices)
         if len(self.device_ids) == 1 and self._overrides("gather"):
             return outputs[0]  # torch: with one device, the module's output as is
         return self.gather(outputs, self.output_device)
@@ -1088,7 +1075,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
 
     def _gather_with_model_loss(
         self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int],
-        devices: list[torch.device], replayed: bool,
+        devices: list[torch.device],
     ) -> Any:
         """The gathered `outputs` with the model's per-replica losses replaced
         by one scalar on output_device: the weighted sum that model_loss
@@ -1119,7 +1106,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         out = self.output_device
         parts = [loss.to(out).reshape(()) for loss in losses]
         if len(parts) == 1:
-            combined = parts[0].clone() if replayed else parts[0]
+            combined = parts[0]
         elif mode == "sum":
             combined = torch.stack(parts).sum()
         else:
@@ -1127,7 +1114,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                 sizes if mode == "rows"
                 else [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
             )
-            combined = _weighted_mean(parts, counts, replayed)
+            combined = _weighted_mean(parts, counts)
         if isinstance(outputs[0], torch.Tensor):
             return combined
         return _with_loss_replaced(gather_outputs(outputs, self.output_device, dim=self.dim), combined)

@@ -108,6 +108,10 @@ class ReplicaCache:
       shared by every call, though: a caller that runs them while another
       thread calls ``replicas()`` must serialize the two (DataParallel does:
       it holds its own lock from ``replicas()`` until its replicas return).
+
+    ``bucket_plan``, ``refresh_copies()`` and ``capture_replicas()`` are the
+    CUDA-graph interface: they exist for dpcore._graphs (its
+    ``CaptureSource``), grouped at the end of the class.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[torch.device], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -126,12 +130,6 @@ class ReplicaCache:
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
         # Per-replica compiled calls of torch.compile'd modules (None: none compiled).
         self._compiled = CompiledReplicas.of(module, self._set.replica_modules)
-
-    @property
-    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
-        """(``dpcore._C.ReplicaBuffers``, master tensors, requires_grad) of
-        every bucket, in order."""
-        return self._bucket_plan
 
     @property
     def buckets(self) -> list[Any]:
@@ -185,6 +183,17 @@ class ReplicaCache:
             self._compiled.apply(rows)
         return roots
 
+    # -- The CUDA-graph interface ---------------------------------------------
+    # What dpcore._graphs.GraphRunner needs beyond replicas(n) (its
+    # CaptureSource protocol) and nothing else calls: the buckets, a refresh
+    # of the buffers without the replica modules, and replicas whose
+    # parameters view the buffers directly, for capture.
+
+    @property
+    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
+        """(``dpcore._C.ReplicaBuffers``, master tensors, requires_grad) of
+        every bucket, in order."""
+        return self._bucket_plan
 
     def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
         """Brings every bucket's replica buffers up to date with the master,

@@ -125,11 +125,8 @@ def _split(
             if marked is None or not marked[i]:
                 leaves.append((pt.LazyPath(tree, spec, i, path), t))
     plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim)
-    if plan.batch is not None:
-        used = [i for i, s in enumerate(plan.sizes) if s > 0] or [0]
-        used_sizes = [plan.sizes[i] for i in used]
-    else:
-        used, used_sizes = without_tensors, [0] * len(without_tensors)
+    used = plan.devices(without_tensors)
+    used_sizes = [plan.sizes[i] for i in used] if plan.batch is not None else [0] * len(used)
     used_devices = [devices[i] for i in used]
     memo: dict[tuple[int, bool], tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
 

@@ -616,6 +616,45 @@ def test_stand_in_nested_outputs_criterion_and_no_grad(stand_in_cuda: list[str])
     assert all(g.bwd is None for g in list(crit._graphs._entries.values())[1].graphs)
 
 
+@pytest.mark.parametrize(
+    ("n", "options", "batch"),
+    [
+        (1, {}, 8),  # one device: gather of one replica returns its output
+        (3, {}, 1),  # fewer rows than devices: one replica used
+        (2, {"criterion": nn.CrossEntropyLoss()}, 1),  # one replica's loss
+        (2, {"model_loss": "rows"}, 1),
+        (2, {}, 8),  # two replicas gathered: new tensors anyway
+    ],
+)
+def test_stand_in_outputs_never_alias_graph_memory(
+    stand_in_cuda: list[str], n: int, options: dict[str, Any], batch: int
+) -> None:
+    """Whatever a replayed call returns lives outside the graphs' static
+    outputs, which the next replay overwrites (the runner clones unless the
+    wrapper combines several replicas into new tensors)."""
+    model = _LossOut() if "model_loss" in options else _mlp()
+    dp = _stand_in_dp(model, n=n, **options)
+    for x, y in _batches_cpu(STEPS, batch=batch):
+        out = dp(x, y) if options else dp(x)
+        tensors = list(out.values()) if isinstance(out, dict) else [out]
+        sum(t.sum() for t in tensors).backward()
+    assert stand_in_cuda.count("replay") > 0
+    static = {o.data_ptr() for g in next(iter(dp._graphs._entries.values())).graphs for o in g.static_outputs}
+    assert static and all(t.data_ptr() not in static for t in tensors)
+
+
+class _LossOut(nn.Module):
+    """Returns its own loss, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
 class _CaptureSensitive(nn.Module):
     """Raises as a host synchronization does inside a capture."""
 

@@ -1125,6 +1125,27 @@ def test_chunk_sizes_and_weights() -> None:
 
 
 @pytest.mark.parametrize(
+    ("options", "batch", "split"),
+    [
+        ({"chunk_sizes": [0, 6, 4]}, 10, r"chunk_sizes=\[0, 6, 4\] split the batch of 10 into \[0, 6, 4\]"),
+        ({"weights": [0, 1, 1]}, 10, r"weights=\[0.0, 1.0, 1.0\] split the batch of 10 into \[0, 5, 5\]"),
+        ({"weights": [0.1, 1, 1]}, 3, r"split the batch of 3 into \[0, 2, 1\]"),  # rounding, at this batch only
+    ],
+)
+def test_a_split_that_leaves_the_first_device_out_is_an_error(options: dict[str, Any], batch: int, split: str) -> None:
+    """The module lives on device_ids[0], which must get rows: a split that
+    gives it none is an error naming the option and the split per device,
+    before any replica runs."""
+    counter = CallCounter()
+    dp = dpcore.DataParallel(CountsCalls(counter), ["cpu"] * 3, **options)
+    with pytest.raises(ValueError, match=r"the first device \(device_ids\[0\], which holds the module\) .*" + split):
+        dp(_randn(batch, 3, device=torch.device("cpu")))
+    assert counter.records == []
+    if "weights" in options and batch == 3:
+        assert dp(_randn(20, 3, device=torch.device("cpu"))).shape[0] == 20  # a larger batch gives it rows
+
+
+@pytest.mark.parametrize(
     "options,error,match",
     [
         ({"chunk_sizes": [2.5, 2.5, 2, 2]}, TypeError, r"chunk_sizes\[0\]: expected an int, but got float 2\.5"),

@@ -410,11 +410,13 @@ def test_options_that_would_skip_an_override_are_errors() -> None:
         DataParallelModel(_net(), ["cpu"] * 2, cuda_graphs=True)
     with pytest.raises(ValueError, match="sync_batchnorm=True .* overrides parallel_apply"):
         Sequential(_net(), ["cpu"] * 2, sync_batchnorm=True)
-    x, y = _batch(0)
+    # checked once, at construction, before any call
     with pytest.raises(ValueError, match="overrides gather, but criterion="):
-        DataParallelModel(_net(), ["cpu"] * 2, criterion=nn.CrossEntropyLoss())(x, y)
+        DataParallelModel(_net(), ["cpu"] * 2, criterion=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="overrides gather, but gather=False"):
-        DataParallelModel(_net(), ["cpu"] * 2, gather=False)(x)
+        DataParallelModel(_net(), ["cpu"] * 2, gather=False)
+    with pytest.raises(ValueError, match="overrides gather, but model_loss="):
+        DataParallelModel(_net(), ["cpu"] * 2, model_loss="rows")
 
 
 def test_scatter_override_returning_too_many_replicas_is_an_error() -> None:

@@ -107,6 +107,28 @@ backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
 parameters) is an error, the non-reentrant form works; sparse gradients are
 an error.
 
+Communication hooks (``register_comm_hook(state, hook)``, DDP's contract):
+each gradient bucket is handed to ``hook(state, bucket)`` (a
+:class:`GradBucket`) instead of being all-reduced, and the tensor of the
+returned Future is the bucket's reduced gradient. The hook divides by the
+world size P itself (as torch's), so the buffer it gets is this process's
+gradient pre-multiplied by P * n_p / N_ref, N_ref being the largest N so far
+(the first synchronization learns its N by one blocking all-reduce of the
+count, once): with equal full batches the factor is exactly 1 and the hook
+sees DDP's bucket, bitwise; otherwise a factor N_ref / N on arrival makes
+the weights n_p / N, exact up to the hook's precision (the factor stays at
+most P, so a half-precision hook does not overflow for it). The flags, the
+sample count and the layout marks do not ride in the buckets then: they go
+in one float64 all-reduce per synchronization after the buckets
+(8 * (parameter tensors + 2 + P) bytes), so no lossy hook touches them.
+Buckets are handed to the hook in send order, one at a time: the next once
+the previous Future is done (at once on NCCL, whose Futures complete on
+enqueue; on gloo when its collectives finished), so collectives a hook
+issues from its callbacks (PowerSGD's) keep one order on every rank. Under
+Join a joined rank runs the hook on zero buckets, as DDP; gradients of
+parameters that a layout change newly covers are all-reduced without the
+hook (full precision, once).
+
 Unused parameters, with any number of replicas per process: the in-process
 reduction gives a parameter that none of a process's replicas used no
 gradient (its ``.grad`` stays None, or as accumulated), so it takes part in

@@ -271,7 +271,7 @@ def _check_count(value: Any, replica: int) -> float:
 #: not have: where the wrapped module lacks them too, looking them up is an
 #: AttributeError naming dpcore's wrapper, not one from the wrapped module.
 _DDP_ONLY = frozenset({
-    "register_comm_hook", "_register_builtin_comm_hook", "_register_fused_optim", "reducer", "logger",
+    "_register_builtin_comm_hook", "_register_fused_optim", "reducer", "logger",
     "static_graph", "_set_static_graph", "find_unused_parameters", "gradient_as_bucket_view",
     "bucket_bytes_cap", "broadcast_bucket_size", "require_backward_grad_sync", "require_forward_param_sync",
     "will_sync_module_buffers", "_get_ddp_logging_data", "_register_buffer_comm_hook", "mixed_precision",
@@ -878,13 +878,27 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         """The ``torch.distributed`` process group of the hybrid mode (None without one)."""
         return None if self._sync is None else self._sync.group
 
-    def _require_group(self, what: str) -> GradientSync:
+    def _require_group(self, what: str, why: str = "there are no ranks to join") -> GradientSync:
         if self._sync is None:
             raise ValueError(
                 f"{what}: needs a dpcore.DataParallel with a process_group= (hybrid mode); this one runs in one "
-                f"process only, so there are no ranks to join"
+                f"process only, so {why}"
             )
         return self._sync
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's ``register_comm_hook`` for the hybrid mode: each gradient
+        bucket is sent by ``hook(state, bucket)``, which returns a
+        ``torch.futures.Future`` holding the bucket's reduced gradient; the
+        hook divides by the world size itself (as torch's do), and torch's
+        own hooks (``allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook``, their wrappers, PowerSGD) work unchanged.
+        ``bucket`` is a :class:`dpcore.distributed.GradBucket`. Only one
+        hook, registered on every rank before the first synchronizing
+        backward. What it composes with (uneven batches, Join, no_sync) is
+        in README.md, "Several processes (hybrid)"."""
+        sync = self._require_group("register_comm_hook", "there is no gradient communication to hook")
+        sync.register_comm_hook(state, hook)
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """The hook with which ``torch.distributed.algorithms.join.Join``

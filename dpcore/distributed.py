@@ -107,6 +107,28 @@ backward (``torch.utils.checkpoint(..., use_reentrant=True)`` around
 parameters) is an error, the non-reentrant form works; sparse gradients are
 an error.
 
+Communication hooks (``register_comm_hook(state, hook)``, DDP's contract):
+each gradient bucket is handed to ``hook(state, bucket)`` (a
+:class:`GradBucket`) instead of being all-reduced, and the tensor of the
+returned Future is the bucket's reduced gradient. The hook divides by the
+world size P itself (as torch's), so the buffer it gets is this process's
+gradient pre-multiplied by P * n_p / N_ref, N_ref being the largest N so far
+(the first synchronization learns its N by one blocking all-reduce of the
+count, once): with equal full batches the factor is exactly 1 and the hook
+sees DDP's bucket, bitwise; otherwise a factor N_ref / N on arrival makes
+the weights n_p / N, exact up to the hook's precision (the factor stays at
+most P, so a half-precision hook does not overflow for it). The flags, the
+sample count and the layout marks do not ride in the buckets then: they go
+in one float64 all-reduce per synchronization after the buckets
+(8 * (parameter tensors + 2 + P) bytes), so no lossy hook touches them.
+Buckets are handed to the hook in send order, one at a time: the next once
+the previous Future is done (at once on NCCL, whose Futures complete on
+enqueue; on gloo when its collectives finished), so collectives a hook
+issues from its callbacks (PowerSGD's) keep one order on every rank. Under
+Join a joined rank runs the hook on zero buckets, as DDP; gradients of
+parameters that a layout change newly covers are all-reduced without the
+hook (full precision, once).
+
 Unused parameters, with any number of replicas per process: the in-process
 reduction gives a parameter that none of a process's replicas used no
 gradient (its ``.grad`` stays None, or as accumulated), so it takes part in
@@ -120,6 +142,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -131,7 +154,7 @@ from torch.distributed.algorithms.join import JoinHook
 from dpcore._loader import _C
 from dpcore._pytree import map_tensors
 
-__all__ = ["GradientSync", "DataParallelJoinHook"]
+__all__ = ["GradientSync", "GradBucket", "DataParallelJoinHook"]
 
 #: The live GradientSync of each module: a second one would reduce every
 #: gradient twice.
@@ -201,23 +224,39 @@ class _Bucket:
     then one sample count; with `world` > 0 (gradient buckets), then one
     "counted" flag (whether the sender's weights follow sample counts) and
     `world` layout marks (element r is 1 where rank r's module changed its
-    layout since the buckets were built)."""
+    layout since the buckets were built).
+
+    With `side` = (flags, tail) (the buckets of a communication hook), the
+    flat buffer holds the gradients only, and the flags and the tail (count,
+    counted flag, marks) are those views of a tensor sent apart, so that no
+    hook (a lossy compression) touches them."""
 
     __slots__ = ("params", "flat", "data", "views", "flags", "count", "counted", "marks")
 
-    def __init__(self, params: Sequence[torch.Tensor], device: torch.device, world: int = 0) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        device: torch.device,
+        world: int = 0,
+        side: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.params = list(params)
         sizes = [p.numel() for p in self.params]
         total = sum(sizes)
         n = len(sizes)
-        extra = 2 + world if world else 1
-        self.flat = torch.zeros(total + n + extra, dtype=self.params[0].dtype, device=device)
+        if side is None:
+            extra = 2 + world if world else 1
+            self.flat = torch.zeros(total + n + extra, dtype=self.params[0].dtype, device=device)
+            flags, tail = self.flat[total : total + n], self.flat[total + n :]
+        else:
+            self.flat = torch.zeros(total, dtype=self.params[0].dtype, device=device)
+            flags, tail = side
         self.data = self.flat[:total]
         self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
-        self.flags = self.flat[total : total + n]
-        self.count = self.flat[total + n : total + n + 1]
-        self.counted = self.flat[total + n + 1 : total + n + 2]
-        self.marks = self.flat[total + n + 2 :]
+        self.flags = flags
+        self.count = tail[0:1]
+        self.counted = tail[1:2]
+        self.marks = tail[2:]
 
 
 #: Dtypes that hold every sample count exactly (up to 2**24), so a bucket of
@@ -245,6 +284,73 @@ def _copy_back(bucket: _Bucket, present: Sequence[bool]) -> None:
             p.grad.copy_(view)
         elif anyone:
             p.grad = torch.empty_like(p).copy_(view)
+
+
+class GradBucket:
+    """What a communication hook receives for one gradient bucket: dpcore's
+    stand-in for ``torch.distributed.GradBucket`` (a C++ class that Python
+    cannot build), with the methods torch's hooks call. ``buffer()`` is the
+    flat gradient of the bucket's parameters (this process's, weighted; see
+    the module docstring), ``gradients()`` views of the current buffer in
+    the shapes of ``parameters()``, ``index()`` the bucket's place in the
+    order the buckets are sent (0 first: the last parameters, as DDP) and
+    ``is_last()`` whether it is the last one sent in this synchronization."""
+
+    __slots__ = ("_index", "_count", "_buffer", "_params")
+
+    def __init__(self, index: int, count: int, buffer: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        self._index = index
+        self._count = count
+        self._buffer = buffer
+        self._params = list(params)
+
+    def index(self) -> int:
+        """The bucket's place in the send order (the same on every rank and step, until a rebuild)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket sent in the synchronization."""
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The flat (1-D) gradient of the bucket's parameters."""
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replaces the buffer (as ``fp16_compress_wrapper`` does) by a 1-D
+        tensor of the same number of elements; ``gradients()`` then views it."""
+        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
+            found = (
+                f"a tensor of shape {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor)
+                else type(buffer).__name__
+            )
+            raise ValueError(
+                f"buffer: expected a 1-D tensor of {self._buffer.numel()} elements (the bucket's gradients), "
+                f"but got {found}"
+            )
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view of the current buffer per parameter, in its shape."""
+        sizes = [p.numel() for p in self._params]
+        return [v.view(p.shape) for v, p in zip(self._buffer.split(sizes), self._params)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in buffer order."""
+        return list(self._params)
+
+
+def _hook_result(value: Any, bucket: _Bucket, index: int) -> torch.Tensor:
+    """The tensor a hook's Future gave for a bucket (a tensor, or a list
+    whose first element is one, as DDP accepts), checked for size."""
+    tensor = value[0] if isinstance(value, (list, tuple)) and value else value
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.data.numel():
+        found = f"a tensor of {tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else type(value).__name__
+        raise RuntimeError(
+            f"register_comm_hook: the hook's Future must hold one tensor of the bucket's {bucket.data.numel()} "
+            f"elements (bucket {index}), but it held {found}"
+        )
+    return tensor
 
 
 class GradientSync:
@@ -302,6 +408,9 @@ class GradientSync:
         self._norm: float | torch.Tensor = 1.0
         self._last_count = 0  # n_p of the last synchronization with a mean-loss forward (a joined rank's weight)
         self._pending = False  # the module's structure changed since the build; not yet agreed with the others
+        self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
+        self._ref: float | None = None  # with a hook: the largest N so far (None before the first)
+        self._started = False  # a synchronization (or a joined rank's shadow of one) has begun
         self._build()
         _OWNERS[module] = weakref.ref(self)
 
@@ -330,17 +439,12 @@ class GradientSync:
             for group in _C.make_buckets(self._buffers, self.bucket_bytes)
         ]
 
-        self._buckets = [
-            _Bucket([self._params[i] for i in group], self.device, world=self.world_size) for group in indices
-        ]
+        self._indices = [list(group) for group in indices]
+        self._make_buckets()
         self._bucket_of: list[int] = [0] * len(self._params)
         for b, group in enumerate(indices):
             for i in group:
                 self._bucket_of[i] = b
-        # Launch order, the same on every process: last bucket first.
-        self._order = list(range(len(self._buckets)))[::-1]
-        # The first bucket sent that can carry the sample count exactly.
-        self._carrier = next((b for b in self._order if self._buckets[b].flat.dtype in _COUNT_DTYPES), None)
         self._reset()
         ref = weakref.ref(self)
         for i, p in enumerate(self._params):
@@ -351,6 +455,66 @@ class GradientSync:
                     sync._on_grad(i)
 
             self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _make_buckets(self) -> None:
+        """The gradient buckets of ``self._indices``: flags, count and marks
+        inside each bucket's buffer, or with a communication hook in one
+        float64 tensor sent apart (``self._side``: every bucket's flags, then
+        count, counted flag and marks)."""
+        groups = [[self._params[i] for i in group] for group in self._indices]
+        self._side: torch.Tensor | None = None
+        if self._hook is None:
+            self._buckets = [_Bucket(group, self.device, world=self.world_size) for group in groups]
+        else:
+            flags = sum(len(group) for group in groups)
+            self._side = torch.zeros(flags + 2 + self.world_size, dtype=torch.float64, device=self.device)
+            tail = self._side[flags:]
+            self._buckets = []
+            offset = 0
+            for group in groups:
+                side = (self._side[offset : offset + len(group)], tail)
+                self._buckets.append(_Bucket(group, self.device, world=self.world_size, side=side))
+                offset += len(group)
+        # Launch order, the same on every process: last bucket first.
+        self._order = list(range(len(self._buckets)))[::-1]
+        # The first bucket sent that can carry the sample count exactly (none with a hook).
+        self._carrier = (
+            next((b for b in self._order if self._buckets[b].flat.dtype in _COUNT_DTYPES), None)
+            if self._hook is None else None
+        )
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """DDP's ``register_comm_hook``: from then on every gradient bucket
+        is sent by ``hook(state, bucket)`` (a :class:`GradBucket`), which
+        returns a ``torch.futures.Future`` of the bucket's reduced gradient
+        (divided by the world size by the hook itself, as torch's hooks do).
+        Once only, on every rank, before the first synchronizing backward."""
+        if not callable(hook):
+            raise TypeError(
+                f"hook: expected a callable hook(state, bucket) -> torch.futures.Future[torch.Tensor], but got "
+                f"{type(hook).__name__}"
+            )
+        try:
+            inspect.signature(hook).bind(state, None)
+        except TypeError as error:
+            raise TypeError(
+                f"hook: expected a callable taking (state, bucket), but {getattr(hook, '__name__', hook)!r} "
+                f"does not: {error}"
+            ) from None
+        except ValueError:
+            pass  # no signature to inspect (a builtin): called as it is
+        if self._hook is not None:
+            raise RuntimeError(
+                "register_comm_hook: a communication hook is already registered; only one can be, as with DDP"
+            )
+        if self._started or self._task != -1:
+            raise RuntimeError(
+                "register_comm_hook: must be called before the first backward that synchronizes gradients (as "
+                "DDP's), on every rank; this wrapper has already synchronized"
+            )
+        self._hook = (hook, state)
+        self._make_buckets()
+        self._reset()
 
     def _layout(
         self,
@@ -507,18 +671,39 @@ class GradientSync:
         self._alpha: float | torch.Tensor | None = None  # the pre-multiplier of this synchronization
         self._count_work: tuple[torch.Tensor, Any] | None = None  # the count's own all-reduce, if needed
         self._launched: dict[int, tuple[list[bool], Any]] = {}  # bucket -> (had .grad, handle), in launch order
+        self._previous: Any = None  # with a hook: the Future of the bucket sent last
 
     def _begin_weights(self) -> None:
         """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P when
         no mean-loss forward was recorded: every process then weighs the same),
         and, where no bucket can carry the count, its own all-reduce
         (count, counted flag) before the first bucket's."""
+        if self._hook is not None:
+            # The hook divides by P itself: the pre-multiplier is P * n_p / N_ref, with N_ref the largest N so
+            # far (1 with equal full batches, at most P otherwise, so a half-precision hook cannot overflow
+            # for a large factor). Before the first synchronization, N_ref is this one's N (a blocking
+            # all-reduce of the count, once).
+            if self._ref is None:
+                total, counted = self._count_all(float(self._local_count), self._counted)
+                if counted:
+                    self._ref = max(total, 1.0)
+            ref = self._ref if self._ref is not None else 1.0
+            self._alpha = self.world_size * self._local_count / ref if self._counted else 1.0
+            return
         self._alpha = self._local_count / self._norm if self._counted else 1.0 / self.world_size
         if self._carrier is None:
             count = torch.tensor(
                 [float(self._local_count), 1.0 if self._counted else 0.0], dtype=torch.float64, device=self.device
             )
             self._count_work = (count, _dist().all_reduce(count, group=self.group, async_op=True))
+
+    def _count_all(self, count: float, counted: bool) -> tuple[float, bool]:
+        """Blocking all-reduce of (sample count, counted flag): the total and
+        whether any rank counted."""
+        both = torch.tensor([count, 1.0 if counted else 0.0], dtype=torch.float64, device=self.device)
+        _dist().all_reduce(both, group=self.group)
+        total, flag = both.tolist()
+        return total, flag != 0
 
     def _on_grad(self, i: int) -> None:
         """Post-accumulate hook of parameter i: launches every bucket that is
@@ -528,6 +713,7 @@ class GradientSync:
         task = _grad_task()
         if self._task == -1:
             self._reset()
+            self._started = True
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         elif task != self._task:
@@ -536,13 +722,13 @@ class GradientSync:
                 "synchronizes them has not finished (a reentrant backward, such as "
                 "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)"
             )
-        b = self._bucket_of[i]
-        remaining = self._remaining
-        remaining[b] -= 1
-        if remaining[b] == 0:
-            while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
-                self._launch(self._order[self._next])
-                self._next += 1
+        self._remaining[self._bucket_of[i]] -= 1
+        order, remaining = self._order, self._remaining
+        while self._next < len(order) and remaining[order[self._next]] == 0:
+            if self._previous is not None and not self._previous.done():
+                break  # a hook's bucket is still in flight: sent at a later gradient or in _finish
+            self._launch(order[self._next])
+            self._next += 1
 
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
@@ -563,7 +749,7 @@ class GradientSync:
                     view.zero_()
                 else:
                     view.copy_(g)
-            bucket.flags.copy_(torch.tensor(present, dtype=bucket.flat.dtype))
+            bucket.flags.copy_(torch.tensor(present, dtype=bucket.flags.dtype))
         if self._alpha is None:
             self._begin_weights()
         alpha = self._alpha
@@ -571,6 +757,10 @@ class GradientSync:
             bucket.data.zero_()  # no samples here (an empty local batch): nothing, not 0 * inf or NaN
         elif not (isinstance(alpha, float) and alpha == 1.0):
             bucket.data.mul_(alpha)
+        if self._hook is not None:
+            self._previous = self._call_hook(b)
+            self._launched[b] = (present, self._previous)
+            return
         carrier = b == self._carrier
         bucket.count.fill_(self._local_count if carrier else 0)
         bucket.counted.fill_(1 if carrier and self._counted else 0)
@@ -579,6 +769,63 @@ class GradientSync:
             bucket.marks[self.rank] = 1
         work = _dist().all_reduce(bucket.flat, group=self.group, async_op=True)
         self._launched[b] = (present, work)
+
+    def _call_hook(self, b: int) -> Any:
+        """Calls the communication hook on bucket `b`'s gradients; its Future."""
+        hook, state = self._hook  # type: ignore[misc]
+        bucket = self._buckets[b]
+        index = self._order.index(b)
+        future = hook(state, GradBucket(index, len(self._order), bucket.data, bucket.params))
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(
+                f"register_comm_hook: the hook must return a torch.futures.Future of the bucket's reduced gradient, "
+                f"but it returned {type(future).__name__} (bucket {index})"
+            )
+        return future
+
+    def _wait_previous(self) -> None:
+        """With a hook: waits until the bucket sent last is reduced, so that
+        collectives a hook issues from its Future's callbacks (PowerSGD's)
+        come in the same order on every rank."""
+        if self._previous is not None:
+            self._previous.wait()
+
+    def _finish_hooked(self) -> float | None:
+        """With a hook, after every bucket was sent: waits for each Future and
+        writes its tensor into the bucket, then all-reduces the side tensor
+        (flags, sample count, counted flag, marks; float64, one collective)
+        and returns the correction N_ref / N (None where it is 1); N_ref
+        becomes the largest N so far."""
+        for b, (_, future) in self._launched.items():
+            bucket = self._buckets[b]
+            result = _hook_result(future.wait(), bucket, self._order.index(b))
+            if result.data_ptr() != bucket.data.data_ptr() or result.dtype != bucket.data.dtype:
+                bucket.data.copy_(result.reshape(-1))
+        total, counted = self._send_side(float(self._local_count), self._counted)
+        if self._counted:
+            self._last_count = self._local_count
+        if not counted:
+            return None
+        n = max(total, 1.0)
+        ref = self._ref if self._ref is not None else n
+        factor = None if n == ref or not self._counted else ref / n
+        self._ref = max(ref, n)
+        return factor
+
+    def _send_side(self, count: float, counted: bool) -> tuple[float, bool]:
+        """With a hook: all-reduces the side tensor (the bucket flags already
+        in it) with this rank's count, counted flag and layout mark; returns
+        the total count and whether any rank counted."""
+        assert self._side is not None
+        tail = self._side[len(self._side) - self.world_size - 2 :]
+        tail[0] = count
+        tail[1] = 1.0 if counted else 0.0
+        tail[2:].zero_()
+        if self._pending:
+            tail[2 + self.rank] = 1.0
+        _dist().all_reduce(self._side, group=self.group)
+        total, flag = tail[:2].tolist()
+        return total, flag != 0
 
     def _correction(self) -> float | torch.Tensor | None:
         """After the sample count arrived: N_prev / N, the factor that turns
@@ -609,13 +856,17 @@ class GradientSync:
         waits for every bucket, writes the averages into ``.grad``."""
         try:
             while self._next < len(self._order):
+                self._wait_previous()
                 self._launch(self._order[self._next])
                 self._next += 1
-            if self._count_work is not None:
-                self._count_work[1].wait()
-            factor = self._correction()
-            for _, work in self._launched.values():
-                work.wait()
+            if self._hook is not None:
+                factor: float | torch.Tensor | None = self._finish_hooked()
+            else:
+                if self._count_work is not None:
+                    self._count_work[1].wait()
+                factor = self._correction()
+                for _, work in self._launched.values():
+                    work.wait()
             changed = self._changed_ranks()
             if changed:  # raises unless every rank made the same change (nothing written into .grad then)
                 self._agree_on_change(changed)
@@ -629,6 +880,8 @@ class GradientSync:
                 _copy_back(bucket, present)
             if changed:
                 alpha = self._alpha if self._alpha is not None else 0.0
+                if self._hook is not None:
+                    alpha = alpha / self.world_size  # the new buckets are summed, without the hook's division
                 weight = 0.0 if self._counted and self._local_count == 0 else alpha
                 self._adopt_change(weight if factor is None else weight * factor, contribute=True)
         finally:
@@ -740,6 +993,10 @@ class GradientSync:
         dist = _dist()
         phantom = float(self._last_count if divide_by_initial_world_size else 0)
         self._reset()
+        self._started = True
+        if self._hook is not None:
+            self._join_step_hooked(phantom)
+            return
         count_work = None
         if self._carrier is None:
             count = torch.tensor([phantom, 0.0], dtype=torch.float64, device=self.device)
@@ -763,6 +1020,28 @@ class GradientSync:
             total, counted = carrier.count.real.item(), carrier.counted.real.item()
         if counted != 0:
             self._norm = max(float(total), 1.0)  # N_prev stays the same on every rank
+        changed = self._changed_ranks()
+        if changed:
+            self._agree_on_change(changed)
+            self._adopt_change(0.0, contribute=False)
+
+    def _join_step_hooked(self, phantom: float) -> None:
+        """:meth:`join_step` with a communication hook: the collectives of a
+        synchronization with one (the count once before the first, the
+        hook on zero buckets in order, each waited for, the side tensor)."""
+        if self._ref is None:
+            total, counted = self._count_all(phantom, False)
+            if counted:
+                self._ref = max(total, 1.0)
+        for b in self._order:
+            bucket = self._buckets[b]
+            bucket.flat.zero_()
+            bucket.flags.zero_()
+            self._call_hook(b).wait()
+        total, counted = self._send_side(phantom, False)
+        if counted:
+            n = max(total, 1.0)
+            self._ref = n if self._ref is None else max(self._ref, n)
         changed = self._changed_ranks()
         if changed:
             self._agree_on_change(changed)

@@ -13,6 +13,7 @@ the step that failed began).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -717,6 +718,232 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+# -- communication hooks (register_comm_hook) ----------------------------------
+
+
+class HookNet(nn.Module):
+    """Linear-tanh-linear without buffers whose only matrix PowerSGD
+    compresses is fc1.weight (8 x 16): its result then does not depend on
+    the order of the tensors inside a bucket (DDP reorders them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _named_hooks(group: Any) -> dict[str, tuple[Callable[[], Any], Any]]:
+    """torch's hooks by name: (a fresh state, the hook). The bf16 hook goes
+    to DDP under another name (DDP refuses torch's bf16 hooks without NCCL;
+    the hook's code is the same)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    def bf16_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations (strings here)
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    def power_sgd() -> Any:
+        return powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=5
+        )
+
+    return {
+        "allreduce": (lambda: group, default_hooks.allreduce_hook),
+        "fp16": (lambda: group, default_hooks.fp16_compress_hook),
+        "bf16": (lambda: group, bf16_hook),
+        "fp16_wrapper": (lambda: group, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
+        "powerSGD": (power_sgd, powerSGD_hook.powerSGD_hook),
+    }
+
+
+class _WireCounter:
+    """Counts the tensors passed to torch.distributed.all_reduce while on:
+    one (dtype, elements) entry per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.on = False
+        self._real = dist.all_reduce
+
+    def __enter__(self) -> _WireCounter:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.calls.append((str(tensor.dtype), tensor.numel()))
+            return self._real(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._real
+
+
+def _train_hooked(
+    rank: int, make: Callable[[nn.Module], Any], hook: tuple[Callable[[], Any], Any] | None, steps: int,
+    sizes: Callable[[int], int], accumulate: int = 1, dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Trains HookNet (SGD with momentum) on this rank's own data, `steps`
+    synchronizations of `accumulate` backward passes each (all but the last
+    under no_sync), `sizes(step)` rows per forward; the hook registered as
+    (state, hook). Returns the gradients and parameters after every step and
+    each step's all_reduce calls (dtype, elements)."""
+    torch.manual_seed(0)
+    model = HookNet().to(dtype)
+    wrapper = make(model)
+    if hook is not None:
+        wrapper.register_comm_hook(hook[0](), hook[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(31 + rank)
+    trace: list[list[torch.Tensor]] = []
+    wire: list[list[tuple[str, int]]] = []
+    with _WireCounter() as counter:
+        for step in range(steps):
+            opt.zero_grad()
+            counter.calls = []
+            for micro in range(accumulate):
+                n = sizes(step)
+                x = torch.randn(n, 16, generator=generator, dtype=dtype)
+                y = torch.randn(n, 1, generator=generator, dtype=dtype)
+                context = wrapper.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+                with context:
+                    out = wrapper(x)
+                    counter.on = True
+                    F.mse_loss(out, y).backward()
+                    counter.on = False
+            wire.append(counter.calls)
+            trace.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            trace.append([p.detach().clone() for p in model.parameters()])
+    return {"trace": trace, "wire": wire}
+
+
+def _relative_difference(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
+    """The largest |a - b| over the largest |b|, entry by entry (float64)."""
+    assert len(a) == len(b), (len(a), len(b))
+    worst = 0.0
+    for xs, ys in zip(a, b):
+        for x, y in zip(xs, ys):
+            x, y = x.double(), y.double()
+            worst = max(worst, (x - y).abs().max().item() / max(y.abs().max().item(), 1e-30))
+    return worst
+
+
+def _global_reference(steps: int, sizes: Callable[[int], list[int]], world: int) -> list[list[torch.Tensor]]:
+    """One device, float64, on the global batch of every step (every rank's
+    rows as _train_hooked draws them): the trace _train_hooked returns."""
+    torch.manual_seed(0)
+    model = HookNet().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generators = [torch.Generator().manual_seed(31 + r) for r in range(world)]
+    trace = []
+    for step in range(steps):
+        xs, ys = [], []
+        for r in range(world):
+            n = sizes(step)[r]
+            xs.append(torch.randn(n, 16, generator=generators[r], dtype=torch.float64))
+            ys.append(torch.randn(n, 1, generator=generators[r], dtype=torch.float64))
+        opt.zero_grad()
+        F.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        trace.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        trace.append([p.detach().clone() for p in model.parameters()])
+    return trace
+
+
+def scenario_hooks(rank: int, world: int) -> dict[str, Any]:
+    """register_comm_hook with torch's hooks: against DDP with the same hook
+    (one replica per rank, float32, equal batches of 6, 5 SGD steps; plain,
+    under no_sync and under Join), the all_reduce calls of each (bytes on the
+    wire), and with several replicas per rank on uneven batches against one
+    device in float64."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    hooks = _named_hooks(group)
+    ddp = lambda m: DistributedDataParallel(m, process_group=group)  # noqa: E731
+    ours = lambda m: dpcore.DataParallel(m, ["cpu"], process_group=group)  # noqa: E731
+    six = lambda step: 6  # noqa: E731
+    out: dict[str, Any] = {"parity": {}, "wire": {}}
+    for name, hook in hooks.items():
+        theirs = _train_hooked(rank, ddp, hook, 5, six)
+        mine = _train_hooked(rank, ours, hook, 5, six)
+        out["parity"][name] = _relative_difference(mine["trace"], theirs["trace"])
+        out["wire"][name] = {"ddp": theirs["wire"], "dpcore": mine["wire"]}
+    out["wire"]["none"] = {"dpcore": _train_hooked(rank, ours, None, 5, six)["wire"]}
+    # One bucket per parameter: the hooks run in order, one bucket in flight (PowerSGD's callbacks all-reduce).
+    small = lambda m: dpcore.DataParallel(m, ["cpu"], process_group=group, bucket_bytes=64)  # noqa: E731
+    fp16_small = _train_hooked(rank, small, hooks["fp16"], 5, six)
+    out["parity"]["fp16_small_buckets"] = _relative_difference(
+        fp16_small["trace"], _train_hooked(rank, ddp, hooks["fp16"], 5, six)["trace"]
+    )
+    out["wire"]["fp16_small_buckets"] = fp16_small["wire"]
+    power = _train_hooked(rank, small, hooks["powerSGD"], 5, six)
+    final = torch.cat([t.reshape(-1) for t in power["trace"][-1]]).double()
+    every = [torch.empty_like(final) for _ in range(world)]
+    dist.all_gather(every, final, group=group)
+    out["powerSGD_small_buckets"] = {
+        "same_on_every_rank": all(torch.equal(t, every[0]) for t in every),
+        "finite": bool(final.isfinite().all()),
+        "wire": power["wire"],
+    }
+    # Gradient accumulation: 2 backward passes under no_sync, then one that synchronizes.
+    out["no_sync"] = {
+        name: _relative_difference(
+            _train_hooked(rank, ours, hooks[name], 3, six, accumulate=3)["trace"],
+            _train_hooked(rank, ddp, hooks[name], 3, six, accumulate=3)["trace"],
+        )
+        for name in ("fp16", "powerSGD")
+    }
+    # Join: rank r has 2 + r batches; the joined ranks' shadows go through the hook.
+    def hooked(make: Callable[[nn.Module], Any], name: str) -> Callable[[nn.Module], Any]:
+        def build(m: nn.Module) -> Any:
+            wrapper = make(m)
+            wrapper.register_comm_hook(hooks[name][0](), hooks[name][1])
+            return wrapper
+
+        return build
+
+    out["join"] = {}
+    for name in ("allreduce", "fp16"):
+        theirs_join = _train_under_join(rank, hooked(ddp, name), 2 + rank, lambda w, _: Join([w]))
+        mine_join = _train_under_join(rank, hooked(ours, name), 2 + rank, lambda w, _: Join([w]))
+        out["join"][name] = {
+            "trace": _relative_difference(mine_join["trace"], theirs_join["trace"]),
+            "final": _relative_difference([mine_join["final"]], [theirs_join["final"]]),
+            "steps": len(mine_join["trace"]) // 2,
+        }
+    # divide_by_initial_world_size=False: with a hook as without (the mean over the ranks still training).
+    plain = _train_under_join(rank, ours, 2 + rank, lambda w, _: Join([w], divide_by_initial_world_size=False))
+    with_hook = _train_under_join(
+        rank, hooked(ours, "allreduce"), 2 + rank, lambda w, _: Join([w], divide_by_initial_world_size=False)
+    )
+    out["join"]["divide_false_as_without_hook"] = _largest_difference(with_hook["trace"], plain["trace"])
+    # Several replicas per rank, uneven local batches (and an empty one on rank 1): the weights stay exact.
+    uneven = lambda step: [[5, 3], [4, 0], [2, 7]][step][:world] + [3] * (world - 2)  # noqa: E731
+    reference = _global_reference(3, uneven, world)
+    devices = local_devices(world, rank)
+    hybrid = lambda m: dpcore.DataParallel(m, devices, process_group=group)  # noqa: E731
+    out["uneven"] = {}
+    for name in ("none", "allreduce", "fp16", "bf16"):
+        got = _train_hooked(
+            rank, hybrid, None if name == "none" else hooks[name], 3, lambda step: uneven(step)[rank],
+            dtype=torch.float64,
+        )
+        out["uneven"][name] = _relative_difference(got["trace"], reference)
+    # What the unweighted mean of the ranks' gradients (DDP's) would be off by on these batches.
+    ddp_uneven = _train_hooked(
+        rank, ddp, hooks["allreduce"], 1, lambda step: uneven(step)[rank], dtype=torch.float64
+    )
+    out["uneven"]["ddp_unweighted"] = _relative_difference(ddp_uneven["trace"], reference[:2])
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
 class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -797,6 +1024,8 @@ def main() -> None:
         result = {name: parts[name](rank, world) for name in chosen}
     elif scenario == "unused":
         result = scenario_unused(rank, world)
+    elif scenario == "hooks":
+        result = scenario_hooks(rank, world)
     elif scenario.startswith("failure-"):
         _, where, then = scenario.split("-")
         result = scenario_failure(rank, world, where, then)

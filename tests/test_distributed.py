@@ -276,6 +276,105 @@ def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, li
         assert r["group_usable"] is True
 
 
+# -- communication hooks: register_comm_hook with torch's hooks -----------------
+
+#: HookNet (tests/distributed_worker.py): gradient elements and tensors.
+HOOKNET_ELEMENTS, HOOKNET_TENSORS = 8 * 16 + 8 + 8 + 1, 4
+BYTES = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}
+
+
+@pytest.fixture(scope="module")
+def hooks_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+    """One run of the communication-hook checks ("hooks" in
+    distributed_worker.py) on 2 gloo processes."""
+    world = 2
+    out = tmp_path_factory.mktemp("hooks")
+    results = launch("hooks", world, out, timeout=300)
+    assert all(r is not None for r in results), _logs(out, world)
+    return world, [r for r in results if r is not None]
+
+
+def _wire_bytes(calls: list[list[Any]]) -> int:
+    return sum(BYTES[dtype] * n for dtype, n in calls)
+
+
+def test_torch_hooks_equal_ddp_with_the_same_hook(hooks_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """torch's allreduce_hook, fp16_compress_hook, bf16_compress_hook,
+    fp16_compress_wrapper(allreduce_hook) and powerSGD_hook (rank 1, error
+    feedback, warm start, compressing from step 2): dpcore (one replica per
+    rank) equals DDP with the same hook in every step's gradients and
+    parameters (float32, 5 SGD steps with momentum, equal batches), also
+    with one bucket per parameter, under no_sync (2 accumulated backward
+    passes) and under Join (rank r has 2 + r batches: the joined rank's
+    zeros go through the hook). The results are bitwise equal: with equal
+    batches the hook sees exactly DDP's bucket."""
+    _, results = hooks_run
+    for rank, r in enumerate(results):
+        for name, difference in r["parity"].items():
+            assert difference == 0.0, f"rank {rank}: {name}: {difference}"
+        for name, difference in r["no_sync"].items():
+            assert difference == 0.0, f"rank {rank}: no_sync {name}: {difference}"
+        for name in ("allreduce", "fp16"):
+            got = r["join"][name]
+            assert got["steps"] == 2 + rank and got["trace"] == 0.0 and got["final"] == 0.0, (rank, name, got)
+        # divide_by_initial_world_size=False keeps dpcore's weights: the same as without a hook.
+        assert 0.0 <= r["join"]["divide_false_as_without_hook"] <= ATOL
+        power = r["powerSGD_small_buckets"]
+        assert power["same_on_every_rank"] and power["finite"], f"rank {rank}: {power}"
+        assert r["group_usable"] is True
+
+
+def test_half_precision_hooks_halve_the_bytes_on_the_wire(hooks_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """The all_reduce calls of each backward, counted: with fp16 or bf16
+    compression the gradients travel in half the bytes of allreduce_hook
+    (float32), in the same calls as DDP with that hook; beside them dpcore
+    sends one float64 side tensor per synchronization (each parameter's
+    "has a gradient" flag, the sample count, a counted flag, one layout mark
+    per rank), plus the sample count alone before the first. PowerSGD
+    sends DDP's compressed tensors from step 2 on."""
+    world, results = hooks_run
+    side = [["torch.float64", HOOKNET_TENSORS + 2 + world]]
+    for rank, r in enumerate(results):
+        wire = r["wire"]
+        for name, steps in wire.items():
+            if name in ("none", "fp16_small_buckets"):
+                continue
+            ours, ddp = steps["dpcore"], steps["ddp"]
+            assert ours[0][0] == ["torch.float64", 2], (rank, name, ours[0])  # the first N, once
+            assert [step[1:] if k == 0 else step for k, step in enumerate(ours)] == [s + side for s in ddp]
+        full = wire["allreduce"]["dpcore"]
+        for name, dtype in (("fp16", "torch.float16"), ("bf16", "torch.bfloat16"), ("fp16_wrapper", "torch.float16")):
+            for k, step in enumerate(wire[name]["dpcore"]):
+                gradients = step[1:-1] if k == 0 else step[:-1]
+                reference = full[k][1:-1] if k == 0 else full[k][:-1]
+                assert gradients == [[dtype, HOOKNET_ELEMENTS]], (rank, name, step)
+                assert _wire_bytes(gradients) * 2 == _wire_bytes(reference) == 4 * HOOKNET_ELEMENTS
+        # Without a hook: one float32 bucket holding gradients, flags, count, counted flag and marks.
+        assert wire["none"]["dpcore"] == [[["torch.float32", HOOKNET_ELEMENTS + HOOKNET_TENSORS + 2 + world]]] * 5
+        # One bucket per parameter: each sent compressed, then the side tensor.
+        for k, step in enumerate(wire["fp16_small_buckets"]):
+            gradients = step[1:-1] if k == 0 else step[:-1]
+            assert all(dtype == "torch.float16" for dtype, _ in gradients) and len(gradients) == 3, step
+            assert sum(n for _, n in gradients) == HOOKNET_ELEMENTS and step[-1] == side[0]
+        power = wire["powerSGD"]["dpcore"]
+        assert _wire_bytes(power[4]) < _wire_bytes(full[4]) / 2, power[4]
+
+
+def test_hooks_keep_uneven_batches_weighted(hooks_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Several replicas per rank, uneven local batches (5 and 3, 4 and 0, 2
+    and 7 rows), float64, 3 SGD steps against one device on the global
+    batch: with allreduce_hook as exact as without a hook; with fp16 and
+    bf16 compression within their precision (relative 2**-10 and 2**-7 of
+    the largest entry), where DDP's unweighted mean is off by far more."""
+    _, results = hooks_run
+    for rank, r in enumerate(results):
+        got = r["uneven"]
+        assert 0.0 <= got["none"] <= 1e-12 and 0.0 <= got["allreduce"] <= 1e-12, (rank, got)
+        assert 0.0 < got["fp16"] <= 2.0**-10, (rank, got)
+        assert 0.0 < got["bf16"] <= 2.0**-7, (rank, got)
+        assert got["ddp_unweighted"] > 0.1, (rank, got)
+
+
 # -- one process: the API, without spawning ------------------------------------
 
 
@@ -411,6 +510,165 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
     copy.deepcopy(plain)  # the join state copies with a wrapper without a group
+
+
+
+def test_register_comm_hook_needs_a_group_and_checks_its_arguments(world_of_one: Any) -> None:
+    """Without a process group: an error naming dpcore's wrapper. A hook
+    that is not callable or does not take (state, bucket): TypeError. Only
+    one hook, registered before the first synchronizing backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    plain = dpcore.DataParallel(nn.Linear(3, 2), ["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"register_comm_hook: needs a dpcore.DataParallel with a process_group="):
+        plain.register_comm_hook(None, allreduce_hook)
+    dp = dpcore.DataParallel(nn.Linear(3, 2), ["cpu"] * 2, process_group=world_of_one)
+    with pytest.raises(TypeError, match=r"hook: expected a callable hook\(state, bucket\)"):
+        dp.register_comm_hook(None, "allreduce")
+    with pytest.raises(TypeError, match=r"hook: expected a callable taking \(state, bucket\), but '<lambda>'"):
+        dp.register_comm_hook(None, lambda bucket: bucket)
+    dp.register_comm_hook(world_of_one, allreduce_hook)
+    with pytest.raises(RuntimeError, match="a communication hook is already registered; only one"):
+        dp.register_comm_hook(world_of_one, allreduce_hook)
+    late = dpcore.DataParallel(nn.Linear(3, 2), ["cpu"], process_group=world_of_one)
+    late(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="must be called before the first backward that synchronizes"):
+        late.register_comm_hook(world_of_one, allreduce_hook)
+
+
+def test_a_hook_gets_ddps_bucket_interface(world_of_one: Any) -> None:
+    """A hook sees one bucket per call, in send order (index 0 first, the
+    last parameters; is_last on the last), with its parameters, its flat
+    buffer and gradients() viewing it; a completed Future of the buffer
+    (DDP's no-op hook) gives the result of no hook, float64, exactly, and
+    a parameter no replica used keeps .grad None."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.unused = nn.Linear(6, 5), nn.Linear(5, 2), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    a = Model().double()
+    b = copy.deepcopy(a)
+    hybrid = dpcore.DataParallel(a, ["cpu"] * 3, process_group=world_of_one, bucket_bytes=64)
+    plain = dpcore.DataParallel(b, ["cpu"] * 3)
+    seen: list[tuple[int, bool, list[int], bool]] = []
+
+    def noop(state: Any, bucket: Any) -> Any:
+        assert state == "state"
+        buffer = bucket.buffer()
+        views = bucket.gradients()
+        inside = all(
+            buffer.data_ptr() <= v.data_ptr() < buffer.data_ptr() + buffer.numel() * buffer.element_size()
+            and v.shape == p.shape
+            for v, p in zip(views, bucket.parameters())
+        )
+        seen.append((bucket.index(), bucket.is_last(), [id(p) for p in bucket.parameters()], inside))
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    hybrid.register_comm_hook("state", noop)
+    x = torch.randn(7, 6, dtype=torch.float64)
+    for _ in range(2):
+        seen.clear()
+        hybrid(x).square().mean().backward()
+        plain(x).square().mean().backward()
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+        assert a.unused.weight.grad is None
+        assert [index for index, *_ in seen] == list(range(len(seen))) and len(seen) > 2
+        assert [last for _, last, *_ in seen] == [False] * (len(seen) - 1) + [True]
+        assert all(inside for *_, inside in seen)
+        sent = [i for _, _, ids, _ in seen for i in ids]
+        assert sorted(sent) == sorted(id(p) for p in a.parameters()) and id(a.unused.bias) in seen[0][2]
+
+
+def test_a_hook_that_breaks_the_contract_is_a_clear_error(world_of_one: Any) -> None:
+    """A hook returning no Future, or a Future of the wrong size: an error
+    from backward naming the contract; the next backward starts clean."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    mode = {"now": "none"}
+
+    def hook(state: Any, bucket: Any) -> Any:
+        if mode["now"] == "none":
+            return bucket.buffer()
+        if mode["now"] == "short":
+            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            future.set_result(bucket.buffer()[:1])
+            return future
+        return allreduce_hook(state, bucket)
+
+    model = nn.Linear(3, 2).double()
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
+    dp.register_comm_hook(world_of_one, hook)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"the hook must return a torch.futures.Future .* but it returned Tensor"):
+        dp(x).sum().backward()
+    mode["now"] = "short"
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match=r"must hold one tensor of the bucket's 8 elements .* 1 elements"):
+        dp(x).sum().backward()
+    mode["now"] = "fine"
+    model.zero_grad()
+    dp(x).sum().backward()
+    expected = torch.autograd.grad(model(x).sum(), [model.weight])[0]
+    torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=1e-14)
+    from dpcore.distributed import GradBucket
+
+    bucket = GradBucket(0, 1, torch.zeros(8), [model.weight, model.bias])
+    with pytest.raises(ValueError, match=r"buffer: expected a 1-D tensor of 8 elements .* shape \(2, 4\)"):
+        bucket.set_buffer(torch.zeros(2, 4))
+
+
+def test_a_layout_change_with_a_hook_is_adopted(world_of_one: Any) -> None:
+    """With bf16 compression registered, a parameter frozen and another
+    replaced (the same on every rank) rebuild the buckets, still sent
+    through the hook; float64 against a plain DataParallel within bf16's
+    precision."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    b = copy.deepcopy(a)
+    hybrid = dpcore.DataParallel(a, ["cpu"] * 2, process_group=world_of_one, bucket_bytes=64)
+    plain = dpcore.DataParallel(b, ["cpu"] * 2)
+    dtypes: list[torch.dtype] = []
+
+    def hook(state: Any, bucket: Any) -> Any:
+        future = bf16_compress_hook(state, bucket)
+        dtypes.append(bucket.buffer().dtype)
+        return future
+
+    hybrid.register_comm_hook(world_of_one, hook)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 1:
+            a[0].weight.requires_grad_(False)
+            b[0].weight.requires_grad_(False)
+        if step == 2:
+            a[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64))
+            b[2].bias = nn.Parameter(torch.full((2,), 0.25, dtype=torch.float64))
+        x = torch.randn(5 + step, 6, generator=generator, dtype=torch.float64)
+        for model in (a, b):
+            model.zero_grad(set_to_none=True)
+        dtypes.clear()
+        hybrid(x).square().mean().backward()
+        plain(x).square().mean().backward()
+        assert dtypes and all(d == torch.float64 for d in dtypes)
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=2.0**-7, atol=0)
+    sync = hybrid._sync
+    assert sync is not None and sum(len(bucket.params) for bucket in sync._buckets) == 3
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

@@ -3,7 +3,8 @@
 # package registry) with nvcc, checks that it imports as a CUDA build (and
 # passes its libstdc++ self-check), and runs the tests of what the CUDA build
 # compiles differently against it: the kernels and operators, the
-# collectives, host transfers, info and the link check. The rest of the suite
+# collectives, host transfers, info and the link check; and the timm tests,
+# which need torchvision. The rest of the suite
 # runs in scripts/test.sh; a full rerun here would push CI past 30 minutes. torch 2.11.0+cu130 is what the GPU machine
 # (bench/gpu_check.sh) runs, so this compiles what runs there; the CPU suite
 # (scripts/test.sh) stays on torch 2.13.0. Works without a GPU (the CUDA
@@ -15,6 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 torch_version=2.11.0
+torchvision_version=0.26.0
+timm_version=1.0.31
 venv=${DPCORE_CUDA_VENV:-$HOME/.cache/dpcore/venv-torch-$torch_version}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -31,7 +34,11 @@ step "virtual environment $venv with torch $torch_version (CUDA 13.0)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
-python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+# torchvision and timm: timm needs a torchvision built for this torch (PyPI's
+# does not load beside the CPU suite's torch 2.13.0 wheel), so the timm tests
+# run here.
+python -m pip install -q "torch==$torch_version" "torchvision==$torchvision_version" "timm==$timm_version" \
+  pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
 
 step "build dpcore with nvcc (DPCORE_CUDA=1, arch $TORCH_CUDA_ARCH_LIST)"
 # A fresh build tree: the CPU build's objects must not be reused.
@@ -59,4 +66,4 @@ cd "$root/tests"
 # and test_comm's invisible-device checks must run before it.
 python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
   test_comm.py test_cuda_graphs.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
-  test_link_check.py
+  test_link_check.py test_timm.py

@@ -346,3 +346,30 @@ def test_design_layer_map_names_every_source_file() -> None:
         if not (named(p.name) or (p.suffix in {".cpp", ".cu"} and named(p.stem + ".h")))
     ]
     assert missing == [], f"docs/design.md's layer map does not name {missing}"
+
+
+# ---------------------------------------------------------------------------
+# Measured figures come from committed records
+# ---------------------------------------------------------------------------
+
+
+def test_measured_figures_cite_committed_records() -> None:
+    """Every record the README's "Measured figures" names exists under
+    bench/results/cpu/, and each JSON says when, on what and under what load."""
+    import json
+
+    text = README.read_text()
+    section = text[text.index("## Measured figures") : text.index("### On an H200")]
+    cited = set(re.findall(r"`(\w+\.(?:json|txt))`", section))
+    assert {"comm.json", "kernels.json", "step.json", "demo.txt", "distributed.json", "soak.json"} <= cited
+    results = README.parent / "bench" / "results" / "cpu"
+    for name in sorted(cited):
+        assert (results / name).is_file(), f"README cites {name}, which bench/results/cpu/ lacks"
+        if name.endswith(".json"):
+            env = json.loads((results / name).read_text())["env"]
+            assert {"date", "load_average", "cpus", "torch", "machine"} <= env.keys(), name
+    from dpcore.bench._common import environment
+
+    env = environment()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", env["date"]) and env["cpus"] >= 1
+    assert len(env["load_average"]) == 3

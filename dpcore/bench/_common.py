@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -130,7 +132,10 @@ def measure_against(
 
 
 def environment() -> dict[str, Any]:
-    """Versions and machine facts recorded next to every result."""
+    """Versions and machine facts recorded next to every result, taken when
+    the result is assembled (the end of the run): the date (UTC, ISO 8601),
+    the CPU count and the 1-, 5- and 15-minute load averages (a shared
+    machine's figures are as noisy as its load)."""
     import dpcore
 
     return {
@@ -139,6 +144,9 @@ def environment() -> dict[str, Any]:
         "build": dpcore.info()["build"],
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 

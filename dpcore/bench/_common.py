@@ -104,17 +104,18 @@ def measure(
     return statistics.median(times)
 
 
-def measure_against(
+def measure_rounds(
     fn: Callable[[], Any],
     baseline: Callable[[], Any],
     devices: Sequence[torch.device],
     *,
     rounds: int = 5,
     repeats: int = 4,
-) -> tuple[float, float]:
-    """Median times of `fn` and `baseline`, measured in alternating rounds so
-    that both see the same machine load (a noisy neighbour slows both, not
-    one of them). Returns (fn seconds, baseline seconds)."""
+) -> tuple[list[float], list[float]]:
+    """Per-round median times (seconds) of `fn` and `baseline`, measured in
+    alternating rounds (`repeats` calls of each per round, after two warm-up
+    calls each) so that both see the same machine load: a noisy neighbour
+    slows both, not one of them. Round r's two figures are comparable."""
     ours: list[float] = []
     theirs: list[float] = []
     for f in (fn, baseline):
@@ -123,12 +124,35 @@ def measure_against(
     synchronize(devices)
     for _ in range(rounds):
         for f, out in ((fn, ours), (baseline, theirs)):
+            times = []
             for _ in range(repeats):
                 begin = time.perf_counter()
                 f()
                 synchronize(devices)
-                out.append(time.perf_counter() - begin)
+                times.append(time.perf_counter() - begin)
+            out.append(statistics.median(times))
+    return ours, theirs
+
+
+def measure_against(
+    fn: Callable[[], Any],
+    baseline: Callable[[], Any],
+    devices: Sequence[torch.device],
+    *,
+    rounds: int = 5,
+    repeats: int = 4,
+) -> tuple[float, float]:
+    """Median times of `fn` and `baseline` over the rounds of
+    :func:`measure_rounds`. Returns (fn seconds, baseline seconds)."""
+    ours, theirs = measure_rounds(fn, baseline, devices, rounds=rounds, repeats=repeats)
     return statistics.median(ours), statistics.median(theirs)
+
+
+def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, float]:
+    """The per-round ratios ours/theirs of :func:`measure_rounds`: their
+    median, and the spread as the lowest and highest round's ratio."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
 def environment() -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import Scattered, scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
-from dpcore.sync_batchnorm import needs_sync, synchronized_apply
+from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
     from dpcore._graphs import GraphRunner
@@ -531,7 +531,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             (dpcore/sync_batchnorm.py: exact against one device, the running
             statistics too; a replica that raises or skips a BatchNorm call
             gives one clear error, never a hang). The modules stay plain
-            BatchNorm; eval mode is unchanged.
+            BatchNorm; eval mode is unchanged. With a ``process_group``,
+            across every replica of every process in forwards that can
+            synchronize gradients (dpcore/sync_batchnorm.py, "Across processes").
         process_group: a torch.distributed process group; every process of
             it runs this in-process data parallelism over its own
             ``device_ids`` and together they train one model (hybrid data
@@ -719,7 +721,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if process_group is not None:
             self._sync = GradientSync(
                 module, self.device_ids[0], process_group,
-                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes,
+                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes, sync_batchnorm=self.sync_batchnorm,
             )
 
     # -- attribute fall-through, state dicts, pickling -----------------------
@@ -908,6 +910,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         the gradient is the mean over the samples of the ranks still
         training (DDP: division by the number of those ranks)."""
         sync = self._require_group("Join")
+        if sync.batchnorm_group is not None:
+            raise ValueError(
+                "Join: a rank that ran out of inputs cannot shadow the BatchNorm collectives of sync_batchnorm=True "
+                "across processes (it does not run the model); give every rank the same number of batches "
+                "(e.g. a DistributedSampler with drop_last=True), or drop sync_batchnorm"
+            )
         # Other keyword arguments are for the context's other joinables (as DDP, ignored here).
         return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
 
@@ -1045,9 +1053,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         devices = [self.device_ids[i] for i in used]
         self._call_devices = devices
         try:
-            if self.sync_batchnorm and len(calls) > 1 and needs_sync(self.module):
+            across = self._batchnorm_across()
+            if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
                 # parallel_apply is dpcore's here (checked at construction)
-                return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+                return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply, across=across)
             outputs = self.parallel_apply(calls, args, kws)
         finally:
             self._call_devices = None
@@ -1140,13 +1149,25 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         once), one in this thread."""
         replicas = self._replicas(used[-1] + 1)
         calls = [make_call(replicas[i]) for i in used]
-        if len(calls) == 1:
+        across = self._batchnorm_across()
+        if len(calls) == 1 and across is None:
             return [calls[0](*args[0], **kws[0])]
         devices = [self.device_ids[i] for i in used]
         if self.sync_batchnorm and needs_sync(self.module):
             modules = [replicas[i] for i in used]
-            return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+            return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply, across=across)
+        if len(calls) == 1:
+            return [calls[0](*args[0], **kws[0])]
         return self._parallel_apply(calls, args, kws, devices)
+
+    def _batchnorm_across(self) -> AcrossProcesses | None:
+        """Synchronized BatchNorm's link to the other processes for the
+        forward being run (hybrid mode with ``sync_batchnorm``, in a forward
+        that can synchronize gradients), else None: see
+        GradientSync.batchnorm_across."""
+        if self._sync is None or not self.sync_batchnorm:
+            return None
+        return self._sync.batchnorm_across(self._local_batch, _summed(self._reduction))
 
 
 def _check_not_compiled(module: nn.Module) -> None:

@@ -119,6 +119,7 @@ their gradients, the same as one device computes on the global batch.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import weakref
 from collections.abc import Iterator, Sequence
@@ -130,6 +131,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from dpcore._loader import _C
 from dpcore._pytree import map_tensors
+from dpcore.sync_batchnorm import AcrossProcesses
 
 __all__ = ["GradientSync", "DataParallelJoinHook"]
 
@@ -149,6 +151,29 @@ def _dist() -> Any:
 
 #: Id of the backward pass (graph task) running on this thread, -1 outside backward.
 _grad_task = torch._C._current_graph_task_id
+
+
+def _timeout_of(group: Any, device: torch.device) -> datetime.timedelta:
+    """The timeout of `group`'s backend for `device` (what bounds each of its
+    collectives), or torch.distributed's default where the backend does not say."""
+    dist = _dist()
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+    return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
+
+
+def _twin_group(group: Any, timeout: datetime.timedelta) -> Any:
+    """A new process group of `group`'s ranks (in its order), backend and
+    `timeout`. Collective over `group`'s ranks only (every one of them must
+    call it, in the same order of group creations)."""
+    dist = _dist()
+    ranks = dist.get_process_group_ranks(group)
+    options: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    return dist.new_group(
+        ranks=ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True, **options
+    )
 
 
 def _structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
@@ -268,6 +293,7 @@ class GradientSync:
         *,
         broadcast_buffers: bool = True,
         bucket_bytes: int,
+        sync_batchnorm: bool = False,
     ) -> None:
         dist = _dist()
         if not isinstance(process_group, dist.ProcessGroup):
@@ -303,6 +329,11 @@ class GradientSync:
         self._last_count = 0  # n_p of the last synchronization with a mean-loss forward (a joined rank's weight)
         self._pending = False  # the module's structure changed since the build; not yet agreed with the others
         self._build()
+        # Synchronized BatchNorm across processes: a group of its own (see batchnorm_across).
+        self.batchnorm_group: Any = None
+        self.timeout = _timeout_of(process_group, device)
+        if sync_batchnorm and self.world_size > 1:
+            self.batchnorm_group = _twin_group(process_group, self.timeout)
         _OWNERS[module] = weakref.ref(self)
 
     # -- construction -----------------------------------------------------
@@ -453,6 +484,22 @@ class GradientSync:
         if self.broadcast_buffers and self._buffer_groups:
             self._broadcast(self._buffers, src=src)
 
+    def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
+        """What synchronizes BatchNorm across the processes in the forward
+        about to run (dpcore/sync_batchnorm.py), or None: without
+        ``sync_batchnorm``, with one process, or where the forward cannot
+        start a gradient synchronization (:meth:`can_sync`; its BatchNorm
+        then uses this process's statistics, with no collective). Its
+        collectives go over a group of their own, so they never meet the
+        gradient buckets'; the buckets of such a synchronization are
+        launched at the end of backward (in the final callback), after the
+        BatchNorm collectives of backward, so that every rank issues its
+        collectives in one order. `local_batch` and `summed` give this
+        process's gradient weight, as :meth:`after_forward` counts it."""
+        if self.batchnorm_group is None or not self.can_sync():
+            return None
+        return AcrossProcesses(self.batchnorm_group, self.timeout, 1.0 if summed else float(local_batch))
+
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
         """Records the forward's batch size for the next synchronization's
         weights and returns `output`; with `summed` (a criterion with
@@ -539,7 +586,7 @@ class GradientSync:
         b = self._bucket_of[i]
         remaining = self._remaining
         remaining[b] -= 1
-        if remaining[b] == 0:
+        if remaining[b] == 0 and self.batchnorm_group is None:  # else all in _finish (see batchnorm_across)
             while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
                 self._launch(self._order[self._next])
                 self._next += 1

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dpcore
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, requires_cuda, subprocess_env
 from dpcore.bench.distributed import free_port
 
 WORKER = os.path.join(TESTS_DIR, "distributed_worker.py")
@@ -440,8 +440,9 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
 def test_sync_batchnorm_across_a_group_of_one_equals_one_device(
-    world_of_one: Any, replicas: int, monkeypatch: pytest.MonkeyPatch
+    world_of_one: Any, replicas: int, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The path of several processes (replica 0 all-gathers the process's
     statistics at each BatchNorm call and hands the result on in a second
@@ -468,22 +469,24 @@ def test_sync_batchnorm_across_a_group_of_one_equals_one_device(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 2)).double()
     reference = copy.deepcopy(model)
-    dp = dpcore.DataParallel(model, ["cpu"] * replicas, process_group=world_of_one, sync_batchnorm=True)
+    model.to(device)
+    devices = ["cpu"] * replicas if device == "cpu" else [0] * replicas  # gloo carries CUDA tensors too
+    dp = dpcore.DataParallel(model, devices, process_group=world_of_one, sync_batchnorm=True)
     assert dp._sync.batchnorm_group is None  # one process: nothing to synchronize across
     dp._sync.batchnorm_group = world_of_one
     for step in range(2):
         x = torch.randn(7, 4, dtype=torch.float64)
-        out, ref = dp(x), reference(x)
+        out, ref = dp(x.to(device)).cpu(), reference(x)
         torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
         out.pow(2).mean().backward()
         ref.pow(2).mean().backward()
         for a, b in zip(reference.parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-12, rtol=0)
+            torch.testing.assert_close(b.grad.cpu(), a.grad, atol=1e-12, rtol=0)
         for a, b in zip(reference.buffers(), model.buffers()):
-            torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+            torch.testing.assert_close(b.cpu(), a, atol=1e-12, rtol=0)
     assert calls == {"forward": 2, "backward": 2}
     with torch.no_grad():
-        dp(torch.randn(5, 4, dtype=torch.float64))
+        dp(torch.randn(5, 4, dtype=torch.float64, device=device))
     assert calls == {"forward": 2, "backward": 2}
 
 
@@ -640,13 +643,30 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
     assert isinstance(state, dict) and any(k.endswith("weight") for k in state)
 
 
+def test_torchrun_demo_with_sync_batchnorm_passes_its_float64_check() -> None:
+    """`torchrun ... -m dpcore.demo --devices cpu:2 --sync-batchnorm`:
+    BatchNorm synchronized across the 2 processes x 2 replicas, and the
+    float64 check against one device on the global batch (running
+    statistics included) passes."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--limit", "200", "--no-progress",
+        "--sync-batchnorm",
+    ]
+    done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "with synchronized BatchNorm on 2 processes x 2 devices" in out, out
+    assert out.count("agreement check passed") == 1, out
+
+
 def test_bench_distributed_runs_hybrid_against_ddp() -> None:
     """bench/bench_distributed.py's two-process configuration with the
     fewest steps (the numbers are not checked): both rows, rank 0's."""
     from dpcore.bench import distributed as bench
 
     rows = bench._launch("ddp", 2, rounds=1, repeats=1)
-    # Every model of bench_step but the synchronized-BatchNorm one (in-process only).
+    # Every model of bench_step but the synchronized-BatchNorm one (its DDP baseline needs CUDA).
     assert [r["model"] for r in rows] == [name for name, *_, sync_bn in bench._models(quick=False) if not sync_bn]
     for r in rows:
         assert (r["processes"], r["replicas"]) == (2, 1)
@@ -684,6 +704,10 @@ def test_demo_under_torchrun_checks_batch_size_and_devices(
         demo.main(["--devices", "cpu:2", "--batch-size", "64"])
     assert exc.value.code == 2
     assert "--batch-size: expected a multiple of the 3 processes, but got 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # per-replica statistics: nothing for the check to compare
+        demo.main(["--devices", "cpu:2", "--batch-size", "63", "--batchnorm"])
+    assert exc.value.code == 2
+    assert "--batchnorm: not available under torchrun without --sync-batchnorm" in capsys.readouterr().err
     assert demo._local_devices([torch.device("cpu")] * 2, 1) == [torch.device("cpu")] * 2
     if torch.cuda.device_count() < 4:
         with pytest.raises(ValueError, match=r"--devices: local rank 1 would use CUDA devices \[2, 3\]"):

@@ -57,14 +57,15 @@ replica 0 turns its process's combined statistics into those of the global
 batch (every replica of every process) at each BatchNorm call, and hands
 them to the other replicas in a second round of the rendezvous:
 
-* forward: one all-gather of (mean, variance, count, a tag of the layer) per
-  BatchNorm call over a process group of its own (the same ranks, backend
+* forward: one all-gather of (mean, variance, count) per BatchNorm call,
+  after a 2-number all-reduce that checks every rank is at that call, over
+  a process group of its own (the same ranks, backend
   and timeout as the hybrid's, so its collectives never meet the gradient
   buckets'); the global statistics by the parallel-variance formula, in
   float64, in rank order (the same values on every process); the count
   includes processes with no rows (count 0);
 * backward: one all-reduce (sum) of the gradients with respect to the
-  global statistics, weighted as distributed.py weighs each process's
+  global statistics (after the same check), weighted as distributed.py weighs each process's
   gradients (its rows, or 1 with a summed criterion), so the gradients are
   exactly those of one device on the global batch, uneven local batches
   included; then this process's share of them flows on to its replicas;
@@ -74,7 +75,8 @@ them to the other replicas in a second round of the rendezvous:
   only and make no collective, so one rank may run them alone;
 * never hangs: a rank that reaches another layer (or makes its collectives
   in another order) is a SyncBatchNormError on every rank naming each
-  rank's layer; a rank that skips one (eval mode on one rank, a failed
+  rank's call (a BatchNorm without weight and running statistics is named
+  by its position only); a rank that skips one (eval mode on one rank, a failed
   process) makes the others' wait end with a SyncBatchNormError after the
   group's timeout. Double backward through such a call is an error.
 """
@@ -300,16 +302,14 @@ class _SyncBatchNormMode(TorchFunctionMode):
             raise
 
 
-
-
 # -- across processes ---------------------------------------------------------
 
 
-def _tag(key: str) -> int:
-    """A 20-bit number naming a BatchNorm call (its key): small enough that
-    the sums of the tags and of their squares over 8192 ranks stay exact in
-    float64, which is how backward checks that every rank reached the same call."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:3], "little") >> 4
+def _tag(text: str) -> int:
+    """A 20-bit number naming a BatchNorm call and its phase: small enough
+    that the sums of the tags and of their squares over 8192 ranks stay
+    exact in float64 (see AcrossProcesses._agree)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little") >> 4
 
 
 class AcrossProcesses:
@@ -319,7 +319,13 @@ class AcrossProcesses:
     BatchNorm call with its process's statistics. ``group`` is a group of its
     own (collectives of nothing else), ``timeout`` its timeout, ``weight``
     this process's gradient weight in this forward as the hybrid weighs it
-    (its rows, or 1 with a summed criterion)."""
+    (its rows, or 1 with a summed criterion).
+
+    Each of its collectives (forward: all-gather of the statistics;
+    backward: all-reduce of their gradients) follows a 2-number all-reduce
+    of the same size for every call and phase, which checks that every rank
+    is at the same call and phase: collectives of different sizes never
+    meet (gloo aborts the process on those)."""
 
     def __init__(self, group: Any, timeout: datetime.timedelta, weight: float) -> None:
         import torch.distributed as dist
@@ -335,26 +341,47 @@ class AcrossProcesses:
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(mean, biased variance, count) of every process's batch at the
         BatchNorm call `key`, from this process's; differentiable."""
+        self._agree(key, "forward", mean.device)
         channels = mean.numel()
         row = torch.cat([
             mean.detach().to(torch.float64), var.detach().to(torch.float64),
-            torch.tensor([float(count), float(_tag(key))], dtype=torch.float64, device=mean.device),
+            torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
         ])
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
         self._wait(key, "forward", self._dist().all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
-        tags = rows[:, -1].tolist()
-        if any(t != tags[self.rank] for t in tags):
-            self._differ(key, "forward")
         counts = rows[:, 2 * channels]
         total = int(counts.sum().item())
         g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, counts, total, self, key)
         return g_mean, g_var, total
+
+    def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
+        """Backward of the call `key`: sum over the processes of each
+        process's gradient with respect to the global statistics times its
+        weight, divided by this process's weight (0 where it is 0)."""
+        self._agree(key, "backward", grads.device)
+        payload = grads.to(torch.float64) * self.weight
+        self._wait(key, "backward", self._dist().all_reduce(payload, group=self.group, async_op=True))
+        if self.weight == 0:
+            return torch.zeros_like(grads)
+        return (payload / self.weight).to(grads.dtype)
 
     @staticmethod
     def _dist() -> Any:
         import torch.distributed as dist
 
         return dist
+
+    def _agree(self, key: str, phase: str, device: torch.device) -> None:
+        """One all-reduce (sum) of (tag, tag squared), tag naming `phase` of
+        `key`: both sums equal world size times this rank's only where every
+        rank has the same tag, so every rank finds a difference (and raises,
+        naming each rank's call, see _differ)."""
+        tag = float(_tag(f"{phase} {key}"))
+        header = torch.tensor([tag, tag * tag], dtype=torch.float64, device=device)
+        self._wait(key, phase, self._dist().all_reduce(header, group=self.group, async_op=True))
+        tag_sum, square_sum = header.tolist()
+        if tag_sum != self.world_size * tag or square_sum != self.world_size * tag * tag:
+            self._differ(key, phase)
 
     def _wait(self, key: str, phase: str, work: Any) -> None:
         """Waits for a collective of the BatchNorm call `key`, at most the
@@ -372,28 +399,14 @@ class AcrossProcesses:
     def _differ(self, key: str, phase: str) -> None:
         """Every rank found that the ranks reached different calls (one more
         collective, so all of them raise the same error naming each rank's call)."""
-        keys: list[Any] = [None] * self.world_size
-        self._dist().all_gather_object(keys, key, group=self.group)
-        reached = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+        reached: list[Any] = [None] * self.world_size
+        self._dist().all_gather_object(reached, f"the {phase} of {key}", group=self.group)
         raise SyncBatchNormError(
-            f"synchronized BatchNorm across processes: the ranks reached different BatchNorm calls in {phase} "
-            f"({reached}); every rank must make the same BatchNorm calls with batch statistics in each training "
-            f"forward, in the same order (and run their backward in the same order)"
+            "synchronized BatchNorm across processes: the ranks reached different BatchNorm calls ("
+            + "; ".join(f"rank {r}: {k}" for r, k in enumerate(reached))
+            + "); every rank must make the same BatchNorm calls with batch statistics in each training forward, "
+            "in the same order, and run their backward in the same order"
         )
-
-    def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
-        """Backward of the call `key`: sum over the processes of each
-        process's gradient with respect to the global statistics times its
-        weight, divided by this process's weight (0 where it is 0)."""
-        tag = float(_tag(key))
-        payload = torch.cat([grads.to(torch.float64) * self.weight, grads.new_tensor([tag, tag * tag], dtype=torch.float64)])
-        self._wait(key, "backward", self._dist().all_reduce(payload, group=self.group, async_op=True))
-        tag_sum, square_sum = payload[-2:].tolist()
-        if tag_sum != self.world_size * tag or square_sum != self.world_size * tag * tag:
-            self._differ(key, "backward")
-        if self.weight == 0:
-            return torch.zeros_like(grads)
-        return (payload[:-2] / self.weight).to(grads.dtype)
 
 
 class _GlobalStatistics(torch.autograd.Function):

@@ -323,7 +323,9 @@ def test_sync_batchnorm_ranks_at_different_layers_fail_on_every_rank(
     for rank, r in enumerate(results):
         got = r["different_layers"]
         assert got["error"] == "SyncBatchNormError", f"rank {rank}: {got}"
-        assert "rank 0: BatchNorm 'a' (call 1); rank 1: BatchNorm 'b' (call 1)" in got["message"], got
+        assert "rank 0: the forward of BatchNorm 'a' (call 1); rank 1: the forward of BatchNorm 'b' (call 1)" in (
+            got["message"]
+        ), got
         assert got["seconds"] < AT_ONCE_S, got
         assert r["join"] is not None and "cannot shadow the BatchNorm collectives" in r["join"]
         assert r["group_usable"] is True
@@ -340,7 +342,7 @@ def test_sync_batchnorm_a_rank_in_eval_mode_is_an_error_on_every_rank(tmp_path: 
     zero, one = results
     assert zero is not None and one is not None, _logs(tmp_path, 2)
     assert zero["error"] == "SyncBatchNormError", zero
-    assert "rank 0 waited in the forward of BatchNorm 'bn2' (call 1)" in zero["message"], zero
+    assert "rank 0 waited in the forward of BatchNorm '1' (call 1)" in zero["message"], zero
     assert one["runtime_error"] is True, one
     for r in results:
         assert r is not None and r["seconds"] < pg_timeout + 10, r

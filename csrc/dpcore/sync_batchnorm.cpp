@@ -58,7 +58,9 @@ struct LocalStats : public torch::autograd::Function<LocalStats> {
     const double n = static_cast<double>(std::max<int64_t>(1, per_channel(x)));
     const at::Tensor scale = grads[1] * (2.0 / n);
     const at::Tensor shift = grads[0] / n;
-    if (at::GradMode::is_enabled()) {  // create_graph: plain differentiable operations
+    // create_graph: plain differentiable operations; so too without values
+    // (an empty local batch across processes), where the CPU kernel divides by 0.
+    if (at::GradMode::is_enabled() || x.numel() == 0) {
       const auto shape = channel_shape(x);
       return {(x - mean.view(shape)) * scale.view(shape) + shift.view(shape)};
     }
@@ -142,7 +144,7 @@ struct Normalize : public torch::autograd::Function<Normalize> {
     at::Tensor dx;
     at::Tensor dw;
     at::Tensor sum_dy;
-    if (at::GradMode::is_enabled()) {  // create_graph: differentiable formulas
+    if (at::GradMode::is_enabled() || x.numel() == 0) {  // create_graph, or no values: plain formulas
       const auto shape = channel_shape(x);
       const auto dims = reduce_dims(x);
       sum_dy = dy.sum(dims);

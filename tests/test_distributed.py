@@ -195,11 +195,20 @@ def parity_run(
     20 s group timeout: gloo on 2 processes (2 replicas each) or 3 (2, 1 and
     3 replicas), or NCCL on 2 processes with one GPU each (skipped with
     fewer than 2 GPUs)."""
-    backend, world = request.param
+    return _every_rank_of("parity", request.param, tmp_path_factory)
+
+
+def _every_rank_of(
+    scenario: str, param: tuple[str, int], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """(world, every rank's results) of one run of `scenario` with the
+    (backend, world) of `param` and PARITY_PG_TIMEOUT; skipped for NCCL
+    with fewer GPUs than ranks; fails unless every rank wrote its results."""
+    backend, world = param
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
         pytest.skip(f"NCCL needs {world} GPUs")
-    out = tmp_path_factory.mktemp(f"parity-{backend}{world}")
-    results = launch("parity", world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
+    out = tmp_path_factory.mktemp(f"{scenario}-{backend}{world}")
+    results = launch(scenario, world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
     assert all(r is not None for r in results), _logs(out, world)
     return world, [r for r in results if r is not None]
 
@@ -286,13 +295,7 @@ def syncbn_run(
     """One run of "syncbn" (distributed_worker.py): gloo on 2 processes with
     2 CPU replicas each, or NCCL on 2 processes with one GPU each (skipped
     with fewer than 2 GPUs); a 20 s group timeout."""
-    backend, world = request.param
-    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
-        pytest.skip(f"NCCL needs {world} GPUs")
-    out = tmp_path_factory.mktemp(f"syncbn-{backend}{world}")
-    results = launch("syncbn", world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
-    assert all(r is not None for r in results), _logs(out, world)
-    return world, [r for r in results if r is not None]
+    return _every_rank_of("syncbn", request.param, tmp_path_factory)
 
 
 def test_sync_batchnorm_across_processes_equals_one_device(syncbn_run: tuple[int, list[dict[str, Any]]]) -> None:

@@ -184,5 +184,7 @@ def sync_batch_norm(
     update_running_stats: bool,
     momentum: float,
     eps: float,
+    across: Callable[[str, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int]] | None = None,
 ) -> torch.Tensor:
-    """One replica's training-mode BatchNorm with the statistics of every replica's input."""
+    """One replica's training-mode BatchNorm with the statistics of every replica's input; with
+    `across`, rank 0 turns this process's statistics into those of every process through it."""

@@ -27,7 +27,7 @@ from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import Scattered, scatter_kwargs
 from dpcore.scatter_gather import gather as gather_outputs
-from dpcore.sync_batchnorm import needs_sync, synchronized_apply
+from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
     from dpcore._graphs import GraphRunner
@@ -534,9 +534,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             gradient all-reduce buckets; the default's rationale:
             dpcore.replicate.DEFAULT_BUCKET_BYTES).
         sync_batchnorm: BatchNorm layers that use batch statistics normalize
-            with those of the whole batch across the replicas of the call,
-            exactly as on one device (the rules: README, "Synchronized
-            BatchNorm"; the mechanism: dpcore/sync_batchnorm.py).
+            with those of the whole batch across the replicas of the call
+            (with a ``process_group``, of every process, in forwards that can
+            synchronize gradients), exactly as on one device (the rules:
+            README, "Synchronized BatchNorm"; the mechanism:
+            dpcore/sync_batchnorm.py).
         process_group: a torch.distributed process group: every process of
             it runs this in-process data parallelism over its own
             ``device_ids`` and together they train one model (hybrid data
@@ -709,7 +711,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if process_group is not None:
             self._sync = GradientSync(
                 module, self.device_ids[0], process_group,
-                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes,
+                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes, sync_batchnorm=self.sync_batchnorm,
             )
 
     # -- attribute fall-through, state dicts, pickling -----------------------
@@ -912,6 +914,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         the gradient is the mean over the samples of the ranks still
         training (DDP: division by the number of those ranks)."""
         sync = self._require_group("Join")
+        if sync.batchnorm_group is not None:
+            raise ValueError(
+                "Join: a rank that ran out of inputs cannot shadow the BatchNorm collectives of sync_batchnorm=True "
+                "across processes (it does not run the model); give every rank the same number of batches "
+                "(e.g. a DistributedSampler with drop_last=True), or drop sync_batchnorm"
+            )
         # Other keyword arguments are for the context's other joinables (as DDP, ignored here).
         return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
 
@@ -1046,9 +1054,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         devices = [self.device_ids[i] for i in used]
         self._call_devices = devices
         try:
-            if self.sync_batchnorm and len(calls) > 1 and needs_sync(self.module):
+            across = self._batchnorm_across()
+            if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
                 # parallel_apply is dpcore's here (checked at construction)
-                return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+                return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply, across=across)
             outputs = self.parallel_apply(calls, args, kws)
         finally:
             self._call_devices = None
@@ -1141,13 +1150,25 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         once), one in this thread."""
         replicas = self._replicas(used[-1] + 1)
         calls = [make_call(replicas[i]) for i in used]
-        if len(calls) == 1:
+        across = self._batchnorm_across()
+        if len(calls) == 1 and across is None:
             return [calls[0](*args[0], **kws[0])]
         devices = [self.device_ids[i] for i in used]
         if self.sync_batchnorm and needs_sync(self.module):
             modules = [replicas[i] for i in used]
-            return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply)
+            return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply, across=across)
+        if len(calls) == 1:
+            return [calls[0](*args[0], **kws[0])]
         return self._parallel_apply(calls, args, kws, devices)
+
+    def _batchnorm_across(self) -> AcrossProcesses | None:
+        """Synchronized BatchNorm's link to the other processes for the
+        forward being run (hybrid mode with ``sync_batchnorm``, in a forward
+        that can synchronize gradients), else None: see
+        GradientSync.batchnorm_across."""
+        if self._sync is None or not self.sync_batchnorm:
+            return None
+        return self._sync.batchnorm_across(self._local_batch, _summed(self._reduction))
 
 
 def _check_not_compiled(module: nn.Module) -> None:

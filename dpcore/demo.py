@@ -49,7 +49,9 @@ process on its own ``--devices`` (CUDA indices are offset by the local rank
 times one more than the largest index, so ``--devices 0,1`` gives local rank 1
 GPUs 2 and 3), its share of each global batch from a DistributedSampler, the
 float64 check against one device on the global batch, logs and the
-checkpoint from rank 0 only. ``--cuda-graphs`` works there too (CUDA
+checkpoint from rank 0 only. ``--sync-batchnorm`` works there too (BatchNorm
+with the statistics of the global batch, across the processes: the check
+covers it); ``--batchnorm`` alone does not. ``--cuda-graphs`` works there too (CUDA
 devices): the hybrid wrapper is a DataParallel with the same options.
 
     torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
@@ -394,10 +396,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
         parser.error(f"--limit: expected at least 50 images, but got {args.limit}")
     spec = args.devices if args.devices is not None else _default_devices()
     launch = _torchrun()
-    if launch is not None and args.batchnorm:
-        # Synchronized BatchNorm reduces within one process's replicas only:
-        # the processes' statistics would differ from the global batch's.
-        parser.error("--batchnorm/--sync-batchnorm: not available under torchrun (BatchNorm is not synchronized across processes)")
+    if launch is not None and args.batchnorm and not args.sync_batchnorm:
+        # Per-replica statistics: nothing for the float64 check to compare across processes.
+        parser.error(
+            "--batchnorm: not available under torchrun without --sync-batchnorm (per-replica statistics); "
+            "--sync-batchnorm synchronizes BatchNorm across every replica of every process"
+        )
     if launch is not None and args.batch_size % launch[1]:
         parser.error(f"--batch-size: expected a multiple of the {launch[1]} processes, but got {args.batch_size}")
     try:

@@ -141,6 +141,7 @@ their gradients, the same as one device computes on the global batch.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import inspect
 import weakref
@@ -153,6 +154,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from dpcore._loader import _C
 from dpcore._pytree import map_tensors
+from dpcore.sync_batchnorm import AcrossProcesses
 
 __all__ = ["GradientSync", "GradBucket", "DataParallelJoinHook"]
 
@@ -172,6 +174,29 @@ def _dist() -> Any:
 
 #: Id of the backward pass (graph task) running on this thread, -1 outside backward.
 _grad_task = torch._C._current_graph_task_id
+
+
+def _timeout_of(group: Any, device: torch.device) -> datetime.timedelta:
+    """The timeout of `group`'s backend for `device` (what bounds each of its
+    collectives), or torch.distributed's default where the backend does not say."""
+    dist = _dist()
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+    return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
+
+
+def _twin_group(group: Any, timeout: datetime.timedelta) -> Any:
+    """A new process group of `group`'s ranks (in its order), backend and
+    `timeout`. Collective over `group`'s ranks only (every one of them must
+    call it, in the same order of group creations)."""
+    dist = _dist()
+    ranks = dist.get_process_group_ranks(group)
+    options: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    return dist.new_group(
+        ranks=ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True, **options
+    )
 
 
 def _structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
@@ -374,6 +399,7 @@ class GradientSync:
         *,
         broadcast_buffers: bool = True,
         bucket_bytes: int,
+        sync_batchnorm: bool = False,
     ) -> None:
         dist = _dist()
         if not isinstance(process_group, dist.ProcessGroup):
@@ -412,6 +438,11 @@ class GradientSync:
         self._ref: float | None = None  # with a hook: the largest N so far (None before the first)
         self._started = False  # a synchronization (or a joined rank's shadow of one) has begun
         self._build()
+        # Synchronized BatchNorm across processes: a group of its own (see batchnorm_across).
+        self.batchnorm_group: Any = None
+        self.timeout = _timeout_of(process_group, device)
+        if sync_batchnorm and self.world_size > 1:
+            self.batchnorm_group = _twin_group(process_group, self.timeout)
         _OWNERS[module] = weakref.ref(self)
 
     # -- construction -----------------------------------------------------
@@ -617,6 +648,22 @@ class GradientSync:
         if self.broadcast_buffers and self._buffer_groups:
             self._broadcast(self._buffers, src=src)
 
+    def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
+        """What synchronizes BatchNorm across the processes in the forward
+        about to run (dpcore/sync_batchnorm.py), or None: without
+        ``sync_batchnorm``, with one process, or where the forward cannot
+        start a gradient synchronization (:meth:`can_sync`; its BatchNorm
+        then uses this process's statistics, with no collective). Its
+        collectives go over a group of their own, so they never meet the
+        gradient buckets'; the buckets of such a synchronization are
+        launched at the end of backward (in the final callback), after the
+        BatchNorm collectives of backward, so that every rank issues its
+        collectives in one order. `local_batch` and `summed` give this
+        process's gradient weight, as :meth:`after_forward` counts it."""
+        if self.batchnorm_group is None or not self.can_sync():
+            return None
+        return AcrossProcesses(self.batchnorm_group, self.timeout, 1.0 if summed else float(local_batch))
+
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
         """Records the forward's batch size for the next synchronization's
         weights and returns `output`; with `summed` (a criterion with
@@ -723,6 +770,8 @@ class GradientSync:
                 "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)"
             )
         self._remaining[self._bucket_of[i]] -= 1
+        if self.batchnorm_group is not None:
+            return  # every bucket in _finish, in one order on every rank (see batchnorm_across)
         order, remaining = self._order, self._remaining
         while self._next < len(order) and remaining[order[self._next]] == 0:
             if self._previous is not None and not self._previous.done():

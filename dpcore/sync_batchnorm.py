@@ -49,10 +49,42 @@ Guarantees:
   each call) at one BatchNorm breaks it with a ``SyncBatchNormError`` naming
   who it waited for. The worker pool stays usable; nothing is left waiting.
 * Eval mode with running statistics is plain BatchNorm (no exchange).
+
+Across processes (hybrid mode, ``process_group=`` of more than one process;
+:class:`AcrossProcesses`): in every forward that can start a gradient
+synchronization (distributed.py's rule: grad mode on, something trainable),
+replica 0 turns its process's combined statistics into those of the global
+batch (every replica of every process) at each BatchNorm call, and hands
+them to the other replicas in a second round of the rendezvous:
+
+* forward: one all-gather of (mean, variance, count) per BatchNorm call,
+  after a 2-number all-reduce that checks every rank is at that call, over
+  a process group of its own (the same ranks, backend
+  and timeout as the hybrid's, so its collectives never meet the gradient
+  buckets'); the global statistics by the parallel-variance formula, in
+  float64, in rank order (the same values on every process); the count
+  includes processes with no rows (count 0);
+* backward: one all-reduce (sum) of the gradients with respect to the
+  global statistics (after the same check), weighted as distributed.py weighs each process's
+  gradients (its rows, or 1 with a summed criterion), so the gradients are
+  exactly those of one device on the global batch, uneven local batches
+  included; then this process's share of them flows on to its replicas;
+* the running statistics of every process get the global statistics;
+* forwards that cannot start a synchronization (``torch.no_grad()``, a
+  model with nothing trainable) normalize with this process's statistics
+  only and make no collective, so one rank may run them alone;
+* never hangs: a rank that reaches another layer (or makes its collectives
+  in another order) is a SyncBatchNormError on every rank naming each
+  rank's call (a BatchNorm without weight and running statistics is named
+  by its position only); a rank that skips one (eval mode on one rank, a failed
+  process) makes the others' wait end with a SyncBatchNormError after the
+  group's timeout. Double backward through such a call is an error.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,13 +93,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike
 from dpcore.parallel_apply import parallel_apply
 
-__all__ = ["SyncBatchNormError", "needs_sync", "synchronized_apply"]
+__all__ = ["AcrossProcesses", "SyncBatchNormError", "needs_sync", "synchronized_apply"]
 
 #: Raised to every replica of a call whose BatchNorm rendezvous broke, and to
 #: the caller when no replica raised an exception of its own.
@@ -108,18 +141,26 @@ def synchronized_apply(
     devices: Sequence[DeviceLike],
     *,
     run: Callable[..., list[Any]] = parallel_apply,
+    across: AcrossProcesses | None = None,
 ) -> list[Any]:
     """parallel_apply(calls, inputs, kwargs_tup, devices) with synchronized
     BatchNorm among the calls (see the module docstring). ``modules[i]`` is
     the replica module that ``calls[i]`` runs (used to name layers in errors);
     replica 0 updates the running statistics. All calls run at once, each on
     a worker thread of its own, since they wait for each other. ``run`` is
-    the parallel_apply to use (called with ``all_at_once=True``).
+    the parallel_apply to use (called with ``all_at_once=True``). With
+    `across`, the statistics are those of every process's calls (one call
+    is enough then), and a replica waits for the others up to
+    DPCORE_SYNC_TIMEOUT_S plus the process group's timeout.
 
     Raises the root cause when the rendezvous breaks: the exception of the
     lowest replica that raised one of its own, else SyncBatchNormError."""
     rendezvous = _C.Rendezvous(len(calls))
-    replicas = [_SyncedReplica(call, module, rank, rendezvous) for rank, (call, module) in enumerate(zip(calls, modules))]
+    if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
+        rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
+    replicas = [
+        _SyncedReplica(call, module, rank, rendezvous, across) for rank, (call, module) in enumerate(zip(calls, modules))
+    ]
     try:
         results = run(replicas, inputs, kwargs_tup, devices, all_at_once=True)
     except BaseException as error:
@@ -145,14 +186,17 @@ class _SyncedReplica:
     """One replica's task: runs `call` under the BatchNorm interception and
     tells the rendezvous when it finished or raised."""
 
-    def __init__(self, call: Callable[..., Any], module: nn.Module, rank: int, rendezvous: Any) -> None:
+    def __init__(
+        self, call: Callable[..., Any], module: nn.Module, rank: int, rendezvous: Any, across: AcrossProcesses | None
+    ) -> None:
         self.call = call
         self.module = module
         self.rank = rank
         self.rendezvous = rendezvous
+        self.across = across
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = _SyncBatchNormMode(self.rendezvous, self.rank, self.module)
+        mode = _SyncBatchNormMode(self.rendezvous, self.rank, self.module, self.across)
         try:
             with mode:
                 result = self.call(*args, **kwargs)
@@ -173,11 +217,14 @@ class _SyncBatchNormMode(TorchFunctionMode):
     inherit the mode (the worker pool hands function modes on, e.g. to the
     replicas of a DataParallel nested in this replica) get plain BatchNorm."""
 
-    def __init__(self, rendezvous: Any, rank: int, module: nn.Module | None) -> None:
+    def __init__(
+        self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None = None
+    ) -> None:
         super().__init__()
         self.rendezvous = rendezvous
         self.rank = rank
         self.module = module
+        self.across = across
         self.broken: BaseException | None = None  # the rendezvous' error, once raised here
         self._names: dict[int, str] | None = None
         self._calls: dict[str | None, int] = {}
@@ -241,16 +288,162 @@ class _SyncBatchNormMode(TorchFunctionMode):
         momentum: float,
         eps: float,
     ) -> torch.Tensor:
-        """Exchanges this replica's statistics under `key`, updates the running
-        statistics (replica 0) and normalizes with the global statistics, in
-        C++ without the GIL (csrc/dpcore/sync_batchnorm.h)."""
+        """Exchanges this replica's statistics under `key` (and, with
+        `across`, replica 0 those of the process with the other processes),
+        updates the running statistics (replica 0) and normalizes with the
+        global statistics, in C++ without the GIL (csrc/dpcore/sync_batchnorm.h)."""
         try:
             return _C.sync_batch_norm(
                 self.rendezvous, self.rank, key, input, weight, bias, running_mean, running_var,
-                self.rank == 0, momentum, eps,
+                self.rank == 0, momentum, eps, self.across,
             )
         except SyncBatchNormError as error:
             self.broken = error
             raise
 
 
+# -- across processes ---------------------------------------------------------
+
+
+def _tag(text: str) -> int:
+    """A 20-bit number naming a BatchNorm call and its phase: small enough
+    that the sums of the tags and of their squares over 8192 ranks stay
+    exact in float64 (see AcrossProcesses._agree)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little") >> 4
+
+
+class AcrossProcesses:
+    """Synchronized BatchNorm across the processes of a ``torch.distributed``
+    group, for one forward (see the module docstring): the ``across``
+    callable of ``_C.sync_batch_norm``, which replica 0 calls at each
+    BatchNorm call with its process's statistics. ``group`` is a group of its
+    own (collectives of nothing else), ``timeout`` its timeout, ``weight``
+    this process's gradient weight in this forward as the hybrid weighs it
+    (its rows, or 1 with a summed criterion).
+
+    Each of its collectives (forward: all-gather of the statistics;
+    backward: all-reduce of their gradients) follows a 2-number all-reduce
+    of the same size for every call and phase, which checks that every rank
+    is at the same call and phase: collectives of different sizes never
+    meet (gloo aborts the process on those)."""
+
+    def __init__(self, group: Any, timeout: datetime.timedelta, weight: float) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.timeout = timeout
+        self.weight = float(weight)
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+
+    def __call__(
+        self, key: str, mean: torch.Tensor, var: torch.Tensor, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(mean, biased variance, count) of every process's batch at the
+        BatchNorm call `key`, from this process's; differentiable."""
+        self._agree(key, "forward", mean.device)
+        channels = mean.numel()
+        row = torch.cat([
+            mean.detach().to(torch.float64), var.detach().to(torch.float64),
+            torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
+        ])
+        rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
+        self._wait(key, "forward", self._dist().all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
+        counts = rows[:, 2 * channels]
+        total = int(counts.sum().item())
+        g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, counts, total, self, key)
+        return g_mean, g_var, total
+
+    def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
+        """Backward of the call `key`: sum over the processes of each
+        process's gradient with respect to the global statistics times its
+        weight, divided by this process's weight (0 where it is 0)."""
+        self._agree(key, "backward", grads.device)
+        payload = grads.to(torch.float64) * self.weight
+        self._wait(key, "backward", self._dist().all_reduce(payload, group=self.group, async_op=True))
+        if self.weight == 0:
+            return torch.zeros_like(grads)
+        return (payload / self.weight).to(grads.dtype)
+
+    @staticmethod
+    def _dist() -> Any:
+        import torch.distributed as dist
+
+        return dist
+
+    def _agree(self, key: str, phase: str, device: torch.device) -> None:
+        """One all-reduce (sum) of (tag, tag squared), tag naming `phase` of
+        `key`: both sums equal world size times this rank's only where every
+        rank has the same tag, so every rank finds a difference (and raises,
+        naming each rank's call, see _differ)."""
+        tag = float(_tag(f"{phase} {key}"))
+        header = torch.tensor([tag, tag * tag], dtype=torch.float64, device=device)
+        self._wait(key, phase, self._dist().all_reduce(header, group=self.group, async_op=True))
+        tag_sum, square_sum = header.tolist()
+        if tag_sum != self.world_size * tag or square_sum != self.world_size * tag * tag:
+            self._differ(key, phase)
+
+    def _wait(self, key: str, phase: str, work: Any) -> None:
+        """Waits for a collective of the BatchNorm call `key`, at most the
+        group's timeout; a failure or timeout is a SyncBatchNormError."""
+        try:
+            work.wait(self.timeout)
+        except Exception as error:
+            raise SyncBatchNormError(
+                f"synchronized BatchNorm across processes: rank {self.rank} waited in the {phase} of {key} for the "
+                f"other ranks of the process group, which did not all take part within {self.timeout} (a rank "
+                f"failed, or skipped this call: every rank must make the same BatchNorm calls with batch statistics "
+                f"in each training forward, and their backward): {_describe(error)}"
+            ) from error
+
+    def _differ(self, key: str, phase: str) -> None:
+        """Every rank found that the ranks reached different calls (one more
+        collective, so all of them raise the same error naming each rank's call)."""
+        reached: list[Any] = [None] * self.world_size
+        self._dist().all_gather_object(reached, f"the {phase} of {key}", group=self.group)
+        raise SyncBatchNormError(
+            "synchronized BatchNorm across processes: the ranks reached different BatchNorm calls ("
+            + "; ".join(f"rank {r}: {k}" for r, k in enumerate(reached))
+            + "); every rank must make the same BatchNorm calls with batch statistics in each training forward, "
+            "in the same order, and run their backward in the same order"
+        )
+
+
+class _GlobalStatistics(torch.autograd.Function):
+    """The global (mean, biased variance) from the gathered rows of every
+    process (mean, variance, count, tag), differentiable with respect to
+    this process's mean and variance: d mean_p = s_p (G_mean + 2 (mean_p -
+    mean) G_var), d var_p = s_p G_var, with s_p this process's share of the
+    count and G the all-reduced gradients (AcrossProcesses.reduce_gradients)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        total: int,
+        across: AcrossProcesses,
+        key: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        channels = mean.numel()
+        shares = counts / max(total, 1)  # a process without values weighs 0
+        means = rows[:, :channels]
+        g_mean = shares @ means
+        g_var = shares @ (rows[:, channels : 2 * channels] + (means - g_mean).square())
+        ctx.across, ctx.key, ctx.channels = across, key, channels
+        ctx.save_for_backward(shares[across.rank], means[across.rank], g_mean)
+        return g_mean.to(mean.dtype), g_var.to(var.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor) -> tuple[Any, ...]:
+        share, mean, g_mean = ctx.saved_tensors
+        channels = ctx.channels
+        grads = torch.cat([grad_mean.reshape(-1), grad_var.reshape(-1)])
+        total = ctx.across.reduce_gradients(ctx.key, grads).to(torch.float64)
+        total_mean, total_var = total[:channels], total[channels:]
+        d_mean = share * (total_mean + 2.0 * (mean - g_mean) * total_var)
+        d_var = share * total_var
+        return d_mean.to(grad_mean.dtype), d_var.to(grad_var.dtype), None, None, None, None, None

@@ -993,6 +993,141 @@ def scenario_failure(rank: int, world: int, where: str, then: str) -> dict[str, 
     return {"error": None}
 
 
+class BNNet(nn.Module):
+    """Conv-BatchNorm2d-ReLU, Linear-BatchNorm1d (momentum=None: the
+    cumulative average)-tanh, then one of two BatchNorm1d without running
+    statistics (`which`; the layout is the same either way), Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 4 * 4, 6)
+        self.bn1 = nn.BatchNorm1d(6, momentum=None)
+        self.a = nn.BatchNorm1d(6, track_running_stats=False)
+        self.b = nn.BatchNorm1d(6, track_running_stats=False)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, which: str = "a") -> torch.Tensor:
+        h = torch.relu(self.bn2(self.conv(x)))
+        h = torch.tanh(self.bn1(self.fc(h.flatten(1))))
+        return self.out(self.a(h) if which == "a" else self.b(h))
+
+
+def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """The largest difference; inf where only one is None (a gradient)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    return 0.0 if a.numel() == 0 else (a.double() - b.double().cpu()).abs().max().item()
+
+
+def scenario_syncbn(rank: int, world: int) -> dict[str, Any]:
+    """sync_batchnorm=True across processes (float64, SGD with momentum,
+    broadcast_buffers=False so that every rank's running statistics are its
+    own): against one device on the global batch, the largest difference of
+    outputs, gradients, parameters and BatchNorm buffers over uneven steps
+    (then one where rank 1 has no rows), with a mean loss and a summed
+    criterion; then ranks at different BatchNorm layers (an error on every
+    rank, at once), Join (refused), a no_grad train-mode forward on rank 0
+    alone (no collective) and a last training step (the group still usable)."""
+    out: dict[str, Any] = {}
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    for name, criterion in (("mean", None), ("sum", nn.MSELoss(reduction="sum"))):
+        torch.manual_seed(0)
+        reference = BNNet().double()
+        torch.manual_seed(1 + rank)
+        model = BNNet().double()
+        if rank == 0:
+            model.load_state_dict(reference.state_dict())
+        model.to(DEVICE)
+        dp = dpcore.DataParallel(
+            model, local_devices(world, rank), process_group=group, sync_batchnorm=True, broadcast_buffers=False,
+            criterion=criterion,
+        )
+        lr = 0.1 if criterion is None else 0.01  # a summed loss: about the mean's steps, not diverging
+        opt_ref = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        generator = torch.Generator().manual_seed(3)
+        worst = dict.fromkeys(("outputs", "gradients", "parameters", "buffers"), 0.0)
+        plan = [[3 + 2 * p + step for p in range(world)] for step in range(3)]
+        plan.append([0 if p == 1 else 4 + p for p in range(world)])  # rank 1: an empty local batch
+        for sizes in plan:
+            x = torch.randn(sum(sizes), 2, 4, 4, generator=generator, dtype=torch.float64)
+            y = torch.randn(sum(sizes), 2, generator=generator, dtype=torch.float64)
+            opt_ref.zero_grad()
+            opt.zero_grad()
+            mine_x, mine_y = x.split(sizes)[rank].to(DEVICE), y.split(sizes)[rank].to(DEVICE)
+            if criterion is None:
+                ref_out = reference(x)
+                F.mse_loss(ref_out, y).backward()
+                mine = dp(mine_x)
+                worst["outputs"] = max(worst["outputs"], _max_diff(ref_out.split(sizes)[rank].detach(), mine.detach()))
+                F.mse_loss(mine, mine_y).backward()
+            else:
+                ref_loss = criterion(reference(x), y)
+                ref_loss.backward()
+                loss = dp(mine_x, mine_y)
+                loss.backward()
+            for a, b in zip(reference.parameters(), model.parameters()):
+                worst["gradients"] = max(worst["gradients"], _max_diff(a.grad, b.grad))
+            opt_ref.step()
+            opt.step()
+            for a, b in zip(reference.parameters(), model.parameters()):
+                worst["parameters"] = max(worst["parameters"], _max_diff(a.detach(), b.detach()))
+            for (key, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
+                worst["buffers"] = max(worst["buffers"], _max_diff(a, b))
+        out[name] = worst
+        out[f"{name}_batches_tracked"] = int(model.bn2.num_batches_tracked.item())
+
+    x = torch.randn(4 + rank, 2, 4, 4, dtype=torch.float64, device=DEVICE)
+    started = time.monotonic()
+    try:
+        dp(x, x[:, 0, 0, :2], which="a" if rank == 0 else "b")
+        out["different_layers"] = {"error": None}
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        out["different_layers"] = {"error": type(error).__name__, "message": str(error)[:600],
+                                   "seconds": time.monotonic() - started}
+    try:
+        dp.join()
+        out["join"] = None
+    except ValueError as error:
+        out["join"] = str(error)
+
+    flag = os.path.join(_OUT, "syncbn-no-grad-done")
+    if rank == 0:
+        try:
+            started = time.monotonic()
+            with torch.no_grad():
+                dp(x, x[:, 0, 0, :2])
+            out["no_grad_alone_seconds"] = time.monotonic() - started
+        finally:
+            open(flag, "w").close()
+    else:
+        wait_for_file(flag)
+    dp(x, x[:, 0, 0, :2]).backward()
+    ones = torch.ones(1, device=DEVICE)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
+def scenario_syncbn_eval(rank: int, world: int) -> dict[str, Any]:
+    """sync_batchnorm=True across processes with rank 1 in eval mode (no
+    BatchNorm collective there): every rank must raise within the group's
+    timeout, never hang."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 1)).double().to(DEVICE)
+    dp = dpcore.DataParallel(model, local_devices(world, rank), process_group=group, sync_batchnorm=True)
+    model.train(rank != 1)
+    started = time.monotonic()
+    try:
+        dp(torch.randn(6, 4, dtype=torch.float64, device=DEVICE)).pow(2).mean().backward()
+    except Exception as error:  # noqa: BLE001 - every error is the result
+        return {"error": type(error).__name__, "runtime_error": isinstance(error, RuntimeError),
+                "message": str(error)[:600], "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
 def timeout() -> float:
     return float(os.environ.get("DPCORE_TEST_PG_TIMEOUT", "30"))
 
@@ -1026,6 +1161,12 @@ def main() -> None:
         result = scenario_unused(rank, world)
     elif scenario == "hooks":
         result = scenario_hooks(rank, world)
+    elif scenario == "syncbn":
+        result = scenario_syncbn(rank, world)
+    elif scenario == "syncbn-eval":
+        result = scenario_syncbn_eval(rank, world)
+        write(result)
+        os._exit(1 if result["error"] else 0)  # no clean shutdown of a broken group
     elif scenario.startswith("failure-"):
         _, where, then = scenario.split("-")
         result = scenario_failure(rank, world, where, then)

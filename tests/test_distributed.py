@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dpcore
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, requires_cuda, subprocess_env
 from dpcore.bench.distributed import free_port
 
 WORKER = os.path.join(TESTS_DIR, "distributed_worker.py")
@@ -195,11 +195,20 @@ def parity_run(
     20 s group timeout: gloo on 2 processes (2 replicas each) or 3 (2, 1 and
     3 replicas), or NCCL on 2 processes with one GPU each (skipped with
     fewer than 2 GPUs)."""
-    backend, world = request.param
+    return _every_rank_of("parity", request.param, tmp_path_factory)
+
+
+def _every_rank_of(
+    scenario: str, param: tuple[str, int], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """(world, every rank's results) of one run of `scenario` with the
+    (backend, world) of `param` and PARITY_PG_TIMEOUT; skipped for NCCL
+    with fewer GPUs than ranks; fails unless every rank wrote its results."""
+    backend, world = param
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < world):
         pytest.skip(f"NCCL needs {world} GPUs")
-    out = tmp_path_factory.mktemp(f"parity-{backend}{world}")
-    results = launch("parity", world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
+    out = tmp_path_factory.mktemp(f"{scenario}-{backend}{world}")
+    results = launch(scenario, world, out, timeout=300, pg_timeout=PARITY_PG_TIMEOUT, backend=backend)
     assert all(r is not None for r in results), _logs(out, world)
     return world, [r for r in results if r is not None]
 
@@ -375,6 +384,72 @@ def test_hooks_keep_uneven_batches_weighted(hooks_run: tuple[int, list[dict[str,
         assert got["ddp_unweighted"] > 0.1, (rank, got)
 
 
+# -- synchronized BatchNorm across processes ------------------------------------
+
+
+@pytest.fixture(scope="module", params=[("gloo", 2), ("nccl", 2)], ids=["gloo 2 processes", "nccl 2 processes"])
+def syncbn_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
+    """One run of "syncbn" (distributed_worker.py): gloo on 2 processes with
+    2 CPU replicas each, or NCCL on 2 processes with one GPU each (skipped
+    with fewer than 2 GPUs); a 20 s group timeout."""
+    return _every_rank_of("syncbn", request.param, tmp_path_factory)
+
+
+def test_sync_batchnorm_across_processes_equals_one_device(syncbn_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """sync_batchnorm=True with a process group: BatchNorm2d and BatchNorm1d
+    (momentum=None too) normalize with the global batch's statistics, so
+    against one device on the global batch (float64, 4 SGD steps with
+    momentum, uneven local batches, the last with no rows on rank 1, a mean
+    loss and a summed criterion) the outputs, gradients, parameters and
+    every rank's own BatchNorm buffers (broadcast_buffers=False: running
+    mean and variance, num_batches_tracked) agree."""
+    _, results = syncbn_run
+    for rank, r in enumerate(results):
+        for name in ("mean", "sum"):
+            for what, worst in r[name].items():
+                assert 0.0 <= worst <= ATOL, f"rank {rank}: {name}: {what}: {r[name]}"
+            assert r[f"{name}_batches_tracked"] == 4
+
+
+def test_sync_batchnorm_ranks_at_different_layers_fail_on_every_rank(
+    syncbn_run: tuple[int, list[dict[str, Any]]],
+) -> None:
+    """Rank 0 reaches BatchNorm 'a' where rank 1 reaches 'b' (the same
+    layout, another call): a SyncBatchNormError on every rank at once, naming
+    each rank's call; the group stays usable. Join is refused (a joined rank
+    cannot shadow BatchNorm's collectives), and a no_grad forward of rank 0
+    alone in train mode makes no collective (it finishes at once)."""
+    _, results = syncbn_run
+    for rank, r in enumerate(results):
+        got = r["different_layers"]
+        assert got["error"] == "SyncBatchNormError", f"rank {rank}: {got}"
+        assert "rank 0: the forward of BatchNorm 'a' (call 1); rank 1: the forward of BatchNorm 'b' (call 1)" in (
+            got["message"]
+        ), got
+        assert got["seconds"] < AT_ONCE_S, got
+        assert r["join"] is not None and "cannot shadow the BatchNorm collectives" in r["join"]
+        assert r["group_usable"] is True
+    assert results[0]["no_grad_alone_seconds"] < AT_ONCE_S
+
+
+def test_sync_batchnorm_a_rank_in_eval_mode_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 in eval mode makes no BatchNorm collective while rank 0 waits
+    at its first one: both raise within the group's timeout (rank 0 a
+    SyncBatchNormError naming the layer, rank 1 the backend's error from its
+    gradient all-reduce), never a hang."""
+    pg_timeout = 4.0
+    results = launch("syncbn-eval", 2, tmp_path, pg_timeout=pg_timeout)
+    zero, one = results
+    assert zero is not None and one is not None, _logs(tmp_path, 2)
+    assert zero["error"] == "SyncBatchNormError", zero
+    assert "rank 0 waited in the forward of BatchNorm '1' (call 1)" in zero["message"], zero
+    assert one["runtime_error"] is True, one
+    for r in results:
+        assert r is not None and r["seconds"] < pg_timeout + 10, r
+
+
 # -- one process: the API, without spawning ------------------------------------
 
 
@@ -466,6 +541,57 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
     model.train()
     dp(x).sum().backward()
     assert "broadcast" in calls and "all_reduce" in calls
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
+def test_sync_batchnorm_across_a_group_of_one_equals_one_device(
+    world_of_one: Any, replicas: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path of several processes (replica 0 all-gathers the process's
+    statistics at each BatchNorm call and hands the result on in a second
+    round; backward all-reduces their gradients), over a group of one set by
+    hand (a real one needs two processes; a group of one synchronizes
+    nothing): exact against one device in output, gradients and running
+    statistics, with one replica too; one all-gather per BatchNorm call per
+    forward and one all-reduce per backward; none under no_grad."""
+    from dpcore.sync_batchnorm import AcrossProcesses
+
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = AcrossProcesses.__call__, AcrossProcesses.reduce_gradients
+
+    def counted_forward(self: Any, *args: Any) -> Any:
+        calls["forward"] += 1
+        return forward(self, *args)
+
+    def counted_backward(self: Any, *args: Any) -> Any:
+        calls["backward"] += 1
+        return backward(self, *args)
+
+    monkeypatch.setattr(AcrossProcesses, "__call__", counted_forward)
+    monkeypatch.setattr(AcrossProcesses, "reduce_gradients", counted_backward)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 2)).double()
+    reference = copy.deepcopy(model)
+    model.to(device)
+    devices = ["cpu"] * replicas if device == "cpu" else [0] * replicas  # gloo carries CUDA tensors too
+    dp = dpcore.DataParallel(model, devices, process_group=world_of_one, sync_batchnorm=True)
+    assert dp._sync.batchnorm_group is None  # one process: nothing to synchronize across
+    dp._sync.batchnorm_group = world_of_one
+    for step in range(2):
+        x = torch.randn(7, 4, dtype=torch.float64)
+        out, ref = dp(x.to(device)).cpu(), reference(x)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        out.pow(2).mean().backward()
+        ref.pow(2).mean().backward()
+        for a, b in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad.cpu(), a.grad, atol=1e-12, rtol=0)
+        for a, b in zip(reference.buffers(), model.buffers()):
+            torch.testing.assert_close(b.cpu(), a, atol=1e-12, rtol=0)
+    assert calls == {"forward": 2, "backward": 2}
+    with torch.no_grad():
+        dp(torch.randn(5, 4, dtype=torch.float64, device=device))
+    assert calls == {"forward": 2, "backward": 2}
 
 
 def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
@@ -780,13 +906,30 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
     assert isinstance(state, dict) and any(k.endswith("weight") for k in state)
 
 
+def test_torchrun_demo_with_sync_batchnorm_passes_its_float64_check() -> None:
+    """`torchrun ... -m dpcore.demo --devices cpu:2 --sync-batchnorm`:
+    BatchNorm synchronized across the 2 processes x 2 replicas, and the
+    float64 check against one device on the global batch (running
+    statistics included) passes."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--limit", "200", "--no-progress",
+        "--sync-batchnorm",
+    ]
+    done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "with synchronized BatchNorm on 2 processes x 2 devices" in out, out
+    assert out.count("agreement check passed") == 1, out
+
+
 def test_bench_distributed_runs_hybrid_against_ddp() -> None:
     """bench/bench_distributed.py's two-process configuration with the
     fewest steps (the numbers are not checked): both rows, rank 0's."""
     from dpcore.bench import distributed as bench
 
     rows = bench._launch("ddp", 2, rounds=1, repeats=1)
-    # Every model of bench_step but the synchronized-BatchNorm one (in-process only).
+    # Every model of bench_step but the synchronized-BatchNorm one (its DDP baseline needs CUDA).
     assert [r["model"] for r in rows] == [name for name, *_, sync_bn in bench._models(quick=False) if not sync_bn]
     for r in rows:
         assert (r["processes"], r["replicas"]) == (2, 1)
@@ -824,6 +967,10 @@ def test_demo_under_torchrun_checks_batch_size_and_devices(
         demo.main(["--devices", "cpu:2", "--batch-size", "64"])
     assert exc.value.code == 2
     assert "--batch-size: expected a multiple of the 3 processes, but got 64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # per-replica statistics: nothing for the check to compare
+        demo.main(["--devices", "cpu:2", "--batch-size", "63", "--batchnorm"])
+    assert exc.value.code == 2
+    assert "--batchnorm: not available under torchrun without --sync-batchnorm" in capsys.readouterr().err
     assert demo._local_devices([torch.device("cpu")] * 2, 1) == [torch.device("cpu")] * 2
     if torch.cuda.device_count() < 4:
         with pytest.raises(ValueError, match=r"--devices: local rank 1 would use CUDA devices \[2, 3\]"):

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -57,7 +58,9 @@ struct LocalStats : public torch::autograd::Function<LocalStats> {
     const double n = static_cast<double>(std::max<int64_t>(1, per_channel(x)));
     const at::Tensor scale = grads[1] * (2.0 / n);
     const at::Tensor shift = grads[0] / n;
-    if (at::GradMode::is_enabled()) {  // create_graph: plain differentiable operations
+    // create_graph: plain differentiable operations; so too without values
+    // (an empty local batch across processes), where the CPU kernel divides by 0.
+    if (at::GradMode::is_enabled() || x.numel() == 0) {
       const auto shape = channel_shape(x);
       return {(x - mean.view(shape)) * scale.view(shape) + shift.view(shape)};
     }
@@ -141,7 +144,7 @@ struct Normalize : public torch::autograd::Function<Normalize> {
     at::Tensor dx;
     at::Tensor dw;
     at::Tensor sum_dy;
-    if (at::GradMode::is_enabled()) {  // create_graph: differentiable formulas
+    if (at::GradMode::is_enabled() || x.numel() == 0) {  // create_graph, or no values: plain formulas
       const auto shape = channel_shape(x);
       const auto dims = reduce_dims(x);
       sum_dy = dy.sum(dims);
@@ -184,7 +187,8 @@ at::Tensor sync_batch_norm(
     const std::optional<at::Tensor>& running_var,
     bool update_running_stats,
     double momentum,
-    double eps) {
+    double eps,
+    const CombineAcross& across) {
   TORCH_CHECK_VALUE(
       input.dim() >= 2, "sync_batch_norm: expected an input of shape (N, C, ...), but got shape ", input.sizes());
   const bool full = input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble;
@@ -195,6 +199,18 @@ at::Tensor sync_batch_norm(
   if (!x.device().is_cpu()) {
     stream = current_stream(x.device());
   }
+  const c10::Device device = x.device();
+  // A tensor of another replica's contribution, on this replica's device
+  // (the copy ordered after the stream it was produced on).
+  const auto fetch = [&device](const Contribution& c, const at::Tensor& t) {
+    if (t.device() == device) {
+      return t;
+    }
+    if (c.stream) {  // the copy is ordered after this thread's current stream of the source device
+      wait_stream(current_stream(t.device()), *c.stream);
+    }
+    return t.to(device);
+  };
   const std::vector<Contribution> all =
       rendezvous.exchange(rank, key, Contribution{{local[0], local[1]}, count, stream});
 
@@ -202,43 +218,62 @@ at::Tensor sync_batch_norm(
   for (const Contribution& c : all) {
     total += c.count;
   }
+  const char* over = across ? " over all replicas of every process" : " over all replicas";
   TORCH_CHECK_VALUE(
-      total > 1, "Expected more than 1 value per channel when training, got ", total, " over all replicas (input size ",
+      across || total > 1, "Expected more than 1 value per channel when training, got ", total, over, " (input size ",
       input.sizes(), " on replica ", rank, ")");
-  std::vector<double> shares;
-  std::vector<at::Tensor> stats;
-  const c10::Device device = x.device();
-  for (const Contribution& c : all) {
-    shares.push_back(static_cast<double>(c.count) / static_cast<double>(total));
-    for (const at::Tensor& t : c.tensors) {
-      if (t.device() == device) {
-        stats.push_back(t);
-        continue;
+  at::Tensor mean;
+  at::Tensor var;
+  if (!across || rank == 0) {  // with `across`, only rank 0's combination is used
+    std::vector<double> shares;
+    std::vector<at::Tensor> stats;
+    for (const Contribution& c : all) {
+      // A process without values (an empty local batch) has the weights 0, not 0 / 0.
+      shares.push_back(total == 0 ? 0.0 : static_cast<double>(c.count) / static_cast<double>(total));
+      for (const at::Tensor& t : c.tensors) {
+        stats.push_back(fetch(c, t));
       }
-      if (c.stream) {  // the copy is ordered after this thread's current stream of the source device
-        wait_stream(current_stream(t.device()), *c.stream);
-      }
-      stats.push_back(t.to(device));
     }
+    at::Tensor weights = at::tensor(shares, at::TensorOptions().dtype(at::kDouble)).to(x.scalar_type());
+    if (!device.is_cpu()) {  // from pinned memory: no wait for the device's queued work
+      weights = weights.pin_memory().to(device, /*non_blocking=*/true);
+    }
+    const auto combined = Combine::apply(weights, at::TensorList(stats));
+    mean = combined[0];
+    var = combined[1];
   }
-  at::Tensor weights = at::tensor(shares, at::TensorOptions().dtype(at::kDouble)).to(x.scalar_type());
-  if (!device.is_cpu()) {  // from pinned memory: no wait for the device's queued work
-    weights = weights.pin_memory().to(device, /*non_blocking=*/true);
+  if (across) {
+    std::vector<at::Tensor> mine;
+    int64_t everywhere = 0;
+    if (rank == 0) {
+      std::tie(mean, var, everywhere) = across(key, mean, var, total);
+      mine = {mean, var};
+    }
+    const std::vector<Contribution> shared =
+        rendezvous.exchange(rank, key + " (every process)", Contribution{std::move(mine), everywhere, stream});
+    const Contribution& first = shared[0];
+    total = first.count;
+    if (rank != 0) {
+      mean = fetch(first, first.tensors[0]);
+      var = fetch(first, first.tensors[1]);
+    }
+    TORCH_CHECK_VALUE(
+        total > 1, "Expected more than 1 value per channel when training, got ", total, over, " (input size ",
+        input.sizes(), " on replica ", rank, ")");
   }
-  const auto global = Combine::apply(weights, at::TensorList(stats));
 
   if (update_running_stats) {
     at::NoGradGuard no_grad;
     if (running_mean && running_mean->defined()) {
-      running_mean->lerp_(global[0].to(running_mean->scalar_type()), momentum);
+      running_mean->lerp_(mean.to(running_mean->scalar_type()), momentum);
     }
     if (running_var && running_var->defined()) {
       const double unbiased = static_cast<double>(total) / static_cast<double>(total - 1);
-      running_var->lerp_((global[1] * unbiased).to(running_var->scalar_type()), momentum);
+      running_var->lerp_((var * unbiased).to(running_var->scalar_type()), momentum);
     }
   }
   const at::Tensor out = Normalize::apply(
-      x, global[0], global[1], as_dtype(weight, x.scalar_type()), as_dtype(bias, x.scalar_type()), eps);
+      x, mean, var, as_dtype(weight, x.scalar_type()), as_dtype(bias, x.scalar_type()), eps);
   return full ? out : out.to(input.scalar_type());
 }
 

@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -68,12 +70,37 @@ void bind_sync_batchnorm(py::module_& m) {
       .def_property_readonly(
           "timeout_s", [](const Rendezvous& self) { return static_cast<double>(self.timeout().count()) / 1000.0; });
   m.def(
-      "sync_batch_norm", &sync_batch_norm, py::arg("rendezvous"), py::arg("rank"), py::arg("key"), py::arg("input"),
-      py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
-      py::arg("update_running_stats"), py::arg("momentum"), py::arg("eps"), NoGil(),
+      "sync_batch_norm",
+      [](Rendezvous& rendezvous, size_t rank, const std::string& key, const at::Tensor& input,
+         const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+         const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+         bool update_running_stats, double momentum, double eps, std::optional<py::function> across) {
+        // Declared before the release: destroyed (with the Python callable) once the GIL is held again.
+        CombineAcross combine;
+        if (across) {
+          auto fn = std::make_shared<py::function>(std::move(*across));
+          combine = [fn](const std::string& k, const at::Tensor& mean, const at::Tensor& var, int64_t count) {
+            py::gil_scoped_acquire gil;
+            py::tuple result = (*fn)(k, mean, var, count);
+            TORCH_CHECK(
+                result.size() == 3, "sync_batch_norm: expected `across` to return (mean, var, count), but got ",
+                result.size(), " values");
+            return std::make_tuple(
+                result[0].cast<at::Tensor>(), result[1].cast<at::Tensor>(), result[2].cast<int64_t>());
+          };
+        }
+        py::gil_scoped_release no_gil;
+        return sync_batch_norm(
+            rendezvous, rank, key, input, weight, bias, running_mean, running_var, update_running_stats, momentum,
+            eps, combine);
+      },
+      py::arg("rendezvous"), py::arg("rank"), py::arg("key"), py::arg("input"), py::arg("weight"), py::arg("bias"),
+      py::arg("running_mean"), py::arg("running_var"), py::arg("update_running_stats"), py::arg("momentum"),
+      py::arg("eps"), py::arg("across") = py::none(),
       "One replica's BatchNorm in training mode with the statistics of every replica's input "
-      "(exchanged once through `rendezvous` under `key`, without the GIL); differentiable. "
-      "See csrc/dpcore/sync_batchnorm.h.");
+      "(exchanged once through `rendezvous` under `key`, without the GIL); differentiable. With `across`, "
+      "a callable (key, mean, var, count) -> (mean, var, count) that rank 0 calls (with the GIL) to turn "
+      "this process's statistics into those of every process. See csrc/dpcore/sync_batchnorm.h.");
 }
 
 } // namespace python

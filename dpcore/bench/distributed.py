@@ -81,7 +81,7 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
     devices = [torch.device("cpu")] * replicas
     rows = []
     for name, factory, shape, _, sync_bn in _models(quick=False):
-        if sync_bn:  # synchronized BatchNorm stays inside a process: not a hybrid comparison
+        if sync_bn:  # the baseline, DDP with nn.SyncBatchNorm, needs CUDA: no CPU comparison
             continue
         torch.manual_seed(0)
         model = factory()

@@ -1005,9 +1005,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             outputs = self._graphs.step(self._replica_cache(), args, kws, used, make_call, combined=combined)
         if outputs is None:  # not by the graphs: eagerly
             if len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply")):
-                outputs = self._run_overridden(args, kws, used, make_call)
+                outputs = self._run_overridden(args, kws, used, make_call, sum(sizes))
             else:
-                outputs = self._run_eagerly(args, kws, used, make_call)
+                outputs = self._run_eagerly(args, kws, used, make_call, sum(sizes))
         return self._combine(outputs, args, kws, sizes, devices), sum(sizes)
 
     def _combine(
@@ -1038,7 +1038,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return self.gather(outputs, self.output_device)
 
     def _run_overridden(
-        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]
+        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]],
+        local_batch: int,
     ) -> list[Any]:
         """The outputs of the replicas `used`, through this wrapper's
         ``replicate`` and ``parallel_apply`` (a subclass overrides one of
@@ -1054,7 +1055,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         devices = [self.device_ids[i] for i in used]
         self._call_devices = devices
         try:
-            across = self._batchnorm_across()
+            across = self._batchnorm_across(local_batch)
             if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
                 # parallel_apply is dpcore's here (checked at construction)
                 return synchronized_apply(modules, calls, args, kws, devices, run=self._parallel_apply, across=across)
@@ -1143,14 +1144,15 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return _with_loss_replaced(gather_outputs(outputs, self.output_device, dim=self.dim), combined)
 
     def _run_eagerly(
-        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]]
+        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]],
+        local_batch: int,
     ) -> list[Any]:
         """The outputs of the replicas `used` on their chunks, run eagerly:
         several on the worker pool (synchronized BatchNorm's replicas all at
         once), one in this thread."""
         replicas = self._replicas(used[-1] + 1)
         calls = [make_call(replicas[i]) for i in used]
-        across = self._batchnorm_across()
+        across = self._batchnorm_across(local_batch)
         if len(calls) == 1 and across is None:
             return [calls[0](*args[0], **kws[0])]
         devices = [self.device_ids[i] for i in used]
@@ -1161,14 +1163,14 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             return [calls[0](*args[0], **kws[0])]
         return self._parallel_apply(calls, args, kws, devices)
 
-    def _batchnorm_across(self) -> AcrossProcesses | None:
+    def _batchnorm_across(self, local_batch: int) -> AcrossProcesses | None:
         """Synchronized BatchNorm's link to the other processes for the
-        forward being run (hybrid mode with ``sync_batchnorm``, in a forward
-        that can synchronize gradients), else None: see
-        GradientSync.batchnorm_across."""
+        forward being run on `local_batch` rows of this process (hybrid mode
+        with ``sync_batchnorm``, in a forward that can synchronize
+        gradients), else None: see GradientSync.batchnorm_across."""
         if self._sync is None or not self.sync_batchnorm:
             return None
-        return self._sync.batchnorm_across(self._local_batch, _summed(self._reduction))
+        return self._sync.batchnorm_across(local_batch, _summed(self._reduction))
 
 
 def _check_not_compiled(module: nn.Module) -> None:

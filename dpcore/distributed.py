@@ -243,9 +243,11 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-class _Bucket:
-    """One all-reduce bucket: parameters of one dtype and a persistent flat
-    buffer holding their gradients, then one "has a gradient" flag each,
+class _AllReduceBuffer:
+    """One all-reduce bucket of the hybrid mode (the gradients' counterpart
+    of the replicas' C++ ReplicaBuffers): parameters of one dtype and a
+    persistent flat buffer holding their gradients, then one "has a
+    gradient" flag each,
     then one sample count; with `world` > 0 (gradient buckets), then one
     "counted" flag (whether the sender's weights follow sample counts) and
     `world` layout marks (element r is 1 where rank r's module changed its
@@ -289,7 +291,7 @@ class _Bucket:
 _COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
-def _times(factor: float) -> Any:
+def _scaled_by(factor: float) -> Any:
     """A gradient hook multiplying by `factor`."""
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -298,7 +300,7 @@ def _times(factor: float) -> Any:
     return hook
 
 
-def _copy_back(bucket: _Bucket, present: Sequence[bool]) -> None:
+def _copy_back(bucket: _AllReduceBuffer, present: Sequence[bool]) -> None:
     """Copies an all-reduced bucket into its parameters' ``.grad``: in place
     where this process had a gradient, into a new tensor where only another
     process had one (its flag), and not at all where no process had one (the
@@ -365,7 +367,7 @@ class GradBucket:
         return list(self._params)
 
 
-def _hook_result(value: Any, bucket: _Bucket, index: int) -> torch.Tensor:
+def _hook_result(value: Any, bucket: _AllReduceBuffer, index: int) -> torch.Tensor:
     """The tensor a hook's Future gave for a bucket (a tensor, or a list
     whose first element is one, as DDP accepts), checked for size."""
     tensor = value[0] if isinstance(value, (list, tuple)) and value else value
@@ -428,10 +430,11 @@ class GradientSync:
         self._hook_handles: list[Any] = []
         self._task = -1  # graph task of the synchronizing backward in progress, -1 if none
         # Samples of this process's mean-loss forwards since the last
-        # synchronization, whether there was any, and N_prev.
+        # synchronization, whether there was any, and N_prev (the global sample
+        # count of the previous synchronization, which weighted this one's sends).
         self._local_count = 0
         self._counted = False
-        self._norm: float | torch.Tensor = 1.0
+        self._previous_total: float | torch.Tensor = 1.0
         self._last_count = 0  # n_p of the last synchronization with a mean-loss forward (a joined rank's weight)
         self._pending = False  # the module's structure changed since the build; not yet agreed with the others
         self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
@@ -466,7 +469,7 @@ class GradientSync:
         self._broadcast([t for _, t in shared], fresh=True)
         self._buffers = [b for _, b in named_buffers]
         self._buffer_groups = [
-            _Bucket([self._buffers[i] for i in group], self.device)
+            _AllReduceBuffer([self._buffers[i] for i in group], self.device)
             for group in _C.make_buckets(self._buffers, self.bucket_bytes)
         ]
 
@@ -495,7 +498,7 @@ class GradientSync:
         groups = [[self._params[i] for i in group] for group in self._indices]
         self._side: torch.Tensor | None = None
         if self._hook is None:
-            self._buckets = [_Bucket(group, self.device, world=self.world_size) for group in groups]
+            self._buckets = [_AllReduceBuffer(group, self.device, world=self.world_size) for group in groups]
         else:
             flags = sum(len(group) for group in groups)
             self._side = torch.zeros(flags + 2 + self.world_size, dtype=torch.float64, device=self.device)
@@ -504,12 +507,12 @@ class GradientSync:
             offset = 0
             for group in groups:
                 side = (self._side[offset : offset + len(group)], tail)
-                self._buckets.append(_Bucket(group, self.device, world=self.world_size, side=side))
+                self._buckets.append(_AllReduceBuffer(group, self.device, world=self.world_size, side=side))
                 offset += len(group)
         # Launch order, the same on every process: last bucket first.
         self._order = list(range(len(self._buckets)))[::-1]
         # The first bucket sent that can carry the sample count exactly (none with a hook).
-        self._carrier = (
+        self._count_bucket = (
             next((b for b in self._order if self._buckets[b].flat.dtype in _COUNT_DTYPES), None)
             if self._hook is None else None
         )
@@ -589,7 +592,7 @@ class GradientSync:
         group (the buffers' persistent groups unless `fresh`)."""
         dist = _dist()
         groups = (
-            [_Bucket([tensors[i] for i in g], self.device) for g in _C.make_buckets(tensors, self.bucket_bytes)]
+            [_AllReduceBuffer([tensors[i] for i in g], self.device) for g in _C.make_buckets(tensors, self.bucket_bytes)]
             if fresh
             else self._buffer_groups
         )
@@ -685,7 +688,7 @@ class GradientSync:
             return output
         if self.world_size == 1:
             return output
-        hook = _times(float(self.world_size))
+        hook = _scaled_by(float(self.world_size))
 
         def scaled(t: torch.Tensor) -> torch.Tensor:
             if t.grad_fn is None:
@@ -737,8 +740,8 @@ class GradientSync:
             ref = self._ref if self._ref is not None else 1.0
             self._alpha = self.world_size * self._local_count / ref if self._counted else 1.0
             return
-        self._alpha = self._local_count / self._norm if self._counted else 1.0 / self.world_size
-        if self._carrier is None:
+        self._alpha = self._local_count / self._previous_total if self._counted else 1.0 / self.world_size
+        if self._count_bucket is None:
             count = torch.tensor(
                 [float(self._local_count), 1.0 if self._counted else 0.0], dtype=torch.float64, device=self.device
             )
@@ -810,7 +813,7 @@ class GradientSync:
             self._previous = self._call_hook(b)
             self._launched[b] = (present, self._previous)
             return
-        carrier = b == self._carrier
+        carrier = b == self._count_bucket
         bucket.count.fill_(self._local_count if carrier else 0)
         bucket.counted.fill_(1 if carrier and self._counted else 0)
         bucket.marks.zero_()
@@ -886,18 +889,18 @@ class GradientSync:
             count, work = self._count_work
             count = count[:1]
         else:
-            count, work = self._buckets[self._carrier].count, self._launched[self._carrier][1]
+            count, work = self._buckets[self._count_bucket].count, self._launched[self._count_bucket][1]
         work.wait()
         self._last_count = self._local_count
         total = count.real if count.is_complex() else count
         if total.device.type == "cpu":
             n = max(total.item(), 1.0)
-            factor = None if n == self._norm else self._norm / n
-            self._norm = n
+            factor = None if n == self._previous_total else self._previous_total / n
+            self._previous_total = n
             return factor
         n_tensor = total.to(torch.float64).clamp_min(1.0).reshape(())  # stays on the device
-        factor_t = self._norm / n_tensor
-        self._norm = n_tensor
+        factor_t = self._previous_total / n_tensor
+        self._previous_total = n_tensor
         return factor_t
 
     def _finish(self) -> None:
@@ -996,7 +999,7 @@ class GradientSync:
             return
         dist = _dist()
         for group in _C.make_buckets(fresh, self.bucket_bytes):
-            bucket = _Bucket([fresh[i] for i in group], self.device)
+            bucket = _AllReduceBuffer([fresh[i] for i in group], self.device)
             present = [contribute and p.grad is not None for p in bucket.params]
             for view, p, had in zip(bucket.views, bucket.params, present):
                 if had:
@@ -1047,14 +1050,14 @@ class GradientSync:
             self._join_step_hooked(phantom)
             return
         count_work = None
-        if self._carrier is None:
+        if self._count_bucket is None:
             count = torch.tensor([phantom, 0.0], dtype=torch.float64, device=self.device)
             count_work = (count, dist.all_reduce(count, group=self.group, async_op=True))
         works = []
         for b in self._order:
             bucket = self._buckets[b]
             bucket.flat.zero_()
-            if b == self._carrier:
+            if b == self._count_bucket:
                 bucket.count.fill_(phantom)
             if self._pending:
                 bucket.marks[self.rank] = 1
@@ -1065,10 +1068,10 @@ class GradientSync:
         for work in works:
             work.wait()
         if count_work is None:
-            carrier = self._buckets[self._carrier]
+            carrier = self._buckets[self._count_bucket]
             total, counted = carrier.count.real.item(), carrier.counted.real.item()
         if counted != 0:
-            self._norm = max(float(total), 1.0)  # N_prev stays the same on every rank
+            self._previous_total = max(float(total), 1.0)  # N_prev stays the same on every rank
         changed = self._changed_ranks()
         if changed:
             self._agree_on_change(changed)

@@ -166,7 +166,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
     # No bucket that can carry the sample count (as when every bucket is half
     # precision): the count takes its own all-reduce.
     separate = Runner(rank, world)
-    separate.dp._sync._carrier = None
+    separate.dp._sync._count_bucket = None
     out["uneven_separate_count"] = check_steps(separate, uneven)
 
     # Rank 1 with an empty local batch (its loss is NaN): it weighs nothing.

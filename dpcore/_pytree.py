@@ -104,7 +104,7 @@ class Samples(Generic[T]):
     split along ``dim``) must agree with it. Replicas that would get no
     sample do not run. In the outputs of such a call every ``list`` is taken
     to hold one entry per sample and is joined by concatenation in replica
-    order (see :func:`dpcore.gather`, ``samples=True``).
+    order (see :func:`dpcore.scatter_gather.gather_with_hints`).
 
     For models that take a list of variable-size samples: torchvision's
     detection and segmentation models (a list of images, in training also a

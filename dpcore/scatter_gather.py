@@ -531,7 +531,7 @@ def _gather_tensors(values: list[torch.Tensor], path: Any, destination: DeviceLi
         raise
 
 
-def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 0, *, samples: bool = False) -> Any:
+def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 0) -> Any:
     """Merges the per-replica ``outputs`` (one each, of one structure) into one
     (torch.nn.parallel.gather's arguments).
 
@@ -563,17 +563,22 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
       ``target_device``, in the stable longest-first order (DataParallel
       uses the order of its PackedSequence input instead, so an RNN's output
       equals the one-device output field by field; see dpcore._packed).
-    * ``samples=True`` (what DataParallel does for a call with a
-      :class:`Samples` input): every ``list`` holds one entry per sample and
-      is joined by concatenation in replica order, its entries untouched but
-      for their tensors, each moved to ``target_device``; other containers
-      are merged as above (a tuple of lists: each list concatenated).
+
+    DataParallel gathers with :func:`gather_with_hints`, which also joins
+    the lists of a call with a :class:`Samples` input by concatenation.
     """
-    return gather_with_hints(outputs, target_device, dim, GatherHints(samples=samples) if samples else NO_HINTS)
+    return gather_with_hints(outputs, target_device, dim, NO_HINTS)
 
 
 def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int, hints: GatherHints) -> Any:
-    """:func:`gather`, with the :class:`GatherHints` the scatter of the call gave."""
+    """:func:`gather`, with the :class:`GatherHints` the scatter of the call
+    gave: where ``hints.samples`` (the call had a :class:`Samples` input),
+    every ``list`` holds one entry per sample and is joined by concatenation
+    in replica order, its entries untouched but for their tensors, each
+    moved to ``target_device``; other containers are merged as gather merges
+    them (a tuple of lists: each list concatenated). A PackedSequence output
+    whose sequences have the lengths of a PackedSequence input of the call
+    (``hints.packed``) is joined in that input's order."""
     if isinstance(outputs, torch.Tensor) or not isinstance(outputs, Sequence):
         raise TypeError(f"outputs: expected a sequence with one output per replica, but got {type(outputs).__name__}")
     values = list(outputs)

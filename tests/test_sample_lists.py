@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import dpcore
-from dpcore.scatter_gather import scatter_kwargs
+from dpcore.scatter_gather import GatherHints, gather_with_hints, scatter_kwargs
 
 STEPS = 3
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -262,13 +262,13 @@ def test_samples_with_batched_tensor_and_keyword() -> None:
     assert scattered.kwargs[0]["images"][0] is images[0]  # on its device already: the object itself
 
 
-def test_functional_scatter_and_gather() -> None:
-    """dpcore.scatter splits a Samples list; dpcore.gather(samples=True)
+def test_functional_scatter_and_the_gather_of_a_samples_call() -> None:
+    """dpcore.scatter splits a Samples list; the gather of a Samples call
     concatenates per-replica lists (a tuple of lists: each list)."""
     parts = dpcore.scatter(dpcore.Samples([torch.ones(i + 1) for i in range(5)]), _cpu(3))
     assert [len(p) for p in parts] == [2, 2, 1]
     outputs = [([t.sum() for t in p], torch.stack([t.sum() for t in p])) for p in parts]
-    joined_list, joined_tensor = dpcore.gather(outputs, "cpu", samples=True)
+    joined_list, joined_tensor = gather_with_hints(outputs, "cpu", 0, GatherHints(samples=True))
     assert [float(v) for v in joined_list] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert joined_tensor.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
     # Without samples=True, lists are zipped element by element (torch's rule).

@@ -567,9 +567,10 @@ class Marks:
       (``outer`` the kind of the one around it), which scatter refuses.
     """
 
-    __slots__ = ("broadcast", "samples", "packed", "misplaced")
+    __slots__ = ("broadcast", "samples", "packed", "misplaced", "any_marker")
 
     def __init__(self) -> None:
+        self.any_marker = False  # whether any Broadcast or Samples was met
         self.broadcast: list[tuple[int, int]] = []
         self.samples: list[tuple[Spec, int]] = []
         self.packed: list[tuple[Spec, int, str | None]] = []
@@ -591,6 +592,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
         return _NONE
     start = len(tensors)
     if node_kind is BROADCAST:
+        marks.any_marker = True
         inner = _flatten(obj.value, tensors, marks, BROADCAST if inside is None else inside)
         if len(tensors) == start:  # nothing to copy: every replica gets the value itself
             inner = Spec(LEAF, type(obj.value), obj.value, (), 0)
@@ -601,6 +603,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
             marks.misplaced.append((spec, inside))
         return spec
     if node_kind is SAMPLES:
+        marks.any_marker = True
         samples = tuple([_flatten(child, tensors, marks, SAMPLES if inside is None else inside) for child in obj.value])
         spec = Spec(SAMPLES, t, type(obj.value), samples, len(tensors) - start)
         if inside is None:
@@ -645,6 +648,16 @@ def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
     marks = Marks()
     spec = _flatten(tree, tensors, marks)
     return tensors, spec, marks
+
+
+def without_markers(tree: Any) -> Any:
+    """`tree` with every :class:`Broadcast` and :class:`Samples` replaced by
+    its value (what a module run as is gets); `tree` itself where it holds
+    neither."""
+    tensors, spec, marks = flatten_marked(tree)
+    if not marks.any_marker:
+        return tree
+    return spec.unflatten(tensors, unwrap_broadcast=True)
 
 
 def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:

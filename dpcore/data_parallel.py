@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
-from dpcore._pytree import map_tensors
+from dpcore._pytree import map_tensors, without_markers
 from dpcore._split import _as_weight, as_int, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
@@ -988,7 +988,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if criterion is not None:
             if not inputs:
                 raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-        if not self.device_ids:
+        if not self.device_ids:  # the module as is, given the values inside Broadcast and Samples markers
+            inputs, kwargs = without_markers((inputs, kwargs))
             if criterion is None:
                 return self.module(*inputs, **kwargs)
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1])

@@ -295,6 +295,20 @@ def test_samples_errors_name_both_inputs() -> None:
         scatter_kwargs((dpcore.Samples(images),), None, _cpu(2), chunk_sizes=[2, 2])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a device list, a GPU machine runs replicas on its GPUs")
+def test_module_run_as_is_gets_the_marked_values() -> None:
+    """No accelerator and no device list: the module runs as is, and gets the
+    list inside Samples (and the value inside Broadcast), not the markers."""
+    one = _detector().eval()
+    dp = dpcore.DataParallel(copy.deepcopy(one))
+    assert dp.device_ids == []
+    images, _ = _images(3)
+    with torch.no_grad():
+        got = dp(dpcore.Samples(images))
+        expected = one(images)
+    assert [torch.equal(g["boxes"], e["boxes"]) for g, e in zip(got, expected)] == [True] * 3
+
+
 def test_unmarked_list_is_split_inside_each_image() -> None:
     """Why the marker exists: a plain list of [3, H, W] images is a pytree
     of tensors of size 3, split along their channels (as torch splits it);

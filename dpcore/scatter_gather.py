@@ -223,7 +223,7 @@ def _split(
                 f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
                 f"every replica"
             ) from e
-    hints = GatherHints(bool(units) and any(noun == "samples" for _, _, noun in units), tuple(s[1] for s in split_packs))
+    hints = GatherHints(any(noun == "samples" for _, _, noun in units), tuple(s[1] for s in split_packs))
     return values, used_sizes, used, hints
 
 
@@ -262,6 +262,12 @@ def scatter_kwargs(
       is the number of replicas used (while the batch's is not) is split one
       row per replica. Any other disagreement is a ValueError naming both
       pytree paths and sizes (never a silent truncation).
+    * A :class:`Samples` list is split between its samples (each replica
+      gets consecutive samples, their tensors moved whole to its device) and
+      a PackedSequence between its whole sequences (each replica gets a
+      valid PackedSequence of its sequences, see :mod:`dpcore._packed`);
+      their counts are the batch, which every other batched input must
+      have (ValueError naming both otherwise).
     * The rows are split by :func:`dpcore._split.split_sizes` (balanced by
       default, or ``chunk_sizes`` / ``weights``). Devices whose chunk is
       empty get no replica: ``device_indices`` lists, in order, the devices

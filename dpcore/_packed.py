@@ -31,7 +31,7 @@ the CPU already; ``sorted_indices`` on an accelerator is read once, as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -39,7 +39,7 @@ from torch.nn.utils.rnn import PackedSequence
 from dpcore._devices import DeviceLike
 from dpcore._functions import Gather, Scatter
 
-__all__ = ["Layout", "layout", "split", "join"]
+__all__ = ["Layout", "layout", "count", "split", "join"]
 
 
 class Layout(NamedTuple):
@@ -170,8 +170,3 @@ def join(
         sorted_indices = order.to(data.device)
         unsorted_indices = position.to(data.device)
     return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)
-
-
-def is_packed(value: Any) -> bool:
-    """Whether ``value`` is a PackedSequence."""
-    return isinstance(value, PackedSequence)

@@ -15,12 +15,13 @@ from dpcore.data_parallel import DataParallel, data_parallel
 from dpcore.info import info
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import replicate
-from dpcore.scatter_gather import Broadcast, gather, scatter
+from dpcore.scatter_gather import Broadcast, Samples, gather, scatter
 from dpcore.sync_batchnorm import SyncBatchNormError
 
 __all__ = [
     "Broadcast",
     "DataParallel",
+    "Samples",
     "SyncBatchNormError",
     "TorchPatch",
     "comm",

@@ -10,7 +10,10 @@ The nodes, in the order they are recognized:
 
 * tensors (any ``torch.Tensor`` subclass): the leaves that are split,
   gathered, broadcast or copied;
-* :class:`Broadcast` wrappers; ``None``;
+* :class:`Broadcast` and :class:`Samples` markers; ``None``;
+* ``torch.nn.utils.rnn.PackedSequence``: a node of its own (its four
+  fields), which scatter splits by sequences and gather joins back
+  (:mod:`dpcore._packed`);
 * ``torch.Size``: a leaf (torch registers it with its pytree; dpcore never
   splits or gathers shapes);
 * types registered with ``torch.utils._pytree`` (``register_pytree_node``,
@@ -52,6 +55,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 import torch.utils.data as torch_data
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 T = TypeVar("T")
 
@@ -85,9 +89,50 @@ class Broadcast(Generic[T]):
         return f"Broadcast({self.value!r})"
 
 
+class Samples(Generic[T]):
+    """Marks a list (or tuple) as the batch itself: one entry per sample.
+
+    ``Samples(images)`` as a positional or keyword argument (or anywhere
+    inside one) is split between its samples, never inside one: each
+    replica gets a ``list`` (a ``tuple`` for a tuple) of consecutive
+    samples, in order, each sample's tensors moved whole to the replica's
+    device (differentiably; a tensor already there is passed as is) and
+    every other value passed by reference. How many samples each replica
+    gets is the call's split (balanced, ``chunk_sizes``, ``weights``) over
+    the number of samples, which is the batch size: every other batched
+    input of the call (another Samples list, a PackedSequence, a tensor
+    split along ``dim``) must agree with it. Replicas that would get no
+    sample do not run. In the outputs of such a call every ``list`` is taken
+    to hold one entry per sample and is joined by concatenation in replica
+    order (see :func:`dpcore.scatter_gather.gather_with_hints`).
+
+    For models that take a list of variable-size samples: torchvision's
+    detection and segmentation models (a list of images, in training also a
+    list of target dicts), or any list of per-sample dicts.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Sequence[T]) -> None:
+        if not isinstance(value, (list, tuple)) or is_namedtuple(value):
+            raise TypeError(
+                f"dpcore.Samples: expected a list or tuple with one entry per sample, but got "
+                f"{type(value).__name__}" + (
+                    " (a tensor is split along dim already; Samples is for a list of samples)"
+                    if isinstance(value, torch.Tensor) else ""
+                )
+            )
+        self.value: Sequence[T] = value
+
+    def __repr__(self) -> str:
+        return f"Samples({self.value!r})"
+
+
 # The kinds of pytree nodes.
 TENSOR = "tensor"
 BROADCAST = "broadcast"
+SAMPLES = "samples"
+PACKED = "packed"
 DATACLASS = "dataclass"
 NAMEDTUPLE = "namedtuple"
 SEQUENCE = "sequence"
@@ -98,7 +143,7 @@ NONE = "none"
 LEAF = "leaf"
 
 #: The kinds with children (see children and rebuild).
-CONTAINERS = (DATACLASS, NAMEDTUPLE, SEQUENCE, MAPPING, REGISTERED, ITERABLE)
+CONTAINERS = (DATACLASS, NAMEDTUPLE, SEQUENCE, MAPPING, REGISTERED, ITERABLE, PACKED)
 
 #: Containers dpcore rebuilds itself although torch registers them.
 _OWN_CONTAINERS = frozenset({tuple, list, dict, OrderedDict, defaultdict})
@@ -132,6 +177,10 @@ def _type_kind(t: type) -> str:
         return TENSOR
     if issubclass(t, Broadcast):
         return BROADCAST
+    if issubclass(t, Samples):
+        return SAMPLES
+    if issubclass(t, PackedSequence):
+        return PACKED
     if t is type(None):
         return NONE
     if issubclass(t, torch.Size):
@@ -226,8 +275,10 @@ def _node(obj: Any, node_kind: str) -> tuple[Any, list[Any], Any]:
             keys, values = tuple(k for k, _ in items), [v for _, v in items]
         factory = obj.default_factory if isinstance(obj, defaultdict) else None
         return (keys, factory), values, None
-    if node_kind is NAMEDTUPLE:
+    if node_kind is NAMEDTUPLE or node_kind is PACKED:
         return None, list(obj), None
+    if node_kind is SAMPLES:
+        return type(obj.value), list(obj.value), None
     if node_kind is DATACLASS:
         # An init=False field without a default may never have been set.
         info = _dataclass_info(type(obj))
@@ -257,6 +308,15 @@ class RebuildError(TypeError):
         self.node: Spec | None = None
 
 
+def _sequence(cls: type, values: list[Any]) -> Any:
+    """A list or tuple (or a subclass, ``cls``) holding ``values``."""
+    if cls is list:
+        return values
+    if cls is tuple:
+        return tuple(values)
+    return cls(values)
+
+
 def _rebuild(node_kind: str, cls: type, context: Any, template: Any, values: list[Any]) -> Any:
     if node_kind is SEQUENCE:
         if cls is tuple:
@@ -273,8 +333,10 @@ def _rebuild(node_kind: str, cls: type, context: Any, template: Any, values: lis
             new.update(zip(keys, values))
             return new
         return cls(dict(zip(keys, values)))
-    if node_kind is NAMEDTUPLE:
+    if node_kind is NAMEDTUPLE or node_kind is PACKED:
         return cls(*values)
+    if node_kind is SAMPLES:
+        return Samples(_sequence(context, values))
     if node_kind is DATACLASS:
         if template is not None:
             new = copy.copy(template)
@@ -320,11 +382,11 @@ def rebuild(obj: Any, node_kind: str, values: list[Any]) -> Any:
 
 def _keys(obj: Any, node_kind: str, context: Any, count: int) -> list[str]:
     """The path suffixes of a node's children ("[0]", "['k']", ".name")."""
-    if node_kind is SEQUENCE or node_kind is ITERABLE:
+    if node_kind is SEQUENCE or node_kind is ITERABLE or node_kind is SAMPLES:
         return [f"[{i}]" for i in range(count)]
     if node_kind is MAPPING:
         return [f"[{k!r}]" for k in context[0]]
-    if node_kind is NAMEDTUPLE:
+    if node_kind is NAMEDTUPLE or node_kind is PACKED:
         return [f".{name}" for name in type(obj)._fields]
     if node_kind is DATACLASS:
         return [f".{name}" for name in context]
@@ -422,17 +484,25 @@ class Spec:
         return _build(self, iter(tensors), unwrap_broadcast)
 
     def unflatten_replicas(
-        self, columns: Sequence[Sequence[torch.Tensor]], count: int, *, unwrap_broadcast: bool = True
+        self,
+        columns: Sequence[Sequence[torch.Tensor]],
+        count: int,
+        *,
+        unwrap_broadcast: bool = True,
+        sizes: Sequence[int] | None = None,
     ) -> list[Any]:
         """``count`` trees, tree ``j`` holding ``columns[i][j]`` in place of
         tensor ``i``: ``[self.unflatten([c[j] for c in columns]) for j in
         range(count)]`` in one walk of the spec (what scatter hands each
         replica: every container rebuilt per tree, other leaves shared; by
-        default every :class:`Broadcast` replaced by its value). Raises
-        RebuildError as unflatten does."""
+        default every :class:`Broadcast` and :class:`Samples` replaced by
+        its value). A :class:`Samples` node gives tree ``j`` the next
+        ``sizes[j]`` samples (``sizes`` sum to its length), each built from
+        entry ``j`` of its tensors' columns. Raises RebuildError as
+        unflatten does."""
         if len(columns) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} columns of tensors to unflatten, but got {len(columns)}")
-        return _build_replicas(self, iter(columns), count, unwrap_broadcast)
+        return _build_replicas(self, iter(columns), count, unwrap_broadcast, sizes)
 
     def tensor_trail(self, index: int) -> list[int]:
         """The child indices from the root to tensor ``index`` (flatten order)."""
@@ -454,6 +524,8 @@ class Spec:
         if self is node:
             return []
         for i, child in enumerate(self.children):
+            if child is node:
+                return [i]
             if child.children:
                 try:
                     return [i, *child.trail_to(node)]
@@ -481,8 +553,32 @@ _TENSOR = Spec(TENSOR, None, None, (), 1)
 _NONE = Spec(NONE, type(None), None, (), 0)
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, int]], inside: bool = False) -> Spec:
-    # (the caller has checked the registry: _KINDS is current)
+class Marks:
+    """What :func:`flatten_marked` found besides the tensors (each entry in
+    flatten order; indices are into the flattened tensor list):
+
+    * ``broadcast``: ``[start, end)`` of the tensors inside each
+      :class:`Broadcast`;
+    * ``samples``: ``(node, start)`` of each :class:`Samples` outside any
+      marker (``node`` its Spec, whose children are the samples);
+    * ``packed``: ``(node, start, inside)`` of each PackedSequence, ``inside``
+      None, BROADCAST or SAMPLES (the marker around it);
+    * ``misplaced``: ``(node, outer)`` of each marker inside another one
+      (``outer`` the kind of the one around it), which scatter refuses.
+    """
+
+    __slots__ = ("broadcast", "samples", "packed", "misplaced", "any_marker")
+
+    def __init__(self) -> None:
+        self.any_marker = False  # whether any Broadcast or Samples was met
+        self.broadcast: list[tuple[int, int]] = []
+        self.samples: list[tuple[Spec, int]] = []
+        self.packed: list[tuple[Spec, int, str | None]] = []
+        self.misplaced: list[tuple[Spec, str]] = []
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | None = None) -> Spec:
+    # (the caller has checked the registry: _KINDS is current); `inside`: the marker around obj, if any
     t = type(obj)
     node_kind = _KINDS.get(t)
     if node_kind is None:
@@ -496,45 +592,72 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], broadcast: list[tuple[int, i
         return _NONE
     start = len(tensors)
     if node_kind is BROADCAST:
-        inner = _flatten(obj.value, tensors, broadcast, True)
+        marks.any_marker = True
+        inner = _flatten(obj.value, tensors, marks, BROADCAST if inside is None else inside)
         if len(tensors) == start:  # nothing to copy: every replica gets the value itself
             inner = Spec(LEAF, type(obj.value), obj.value, (), 0)
         else:
-            broadcast.append((start, len(tensors)))
-        return Spec(BROADCAST, t, None, (inner,), len(tensors) - start)
+            marks.broadcast.append((start, len(tensors)))
+        spec = Spec(BROADCAST, t, None, (inner,), len(tensors) - start)
+        if inside is SAMPLES:  # (a Broadcast inside a Broadcast is whole anyway)
+            marks.misplaced.append((spec, inside))
+        return spec
+    if node_kind is SAMPLES:
+        marks.any_marker = True
+        samples = tuple([_flatten(child, tensors, marks, SAMPLES if inside is None else inside) for child in obj.value])
+        spec = Spec(SAMPLES, t, type(obj.value), samples, len(tensors) - start)
+        if inside is None:
+            marks.samples.append((spec, start))
+        else:
+            marks.misplaced.append((spec, inside))
+        return spec
     if node_kind is ITERABLE:
-        if inside:  # passed whole, by reference, as an unknown object always was
+        if inside is BROADCAST:  # passed whole, by reference, as an unknown object always was
             return Spec(LEAF, t, obj, (), 0)
         try:
             kids = list(obj)
         except Exception:  # noqa: BLE001 - an object that cannot be iterated is a leaf
             return Spec(LEAF, t, obj, (), 0)
-        specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
+        specs = tuple([_flatten(child, tensors, marks, inside) for child in kids])
         if len(tensors) == start:
             return Spec(LEAF, t, obj, (), 0)
         return Spec(ITERABLE, t, None, specs, len(tensors) - start)
     context, kids, template = _node(obj, node_kind)
-    specs = tuple([_flatten(child, tensors, broadcast, inside) for child in kids])
-    return Spec(node_kind, t, context, specs, len(tensors) - start, template)
+    specs = tuple([_flatten(child, tensors, marks, inside) for child in kids])
+    spec = Spec(node_kind, t, context, specs, len(tensors) - start, template)
+    if node_kind is PACKED:
+        marks.packed.append((spec, start, inside))
+    return spec
 
 
 def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
     """``(tensors, spec)`` of `tree`: every tensor in it, depth first in child
-    order (Broadcast contents included), and the :class:`Spec` that rebuilds
+    order (marker contents included), and the :class:`Spec` that rebuilds
     it. One walk of the tree."""
     _check_registry()
     tensors: list[torch.Tensor] = []
-    return tensors, _flatten(tree, tensors, [])
+    return tensors, _flatten(tree, tensors, Marks())
 
 
-def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, list[tuple[int, int]]]:
-    """As :func:`flatten`, also returning the ``[start, end)`` ranges of the
-    tensors that sit inside a :class:`Broadcast`."""
+def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
+    """As :func:`flatten`, also returning the :class:`Marks`: where the
+    tensors inside a :class:`Broadcast` are, the :class:`Samples` lists and
+    PackedSequences, and markers misplaced inside another."""
     _check_registry()
     tensors: list[torch.Tensor] = []
-    broadcast: list[tuple[int, int]] = []
-    spec = _flatten(tree, tensors, broadcast)
-    return tensors, spec, broadcast
+    marks = Marks()
+    spec = _flatten(tree, tensors, marks)
+    return tensors, spec, marks
+
+
+def without_markers(tree: Any) -> Any:
+    """`tree` with every :class:`Broadcast` and :class:`Samples` replaced by
+    its value (what a module run as is gets); `tree` itself where it holds
+    neither."""
+    tensors, spec, marks = flatten_marked(tree)
+    if not marks.any_marker:
+        return tree
+    return spec.unflatten(tensors, unwrap_broadcast=True)
 
 
 def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
@@ -548,6 +671,9 @@ def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
     values = [_build(child, tensors, unwrap) for child in spec.children]
     if node_kind is BROADCAST:
         return values[0] if unwrap else Broadcast(values[0])
+    if node_kind is SAMPLES:
+        value = _sequence(spec.context, values)
+        return value if unwrap else Samples(value)
     try:
         return _rebuild(node_kind, spec.type, spec.context, spec.template, values)
     except RebuildError as e:
@@ -556,7 +682,30 @@ def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
         raise
 
 
-def _build_replicas(spec: Spec, columns: Any, count: int, unwrap: bool) -> list[Any]:
+def _build_samples(spec: Spec, columns: Any, sizes: Sequence[int] | None, unwrap: bool) -> list[Any]:
+    """One container per replica of the samples of a SAMPLES node: replica j
+    gets the next ``sizes[j]`` samples, each built from entry j of its
+    tensors' columns."""
+    if sizes is None or sum(sizes) != len(spec.children):
+        raise ValueError(
+            f"cannot split {len(spec.children)} samples between replicas of sizes {sizes}: the sizes must sum to "
+            f"the number of samples"
+        )
+    samples = iter(spec.children)
+    out = []
+    for j, size in enumerate(sizes):
+        values = []
+        for _ in range(size):
+            child = next(samples)
+            values.append(_build(child, iter([next(columns)[j] for _ in range(child.num_tensors)]), unwrap))
+        value = _sequence(spec.context, values)
+        out.append(value if unwrap else Samples(value))
+    return out
+
+
+def _build_replicas(
+    spec: Spec, columns: Any, count: int, unwrap: bool, sizes: Sequence[int] | None = None
+) -> list[Any]:
     node_kind = spec.kind
     if node_kind is TENSOR:
         return list(next(columns))
@@ -564,7 +713,9 @@ def _build_replicas(spec: Spec, columns: Any, count: int, unwrap: bool) -> list[
         return [spec.context] * count
     if node_kind is NONE:
         return [None] * count
-    kids = [_build_replicas(child, columns, count, unwrap) for child in spec.children]
+    if node_kind is SAMPLES:
+        return _build_samples(spec, columns, sizes, unwrap)
+    kids = [_build_replicas(child, columns, count, unwrap, sizes) for child in spec.children]
     if node_kind is BROADCAST:
         return kids[0] if unwrap else [Broadcast(v) for v in kids[0]]
     cls = spec.type
@@ -600,6 +751,10 @@ def path_at(tree: Any, trail: Sequence[int], root: str) -> str:
         if node_kind is BROADCAST:
             node = node.value
             continue
+        if node_kind is SAMPLES:
+            path += f"[{index}]"
+            node = node.value[index]
+            continue
         context, kids, _ = _node(node, node_kind)
         path += _keys(node, node_kind, context, len(kids))[index]
         node = kids[index]
@@ -628,6 +783,24 @@ class LazyPath:
 
     def __repr__(self) -> str:
         return repr(str(self))
+
+
+class NodePath(LazyPath):
+    """The path of one node (by its Spec) of a flattened tree, computed only
+    when a message uses it."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, tree: Any, spec: Spec, node: Spec, root: str) -> None:
+        super().__init__(tree, spec, -1, root)
+        self.node = node
+
+    def __str__(self) -> str:
+        try:
+            trail = self.spec.trail_to(self.node)
+        except LookupError:
+            return self.root
+        return path_at(self.tree, trail, self.root)
 
 
 def contains_tensor(obj: Any) -> bool:
@@ -659,6 +832,8 @@ def describe_spec(spec: Spec, tensor: torch.Tensor | None = None) -> str:
         return f"a {name} with keys {list(spec.context[0])}"
     if node_kind is ITERABLE:
         return f"a {name} of {len(spec.children)} elements"
+    if node_kind is SAMPLES:
+        return f"a dpcore.Samples of {len(spec.children)} samples"
     return f"a {name}"
 
 

@@ -211,17 +211,27 @@ def _replicas(sizes: Sequence[int]) -> int:
 
 
 def plan_split(
-    entries: Sequence[tuple[str, int | None]],
+    entries: Sequence[tuple[Any, int | None]],
     n_devices: int,
     chunk_sizes: Sequence[int] | None = None,
     weights: Sequence[float] | None = None,
     dim: int = 0,
+    units: Sequence[tuple[Any, int, str]] = (),
 ) -> SplitPlan:
     """The scatter rules, for the tensors of one call: ``entries`` holds one
     ``(path, size)`` per tensor to scatter, ``size`` its size along the split
-    dim ``dim`` or None for a 0-dim tensor.
+    dim ``dim`` or None for a 0-dim tensor; ``units`` one ``(path, count,
+    noun)`` per input that is split between its units, never inside one (a
+    ``dpcore.Samples`` list: its samples; a PackedSequence: its sequences).
 
     Guarantees, in this order of decision:
+
+    0. Where the call has units, the first one's count is the batch: every
+       other unit must have that count (else ValueError naming both), and
+       every tensor must have the batch's size, or (when that differs) the
+       number of replicas a batch of that size runs on (split one row per
+       replica, as in 3.), or be 0-dim (1.); any other size is a ValueError
+       naming the tensor and the first unit.
 
     1. A 0-dim tensor takes no part: it goes whole to every replica.
     2. When every other tensor has the same size, that size is the batch
@@ -241,6 +251,8 @@ def plan_split(
     Errors of ``chunk_sizes`` / ``weights`` against the batch are those of
     :func:`split_sizes`.
     """
+    if units:
+        return _plan_units(entries, n_devices, chunk_sizes, weights, dim, units)
     sized = [(path, size) for path, size in entries if size is not None]
     if not sized:
         return SplitPlan(None, [], 1)
@@ -298,3 +310,32 @@ def check_first_device(
         f"chunk, but {given}={chunk_sizes if chunk_sizes is not None else weights} split the batch of "
         f"{sum(sizes)} into {split}"
     )
+
+
+def _plan_units(
+    entries: Sequence[tuple[Any, int | None]],
+    n_devices: int,
+    chunk_sizes: Sequence[int] | None,
+    weights: Sequence[float] | None,
+    dim: int,
+    units: Sequence[tuple[Any, int, str]],
+) -> SplitPlan:
+    """plan_split's rule 0 (see there)."""
+    first_path, batch, noun = units[0]
+    for path, count, what in units[1:]:
+        if count != batch:
+            raise ValueError(
+                f"{path} has {count} {what} but {first_path} has {batch} {noun}: every input that is split between "
+                f"samples (dpcore.Samples lists, PackedSequences) in one call must hold the batch's number of them"
+            )
+    sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+    replicas = _replicas(sizes)
+    for path, size in entries:
+        if size is not None and size != batch and size != replicas:
+            raise ValueError(
+                f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
+                f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one row "
+                f"per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to pass "
+                f"it whole to every replica)"
+            )
+    return SplitPlan(batch, sizes, replicas)

@@ -19,14 +19,13 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
-from dpcore._pytree import map_tensors
+from dpcore._pytree import map_tensors, without_markers
 from dpcore._split import _as_weight, as_int, check_first_device, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import Scattered, scatter_kwargs
-from dpcore.scatter_gather import gather as gather_outputs
+from dpcore.scatter_gather import NO_HINTS, GatherHints, Scattered, gather_with_hints, scatter_with_hints
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -199,16 +198,29 @@ def _check_model_loss(
     return model_loss
 
 
-def _loss_of(output: Any, replica: int, device: torch.device) -> Any:
+def _is_loss_dict(output: Any) -> bool:
+    """Whether `output` is a loss dict as model_loss takes one: a non-empty
+    Mapping without a "loss" key whose every value is a one-element tensor
+    (torchvision's detection models return one in training)."""
+    return (
+        isinstance(output, Mapping) and bool(output) and "loss" not in output
+        and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in output.values())
+    )
+
+
+def _loss_of(output: Any, replica: int, device: torch.device, samples: bool = False) -> Any:
     """The loss in one replica's output, as model_loss finds it: the output
     itself if it is a tensor, a Mapping's "loss" (ModelOutput included), a
     dataclass's or namedtuple's ``loss`` field, else a tuple's or list's entry
     0 (transformers' ``return_dict=False`` order). None where a Mapping,
-    dataclass or namedtuple has no loss (or it is None). TypeError for an
-    output of another kind."""
+    dataclass or namedtuple has no loss (or it is None), and for a list in
+    a call with a dpcore.Samples input (`samples`: one entry per sample,
+    no loss). TypeError for an output of another kind."""
     where = f"replica {replica} (on {device})"
     if isinstance(output, torch.Tensor):
         return output
+    if samples and isinstance(output, list):
+        return None
     if isinstance(output, Mapping):
         return output.get("loss")
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
@@ -312,30 +324,35 @@ def _check_overrides(cls: type, *, cuda_graphs: bool, sync_batchnorm: bool, bypa
 class _ScatteredPair(tuple):  # type: ignore[type-arg]
     """What DataParallel.scatter returns: torch's pair ``(inputs, kwargs)``
     (one entry per replica in each), with dpcore's ``sizes`` (rows per
-    replica) and ``device_indices`` (each replica's index into the device
-    list) as attributes."""
+    replica), ``device_indices`` (each replica's index into the device
+    list) and ``hints`` (what the gather of the call's outputs needs to know
+    of its inputs: GatherHints) as attributes."""
 
     sizes: list[int]
     device_indices: list[int]
+    hints: GatherHints
 
-    def __new__(cls, scattered: Scattered) -> _ScatteredPair:
+    def __new__(cls, scattered: Scattered, hints: GatherHints = NO_HINTS) -> _ScatteredPair:
         pair = super().__new__(cls, (scattered.args, scattered.kwargs))
         pair.sizes = scattered.sizes
         pair.device_indices = scattered.device_indices
+        pair.hints = hints
         return pair
 
 
-def _split_of(result: Any, devices: Sequence[torch.device], dim: int) -> tuple[list[Any], list[Any], list[int], list[int]]:
-    """(args, kwargs, sizes, device indices) per replica from what a
-    ``scatter`` returned: dpcore's own pair carries them; for torch's plain
+def _split_of(
+    result: Any, devices: Sequence[torch.device], dim: int
+) -> tuple[list[Any], list[Any], list[int], list[int], GatherHints]:
+    """(args, kwargs, sizes, device indices) per replica, and the gather
+    hints, from what a ``scatter`` returned: dpcore's own pair carries them; for torch's plain
     ``(inputs, kwargs)`` (an overriding subclass) the replicas sit on the
     first devices, in order, and each one's rows are the size along `dim` of
     the first tensor in its arguments. Raises naming ``scatter`` for anything
     else."""
     if isinstance(result, _ScatteredPair):
-        return result[0], result[1], result.sizes, result.device_indices
+        return result[0], result[1], result.sizes, result.device_indices, result.hints
     if isinstance(result, Scattered):
-        return result.args, result.kwargs, result.sizes, result.device_indices
+        return result.args, result.kwargs, result.sizes, result.device_indices, NO_HINTS
     if not isinstance(result, Sequence) or len(result) != 2:
         raise TypeError(
             f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
@@ -354,7 +371,7 @@ def _split_of(result: Any, devices: Sequence[torch.device], dim: int) -> tuple[l
     if len(args) > len(devices):
         raise ValueError(f"scatter: returned {len(args)} replicas' arguments for {len(devices)} device(s)")
     sizes = [_rows((a, k), dim) for a, k in zip(args, kws)]
-    return args, kws, sizes, list(range(len(args)))
+    return args, kws, sizes, list(range(len(args))), NO_HINTS
 
 
 def _rows(tree: Any, dim: int) -> int:
@@ -602,6 +619,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     # The devices of the replicas of the call in progress, for the default
     # parallel_apply when a subclass overrides replicate (None otherwise).
     _call_devices: list[torch.device] | None = None
+    # What the scatter of the call in progress told its gather (None outside a call).
+    _gather_hints: GatherHints | None = None
 
     def __init__(
         self,
@@ -797,9 +816,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         keyword arguments of each replica, split along ``dim`` by dpcore's
         rules (balanced, or ``chunk_sizes`` / ``weights``; see
         :func:`dpcore.scatter_gather.scatter_kwargs`). The pair also carries
-        ``.sizes`` (rows per replica) and ``.device_indices`` (the indices
-        into ``device_ids`` of the replicas' devices)."""
-        return _ScatteredPair(scatter_kwargs(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights))
+        ``.sizes`` (rows, or samples, per replica), ``.device_indices`` (the
+        indices into ``device_ids`` of the replicas' devices) and
+        ``.hints`` (for the gather of the call: whether an input was a
+        ``dpcore.Samples`` list, the order of PackedSequence inputs)."""
+        return _ScatteredPair(
+            *scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights)
+        )
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """torch's ``replicate``: one module per device of ``device_ids``, the
@@ -828,8 +851,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike | None) -> Any:
         """torch's ``gather``: the per-replica outputs joined along ``dim`` on
-        ``output_device`` (see :func:`dpcore.gather`)."""
-        return gather_outputs(outputs, output_device, dim=self.dim)
+        ``output_device`` (see :func:`dpcore.gather`); during a call with a
+        ``dpcore.Samples`` input its lists are joined by concatenation, and a
+        PackedSequence output of the sequences of a PackedSequence input is
+        joined in that input's order."""
+        return gather_with_hints(outputs, output_device, self.dim, self._gather_hints or NO_HINTS)
 
     def _overrides(self, name: str) -> bool:
         """Whether this wrapper's class (or the instance) replaces the
@@ -978,11 +1004,24 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if criterion is not None:
             if not inputs:
                 raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-        if not self.device_ids:  # the module as is (never with a process group: it needs a device)
+        if not self.device_ids:  # the module as is, given the values inside Broadcast and Samples markers
+            inputs, kwargs = without_markers((inputs, kwargs))
             if criterion is None:
                 return self.module(*inputs, **kwargs), 0
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1]), 0
-        args, kws, sizes, used = _split_of(self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim)
+        args, kws, sizes, used, hints = _split_of(
+            self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim
+        )
+        self._gather_hints = hints  # for gather, whose signature is torch's (the call holds self._calls)
+        try:
+            return self._run_and_combine(args, kws, sizes, used), sum(sizes)
+        finally:
+            self._gather_hints = None
+
+    def _run_and_combine(self, args: list[Any], kws: list[Any], sizes: list[int], used: list[int]) -> Any:
+        """The rest of _forward, after the scatter: run the replicas, then
+        combine their outputs (:meth:`_combine`)."""
+        criterion = self.criterion
         if criterion is not None and len(sizes) > 1 and 0 in sizes:  # only from an overridden scatter
             raise ValueError(
                 f"criterion: each replica's loss is weighted by its rows, but {type(self).__name__}.scatter gave "
@@ -996,9 +1035,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         outputs = None
         if self._graphs is not None:
             # Outputs that become new tensors before they reach the user: any
-            # through dpcore's own gather (it copies, one replica's too), and
-            # several replicas' losses (summed); the graphs clone the rest.
-            plain_gather = criterion is None and self.model_loss is None and self.gather_output
+            # through dpcore's own gather of tensors (it copies, one replica's
+            # too; a Samples call's lists are joined, not copied), and several
+            # replicas' losses (summed); the graphs clone the rest.
+            samples = self._gather_hints is not None and self._gather_hints.samples
+            plain_gather = criterion is None and self.model_loss is None and self.gather_output and not samples
             combined = (plain_gather and not self._overrides("gather")) or (
                 len(used) > 1 and (criterion is not None or self.model_loss is not None)
             )
@@ -1008,7 +1049,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                 outputs = self._run_overridden(args, kws, used, make_call, sum(sizes))
             else:
                 outputs = self._run_eagerly(args, kws, used, make_call, sum(sizes))
-        return self._combine(outputs, args, kws, sizes, devices), sum(sizes)
+        return self._combine(outputs, args, kws, sizes, devices)
 
     def _combine(
         self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int], devices: list[torch.device]
@@ -1103,11 +1144,18 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     ) -> Any:
         """The gathered `outputs` with the model's per-replica losses replaced
         by one scalar on output_device: the weighted sum that model_loss
-        declares (see the class docstring). Outputs without a loss on every
-        replica are gathered as they are."""
-        losses = [_loss_of(o, j, d) for j, (o, d) in enumerate(zip(outputs, devices))]
+        declares (see the class docstring); for a loss dict, each entry so.
+        Outputs without a loss on every replica are gathered as they are."""
+        hints = self._gather_hints or NO_HINTS
+        if all(_is_loss_dict(o) for o in outputs):  # e.g. torchvision's detection models in training
+            gathered = gather_with_hints(outputs, self.output_device, self.dim, hints)
+            combine = self._loss_combiner(args, kws, sizes)
+            for key in outputs[0]:
+                gathered[key] = combine([o[key] for o in outputs])
+            return gathered
+        losses = [_loss_of(o, j, d, hints.samples) for j, (o, d) in enumerate(zip(outputs, devices))]
         if all(loss is None for loss in losses):
-            return gather_outputs(outputs, self.output_device, dim=self.dim)
+            return gather_with_hints(outputs, self.output_device, self.dim, hints)
         for j, (loss, device) in enumerate(zip(losses, devices)):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 got = (
@@ -1117,6 +1165,17 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                     f"model_loss={self.model_loss!r}: expected a scalar loss (a tensor of one element) in every "
                     f"replica's output, but replica {j} (on {device}) has {got} where the loss goes"
                 )
+        combined = self._loss_combiner(args, kws, sizes)(losses)
+        if isinstance(outputs[0], torch.Tensor):
+            return combined
+        return _with_loss_replaced(gather_with_hints(outputs, self.output_device, self.dim, hints), combined)
+
+    def _loss_combiner(
+        self, args: list[Any], kws: list[Any], sizes: list[int]
+    ) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        """A function of the per-replica losses (one-element tensors) that
+        returns their combination as model_loss declares, on output_device
+        (the counts of "items" taken once, for every loss it combines)."""
         mode = self.model_loss
         if mode == "num_items_in_batch":
             passed = kws[0].get("num_items_in_batch") is not None
@@ -1128,20 +1187,19 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                 )
             mode = "sum" if passed else "items"
         out = self.output_device
-        parts = [loss.to(out).reshape(()) for loss in losses]
-        if len(parts) == 1:
-            combined = parts[0]
-        elif mode == "sum":
-            combined = torch.stack(parts).sum()
-        else:
-            counts: Sequence[float] = (
-                sizes if mode == "rows"
-                else [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
-            )
-            combined = _weighted_mean(parts, counts)
-        if isinstance(outputs[0], torch.Tensor):
-            return combined
-        return _with_loss_replaced(gather_outputs(outputs, self.output_device, dim=self.dim), combined)
+        counts: Sequence[Any] = sizes
+        if mode == "items" and len(sizes) > 1:
+            counts = [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
+
+        def combine(losses: list[torch.Tensor]) -> torch.Tensor:
+            parts = [loss.to(out).reshape(()) for loss in losses]
+            if len(parts) == 1:
+                return parts[0]
+            if mode == "sum":
+                return torch.stack(parts).sum()
+            return _weighted_mean(parts, counts)
+
+        return combine
 
     def _run_eagerly(
         self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]],

@@ -24,19 +24,21 @@ Errors name the pytree path of the offending value, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Union
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
+from dpcore import _packed
 from dpcore import _pytree as pt
 from dpcore import comm
-from dpcore._devices import DeviceLike, as_devices, normalize_device
+from dpcore._devices import DeviceLike, as_destination, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
-from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, TENSOR, Broadcast
+from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, SEQUENCE, TENSOR, Broadcast, Samples
 from dpcore._split import check_split, plan_split
 
-__all__ = ["Broadcast", "Scattered", "scatter_kwargs", "scatter", "gather"]
+__all__ = ["Broadcast", "Samples", "Scattered", "GatherHints", "scatter_kwargs", "scatter_with_hints", "scatter", "gather"]
 
 
 # ---------------------------------------------------------------------------
@@ -105,6 +107,29 @@ def _broadcast_marks(count: int, ranges: list[tuple[int, int]]) -> list[bool] | 
     return marks
 
 
+class GatherHints(NamedTuple):
+    """What the scatter of a call tells the gather of its outputs:
+    ``samples``, whether an input was a :class:`Samples` list (then the
+    outputs' lists hold one entry per sample, joined by concatenation), and
+    the :class:`dpcore._packed.Layout` of each PackedSequence input (a
+    PackedSequence output of the same sequences is joined in that order)."""
+
+    samples: bool = False
+    packed: tuple[_packed.Layout, ...] = ()
+
+
+NO_HINTS = GatherHints()
+
+
+def _misplaced(tree: Any, spec: pt.Spec, node: pt.Spec, outer: str, path: str) -> TypeError:
+    what = "dpcore.Samples" if node.kind is pt.SAMPLES else "dpcore.Broadcast"
+    around = "a dpcore.Samples list (a sample goes whole to one replica)" if outer is pt.SAMPLES else "dpcore.Broadcast"
+    return TypeError(
+        f"{pt.NodePath(tree, spec, node, path)} is a {what} inside {around}: a marker says how a whole "
+        f"argument is passed, so markers cannot be nested"
+    )
+
+
 def _split(
     trees: Sequence[tuple[Any, str]],
     devices: list[torch.device],
@@ -112,22 +137,51 @@ def _split(
     chunk_sizes: Sequence[int] | None,
     weights: Sequence[float] | None,
     without_tensors: list[int],
-) -> tuple[list[list[Any]], list[int], list[int]]:
+) -> tuple[list[list[Any]], list[int], list[int], GatherHints]:
     """Splits each (tree, path) of `trees` into one value per replica; returns
-    (per tree, its values), the replicas' sizes and their device indices.
-    With no tensor to split the replicas are the devices `without_tensors`.
-    Each tree is flattened once; its spec rebuilds it for every replica."""
+    (per tree, its values), the replicas' sizes and their device indices,
+    and the hints for the gather of the call's outputs. With no tensor to
+    split the replicas are the devices `without_tensors`. Each tree is
+    flattened once; its spec rebuilds it for every replica."""
     flats = [pt.flatten_marked(tree) for tree, _ in trees]
-    marks = [_broadcast_marks(len(tensors), ranges) for tensors, _, ranges in flats]
+    whole = [_broadcast_marks(len(tensors), m.broadcast) for tensors, _, m in flats]
     leaves: list[tuple[Any, torch.Tensor]] = []  # (path, tensor) of the tensors to split
-    for (tree, path), (tensors, spec, _), marked in zip(trees, flats, marks):
+    units: list[tuple[Any, int, str]] = []  # (path, count, noun) of the inputs split between samples
+    # Per tree: tensor index -> ("sample", sample number, 0) / ("packed", PackedSequence number, field number)
+    # / ("keep", 0, 0) for the batch_sizes of a PackedSequence inside a marker (they stay on the CPU)
+    special: list[dict[int, tuple[str, int, int]]] = []
+    packs: list[PackedSequence] = []
+    for (tree, path), (tensors, spec, m), marked in zip(trees, flats, whole):
+        if m.misplaced:
+            node, outer = m.misplaced[0]
+            raise _misplaced(tree, spec, node, outer, path)
+        tags: dict[int, tuple[str, int, int]] = {}
+        for node, start in m.samples:
+            units.append((pt.NodePath(tree, spec, node, path), len(node.children), "samples"))
+            for number, child in enumerate(node.children):  # every Samples list of the call numbered from 0
+                for i in range(start, start + child.num_tensors):
+                    tags[i] = ("sample", number, 0)
+                start += child.num_tensors
+        for node, start, inside in m.packed:
+            if inside is None:
+                packed = node.unflatten(tensors[start : start + node.num_tensors])
+                units.append((pt.NodePath(tree, spec, node, path), _packed.count(packed), "sequences"))
+                for field in range(node.num_tensors):
+                    tags[start + field] = ("packed", len(packs), field)
+                packs.append(packed)
+            else:
+                tags[start + node.children[0].num_tensors] = ("keep", 0, 0)
+        special.append(tags)
         for i, t in enumerate(tensors):
-            if marked is None or not marked[i]:
+            if i not in tags and (marked is None or not marked[i]):
                 leaves.append((pt.LazyPath(tree, spec, i, path), t))
-    plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim)
+    plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim, units)
     used = plan.devices(without_tensors)
     used_sizes = [plan.sizes[i] for i in used] if plan.batch is not None else [0] * len(used)
     used_devices = [devices[i] for i in used]
+    count = len(used)
+    owners = [j for j, size in enumerate(used_sizes) for _ in range(size)]  # the replica of each sample
+    split_packs = [_packed.split(p, used_sizes, used_devices) for p in packs]
     memo: dict[tuple[int, bool], tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
 
     def per_replica(t: torch.Tensor, whole: bool) -> Sequence[torch.Tensor]:
@@ -142,17 +196,38 @@ def _split(
             hit = memo[(id(t), whole)] = (t, parts)
         return hit[1]
 
+    def column(i: int, t: torch.Tensor, tags: dict[int, tuple[str, int, int]], marked: list[bool] | None) -> Any:
+        tag = tags.get(i)
+        if tag is None:
+            return per_replica(t, marked is not None and marked[i])
+        what, number, field = tag
+        if what == "keep":
+            return [t] * count
+        if what == "sample":  # moved whole to its replica's device (differentiably; as is where it is)
+            owner = owners[number]
+            entries: list[Any] = [None] * count
+            entries[owner] = t.to(used_devices[owner])
+            return entries
+        return _packed_column(split_packs[number][0], field)
+
     values = []
-    for (tree, path), (tensors, spec, _), marked in zip(trees, flats, marks):
-        columns = [per_replica(t, marked is not None and marked[i]) for i, t in enumerate(tensors)]
+    for (tree, path), (tensors, spec, _), tags, marked in zip(trees, flats, special, whole):
+        columns = [column(i, t, tags, marked) for i, t in enumerate(tensors)]
         try:
-            values.append(spec.unflatten_replicas(columns, len(used)))
+            values.append(spec.unflatten_replicas(columns, count, sizes=used_sizes))
         except pt.RebuildError as e:
             raise TypeError(
                 f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
                 f"every replica"
             ) from e
-    return values, used_sizes, used
+    hints = GatherHints(any(noun == "samples" for _, _, noun in units), tuple(s[1] for s in split_packs))
+    return values, used_sizes, used, hints
+
+
+def _packed_column(parts: list[PackedSequence], field: int) -> list[torch.Tensor]:
+    """The per-replica values of tensor number `field` among the non-None
+    fields of the replicas' PackedSequences `parts` (all of one form)."""
+    return [[f for f in p if f is not None][field] for p in parts]
 
 
 def scatter_kwargs(
@@ -184,6 +259,12 @@ def scatter_kwargs(
       is the number of replicas used (while the batch's is not) is split one
       row per replica. Any other disagreement is a ValueError naming both
       pytree paths and sizes (never a silent truncation).
+    * A :class:`Samples` list is split between its samples (each replica
+      gets consecutive samples, their tensors moved whole to its device) and
+      a PackedSequence between its whole sequences (each replica gets a
+      valid PackedSequence of its sequences, see :mod:`dpcore._packed`);
+      their counts are the batch, which every other batched input must
+      have (ValueError naming both otherwise).
     * The rows are split by :func:`dpcore._split.split_sizes` (balanced by
       default, or ``chunk_sizes`` / ``weights``). Devices whose chunk is
       empty get no replica: ``device_indices`` lists, in order, the devices
@@ -204,6 +285,20 @@ def scatter_kwargs(
       replica (on ``devices[0]``), with ``sizes == [0]`` and
       ``device_indices == [0]``.
     """
+    scattered, _ = scatter_with_hints(inputs, kwargs, devices, dim, chunk_sizes, weights)
+    return scattered
+
+
+def scatter_with_hints(
+    inputs: Any,
+    kwargs: Mapping[str, Any] | None,
+    devices: Sequence[DeviceLike],
+    dim: int = 0,
+    chunk_sizes: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
+) -> tuple[Scattered, GatherHints]:
+    """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of
+    the call's outputs (what DataParallel's scatter keeps for its gather)."""
     devs = _devices(devices, "devices")
     check_split(chunk_sizes, weights, len(devs))
     if inputs is None:
@@ -214,10 +309,10 @@ def scatter_kwargs(
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs: expected a mapping of keyword arguments, but got {type(kwargs).__name__}")
-    (args, kws), sizes, used = _split(
+    (args, kws), sizes, used, hints = _split(
         [(tuple(inputs), "inputs"), (kwargs, "kwargs")], devs, dim, chunk_sizes, weights, [0]
     )
-    return Scattered(args, kws, sizes, used)
+    return Scattered(args, kws, sizes, used), hints
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
@@ -235,7 +330,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     says: 0-dim tensors whole, a tensor of the replica count one row each).
     """
     devs = _devices(target_gpus, "target_gpus")
-    (values,), _, _ = _split([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
+    (values,), _, _, _ = _split([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
     return tuple(values) if isinstance(inputs, torch.Tensor) else values
 
 
@@ -278,14 +373,82 @@ def _mismatch(
     )
 
 
+class _Joined:
+    """Tensors of the gathered output made otherwise than by concatenating a
+    column: by `make` (called once, when the gather runs), `count` of them."""
+
+    __slots__ = ("make", "count")
+
+    def __init__(self, make: Callable[[], list[torch.Tensor]], count: int) -> None:
+        self.make, self.count = make, count
+
+
+_Column = Union[list[torch.Tensor], _Joined]
+
+
+class _Gathering(NamedTuple):
+    """What one gather needs at every node besides the replicas' specs."""
+
+    destination: DeviceLike | None
+    hints: GatherHints
+
+
+def _moved(t: torch.Tensor, destination: DeviceLike | None) -> torch.Tensor:
+    """`t` on the gather's destination (as comm.gather resolves it), differentiably; itself where it is there."""
+    device = as_destination(destination)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if t.is_cuda else t.device
+    return t.to(device)
+
+
+def _merge_packed(
+    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[_Column], how: _Gathering
+) -> pt.Spec:
+    """_merge of PackedSequence nodes: one PackedSequence of all the replicas'
+    sequences (dpcore._packed.join), its fields as one _Joined entry."""
+    packs = [spec.unflatten(flat[start : start + spec.num_tensors]) for spec, start, flat in zip(specs, starts, flats)]
+    try:
+        joined = _packed.join(packs, how.destination, how.hints.packed)
+    except _WRAPPABLE as e:
+        if type(e) in _WRAPPABLE:
+            raise type(e)(f"gather: joining the replicas' PackedSequence outputs: {e}") from e
+        raise
+    fields = [f for f in joined if f is not None]
+    columns.append(_Joined(lambda: fields, len(fields)))
+    kids = tuple(pt._TENSOR if f is not None else pt._NONE for f in joined)
+    return pt.Spec(pt.PACKED, type(joined), None, kids, len(fields))
+
+
+def _merge_samples(
+    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[_Column], how: _Gathering
+) -> pt.Spec:
+    """_merge of lists that hold one entry per sample: their entries
+    concatenated in replica order, untouched but for their tensors, each
+    moved to the destination."""
+    kids: list[pt.Spec] = []
+    total = 0
+    for spec, start, flat in zip(specs, starts, flats):
+        kids.extend(spec.children)
+        mine = flat[start : start + spec.num_tensors]
+        columns.append(_Joined(lambda mine=mine: [_moved(t, how.destination) for t in mine], len(mine)))
+        total += len(mine)
+    cls = specs[0].type if specs[0].kind is SEQUENCE else list
+    return pt.Spec(SEQUENCE, cls, None, tuple(kids), total)
+
+
 def _merge(
-    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[list[torch.Tensor]]
+    specs: list[pt.Spec],
+    starts: list[int],
+    flats: list[list[torch.Tensor]],
+    columns: list[_Column],
+    how: _Gathering,
 ) -> pt.Spec:
     """The spec of the gathered output at one node, from the replicas' specs
     there (`starts`: where each replica's tensors of this node begin in its
-    flattened list `flats[j]`). Appends one column of per-replica tensors to
-    `columns` per tensor, in the order of the returned spec; raises _Mismatch
-    where the structures differ."""
+    flattened list `flats[j]`). Appends to `columns`, in the order of the
+    returned spec, one column of per-replica tensors per tensor to
+    concatenate, or a _Joined entry for tensors made otherwise (per-sample
+    lists, PackedSequences); raises _Mismatch where the structures differ."""
     first = specs[0]
     first_kind = first.kind
     if first_kind is TENSOR:
@@ -312,6 +475,12 @@ def _merge(
         s = specs[j]
         if s.kind is not first_kind or s.type is not cls:
             raise _mismatch(specs, starts, flats, j)
+    if first_kind is pt.PACKED:
+        return _merge_packed(specs, starts, flats, columns, how)
+    if first_kind is pt.SAMPLES or (how.hints.samples and first_kind is SEQUENCE and issubclass(cls, list)):
+        return _merge_samples(specs, starts, flats, columns, how)
+    for j in range(1, len(specs)):
+        s = specs[j]
         if first_kind is MAPPING:
             keys, other = first.context[0], s.context[0]
             if other == keys:
@@ -339,7 +508,6 @@ def _merge(
             offsets.append(start)
             start += child.num_tensors
         child_starts.append(offsets)
-    before = len(columns)
     kids = []
     for c in range(count):
         if orders is None:
@@ -350,11 +518,11 @@ def _merge(
             sub_specs = [s.children[i] for s, i in zip(specs, picks)]
             sub_starts = [offsets[i] for offsets, i in zip(child_starts, picks)]
         try:
-            kids.append(_merge(sub_specs, sub_starts, flats, columns))
+            kids.append(_merge(sub_specs, sub_starts, flats, columns, how))
         except _Mismatch as e:
             e.trail.insert(0, c)
             raise
-    return pt.Spec(first_kind, cls, first.context, tuple(kids), len(columns) - before, first.template)
+    return pt.Spec(first_kind, cls, first.context, tuple(kids), sum(k.num_tensors for k in kids), first.template)
 
 
 def _gather_tensors(values: list[torch.Tensor], path: Any, destination: DeviceLike | None, dim: int) -> torch.Tensor:
@@ -393,7 +561,27 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
       replica, e.g. "output['logits'] of replica 1 is None but replica 0's is
       a tensor"; tensors that cannot be concatenated raise the collective's
       error prefixed with their path.
+    * PackedSequences are joined into one holding every replica's
+      sequences, in replica order (the batch's original order), on
+      ``target_device``, in the stable longest-first order (DataParallel
+      uses the order of its PackedSequence input instead, so an RNN's output
+      equals the one-device output field by field; see dpcore._packed).
+
+    DataParallel gathers with :func:`gather_with_hints`, which also joins
+    the lists of a call with a :class:`Samples` input by concatenation.
     """
+    return gather_with_hints(outputs, target_device, dim, NO_HINTS)
+
+
+def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int, hints: GatherHints) -> Any:
+    """:func:`gather`, with the :class:`GatherHints` the scatter of the call
+    gave: where ``hints.samples`` (the call had a :class:`Samples` input),
+    every ``list`` holds one entry per sample and is joined by concatenation
+    in replica order, its entries untouched but for their tensors, each
+    moved to ``target_device``; other containers are merged as gather merges
+    them (a tuple of lists: each list concatenated). A PackedSequence output
+    whose sequences have the lengths of a PackedSequence input of the call
+    (``hints.packed``) is joined in that input's order."""
     if isinstance(outputs, torch.Tensor) or not isinstance(outputs, Sequence):
         raise TypeError(f"outputs: expected a sequence with one output per replica, but got {type(outputs).__name__}")
     values = list(outputs)
@@ -403,21 +591,24 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
     if all(type(v) is torch.Tensor for v in values):
         return _gather_tensors(values, "output", target_device, dim)
     flats = [pt.flatten(v) for v in values]
-    columns: list[list[torch.Tensor]] = []
+    columns: list[_Column] = []
     try:
-        spec = _merge([s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns)
+        spec = _merge([s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns, _Gathering(target_device, hints))
     except _Mismatch as e:
         raise ValueError(
             f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
             f"{e.expected}{e.what}; every replica must return the same structure"
         ) from None
-    gathered = []
-    for i, column in enumerate(columns):
+    gathered: list[torch.Tensor] = []
+    for column in columns:
         try:
-            gathered.append(Gather.apply(target_device, dim, *column))
+            if isinstance(column, _Joined):
+                gathered.extend(column.make())
+            else:
+                gathered.append(Gather.apply(target_device, dim, *column))
         except _WRAPPABLE as e:
             if type(e) in _WRAPPABLE:
-                raise type(e)(f"gather: {pt.tensor_path(first, spec, i, 'output')}: {e}") from e
+                raise type(e)(f"gather: {_output_path(first, spec, len(gathered))}: {e}") from e
             raise
     try:
         return spec.unflatten(gathered)
@@ -426,3 +617,13 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 
             f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the per-replica outputs"
         ) from e
 
+
+
+def _output_path(first: Any, spec: pt.Spec, index: int) -> str:
+    """The path of tensor `index` of the gathered output (of spec `spec`),
+    named through replica 0's output `first`; "output" where the two differ
+    there (a concatenated per-sample list is longer than replica 0's)."""
+    try:
+        return pt.tensor_path(first, spec, index, "output")
+    except (IndexError, LookupError, TypeError, AttributeError):
+        return "output"

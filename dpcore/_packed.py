@@ -1,0 +1,172 @@
+"""PackedSequence split by whole sequences and joined back (private).
+
+A ``torch.nn.utils.rnn.PackedSequence`` holds ``B`` sequences: ``data``
+(rows ordered by time step, then by position in the longest-first sorted
+order), ``batch_sizes`` (a CPU int64 tensor: how many sequences are still
+running at each step), ``sorted_indices`` (the original index of the
+sequence at each sorted position; None when the sequences were packed
+already sorted, ``enforce_sorted=True``) and ``unsorted_indices`` (its
+inverse). The one place for the index arithmetic of both directions:
+
+* :func:`split`: the sequences in their original order are cut into
+  consecutive chunks (the split sizes of the call), and each replica gets the
+  PackedSequence that ``pack_padded_sequence`` would make of its chunk: its
+  sequences in the global sorted order (longest first), its own
+  ``batch_sizes``, local ``sorted_indices``/``unsorted_indices`` (None where
+  the input had None). The rows are picked with one ``index_select`` of
+  ``data`` and sent with the differentiable Scatter, so gradients flow back
+  to ``data``.
+* :func:`join`: the replicas' PackedSequences (replica order = original
+  order of their sequences) become one: the sorted order is that of an input
+  PackedSequence of the call with the same sequence lengths (so the joined
+  output of an RNN is the one-device output, field by field), else the
+  stable longest-first order; rows are concatenated with the differentiable
+  Gather and put in place with one ``index_select``.
+
+Index work runs on the host, on CPU int64 tensors (``batch_sizes`` is on
+the CPU already; ``sorted_indices`` on an accelerator is read once, as
+``pack_padded_sequence`` reads its lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from dpcore._devices import DeviceLike
+from dpcore._functions import Gather, Scatter
+
+__all__ = ["Layout", "layout", "count", "split", "join"]
+
+
+class Layout(NamedTuple):
+    """The order of one PackedSequence: ``lengths`` of its sequences in their
+    original order and ``sorted_indices`` (original index per sorted
+    position), CPU int64 tensors; ``given_sorted`` False where the
+    PackedSequence had ``sorted_indices=None``."""
+
+    lengths: torch.Tensor
+    sorted_indices: torch.Tensor
+    given_sorted: bool
+
+
+def _cpu_long(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.int64)
+
+
+def _row_times(batch_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(time step, sorted position) of every data row of a PackedSequence
+    with these ``batch_sizes`` (CPU int64)."""
+    steps = torch.arange(batch_sizes.numel(), dtype=torch.int64)
+    times = torch.repeat_interleave(steps, batch_sizes)
+    starts = torch.cumsum(batch_sizes, 0) - batch_sizes  # first row of each step
+    return times, torch.arange(times.numel(), dtype=torch.int64) - starts[times]
+
+
+def _sorted_lengths(batch_sizes: torch.Tensor, count: int) -> torch.Tensor:
+    """The length of the sequence at each sorted position (``count`` of them)."""
+    positions = torch.arange(count, dtype=torch.int64)
+    return (batch_sizes.unsqueeze(0) > positions.unsqueeze(1)).sum(1)
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), dtype=permutation.dtype)
+    return inverse
+
+
+def layout(packed: PackedSequence) -> Layout:
+    """The :class:`Layout` of ``packed``."""
+    batch_sizes = _cpu_long(packed.batch_sizes)
+    count = int(batch_sizes[0]) if batch_sizes.numel() else 0
+    given = packed.sorted_indices is not None
+    order = _cpu_long(packed.sorted_indices) if given else torch.arange(count, dtype=torch.int64)
+    lengths = torch.empty(count, dtype=torch.int64)
+    lengths[order] = _sorted_lengths(batch_sizes, count)
+    return Layout(lengths, order, given)
+
+
+def count(packed: PackedSequence) -> int:
+    """How many sequences ``packed`` holds (its first batch size)."""
+    return int(packed.batch_sizes[0]) if packed.batch_sizes.numel() else 0
+
+
+def split(
+    packed: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]
+) -> tuple[list[PackedSequence], Layout]:
+    """``packed`` cut into ``len(sizes)`` PackedSequences on ``devices``:
+    the i-th gets the next ``sizes[i]`` sequences of the original order (see
+    the module doc), and ``packed``'s :class:`Layout`. ``sizes`` sum to the
+    number of sequences; every entry is positive unless there is one
+    replica."""
+    info = layout(packed)
+    batch_sizes = _cpu_long(packed.batch_sizes)
+    times, positions = _row_times(batch_sizes)
+    bounds = torch.cumsum(torch.tensor(list(sizes), dtype=torch.int64), 0)
+    owner_of_sequence = torch.bucketize(torch.arange(info.lengths.numel(), dtype=torch.int64), bounds, right=True)
+    row_owner = owner_of_sequence[info.sorted_indices[positions]]
+    order = torch.argsort(row_owner, stable=True)  # each replica's rows, in time-then-sorted order
+    replicas = len(sizes)
+    steps = batch_sizes.numel()
+    per_step = torch.bincount(row_owner * steps + times, minlength=replicas * steps).view(replicas, steps)
+    rows = per_step.sum(1).tolist()
+    data = packed.data
+    picked = data.index_select(0, order.to(data.device))
+    parts = Scatter.apply(list(devices), rows, 0, picked)
+    starts = [0, *bounds.tolist()[:-1]]
+    out = []
+    for j, device in enumerate(devices):
+        local_sizes = per_step[j]
+        local_sizes = local_sizes[local_sizes > 0]
+        sorted_indices = unsorted_indices = None
+        if info.given_sorted:
+            mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
+            sorted_indices = mine.to(device)
+            unsorted_indices = _inverse(mine).to(device)
+        out.append(PackedSequence(parts[j], local_sizes, sorted_indices, unsorted_indices))
+    return out, info
+
+
+def join(
+    packs: Sequence[PackedSequence], destination: DeviceLike | None, layouts: Sequence[Layout] = ()
+) -> PackedSequence:
+    """One PackedSequence holding the sequences of ``packs`` (one per
+    replica), in replica order, on ``destination`` (see the module doc):
+    with the order of the first of ``layouts`` whose lengths are those of
+    the joined sequences (and its ``sorted_indices=None`` where it had
+    None), else the stable longest-first order (``sorted_indices=None``
+    when every part had None and that order is the original one)."""
+    lengths, sources = [], []
+    offset = 0
+    for pack in packs:
+        info = layout(pack)
+        lengths.append(info.lengths)
+        times, positions = _row_times(_cpu_long(pack.batch_sizes))
+        sources.append((times, info.sorted_indices[positions] + offset))  # (time, joined original index) per row
+        offset += info.lengths.numel()
+    all_lengths = torch.cat(lengths)
+    match = next(
+        (lay for lay in layouts if lay.lengths.shape == all_lengths.shape and torch.equal(lay.lengths, all_lengths)),
+        None,
+    )
+    if match is not None:
+        order, given = match.sorted_indices, match.given_sorted
+    else:
+        order = torch.sort(all_lengths, descending=True, stable=True).indices
+        identity = torch.equal(order, torch.arange(order.numel(), dtype=torch.int64))
+        given = not (identity and all(p.sorted_indices is None for p in packs))
+    steps = int(all_lengths.max()) if all_lengths.numel() else 0
+    batch_sizes = (all_lengths.unsqueeze(0) > torch.arange(steps, dtype=torch.int64).unsqueeze(1)).sum(1)
+    step_starts = torch.cumsum(batch_sizes, 0) - batch_sizes
+    position = _inverse(order)
+    targets = torch.cat([step_starts[t] + position[i] for t, i in sources])  # joined row of each gathered row
+    gathered = Gather.apply(destination, 0, *[p.data for p in packs])
+    data = gathered.index_select(0, _inverse(targets).to(gathered.device))
+    sorted_indices = unsorted_indices = None
+    if given:
+        sorted_indices = order.to(data.device)
+        unsorted_indices = position.to(data.device)
+    return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)

@@ -31,7 +31,7 @@ from dpcore._loader import _C
 
 __all__ = [
     "as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes",
-    "SplitPlan", "plan_split", "check_first_device",
+    "SplitPlan", "plan_split", "check_first_device", "check_repeated_rows",
 ]
 
 
@@ -230,7 +230,8 @@ def plan_split(
        other unit must have that count (else ValueError naming both), and
        every tensor must have the batch's size, or (when that differs) the
        number of replicas a batch of that size runs on (split one row per
-       replica, as in 3.), or be 0-dim (1.); any other size is a ValueError
+       replica, as in 3., or the device count, as in 3b.), or be 0-dim (1.);
+       any other size is a ValueError
        naming the tensor and the first unit.
 
     1. A 0-dim tensor takes no part: it goes whole to every replica.
@@ -245,6 +246,13 @@ def plan_split(
        result for a tensor expanded to ``[n_gpu, ...]``). At most one of the
        two sizes can be the batch: ``r <= b`` always, so ``b = R(r)`` and
        ``r = R(b)`` would need ``b == r``.
+   3b. Failing 3., the other size may be the device count ``n`` where a
+       batch of ``b`` runs on fewer replicas (a short last batch, or zero
+       chunk sizes or weights): row j still goes to the j-th replica, and
+       the rows left over must all equal the first (Trainer's
+       ``num_items_in_batch`` expanded to ``[n_gpu, 1]``), which the scatter
+       checks (:func:`check_repeated_rows`): they are dropped only because
+       they repeat a row that was sent.
     4. Every other disagreement is a ValueError naming two paths and their
        sizes and the replica count: nothing is truncated.
 
@@ -269,6 +277,15 @@ def plan_split(
                 continue  # this size cannot be the batch under the split given
             if _replicas(sizes) == other:
                 return SplitPlan(batch, sizes, other)
+        for batch, other in (distinct, distinct[::-1]):  # 3b.
+            if other != n_devices:
+                continue
+            try:
+                sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+            except (TypeError, ValueError):
+                continue
+            if _replicas(sizes) < n_devices:
+                return SplitPlan(batch, sizes, _replicas(sizes))
     # No size is the batch: name the first tensor whose size is neither the
     # first tensor's nor (as one row per replica) the replica count that size gives.
     try:
@@ -331,7 +348,7 @@ def _plan_units(
     sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
     replicas = _replicas(sizes)
     for path, size in entries:
-        if size is not None and size != batch and size != replicas:
+        if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
             raise ValueError(
                 f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
                 f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one row "
@@ -339,3 +356,19 @@ def _plan_units(
                 f"it whole to every replica)"
             )
     return SplitPlan(batch, sizes, replicas)
+
+
+def check_repeated_rows(t: torch.Tensor, dim: int, replicas: int, path: Any) -> torch.Tensor:
+    """The first `replicas` rows (along `dim`) of `t`, a tensor of one row
+    per device split over fewer replicas (rule 3b of :func:`plan_split`),
+    after checking that every row equals the first: ValueError naming
+    `path` otherwise, since the rows beyond the replicas would be lost. Reads
+    the values (a device synchronization), only in this case."""
+    first = t.narrow(dim, 0, 1)
+    if not bool((t == first).all()):
+        raise ValueError(
+            f"{path} has size {t.size(dim)} along dim {dim}, one row per device, but the batch runs on {replicas} "
+            f"replica(s), and its rows differ: rows {replicas}.. would be dropped (as one row per device, they are "
+            f"sent only where they all repeat the first, as Trainer's expanded num_items_in_batch does)"
+        )
+    return t.narrow(dim, 0, replicas)

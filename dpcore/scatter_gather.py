@@ -36,7 +36,7 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, as_destination, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, SEQUENCE, TENSOR, Broadcast, Samples
-from dpcore._split import check_split, plan_split
+from dpcore._split import check_repeated_rows, check_split, plan_split
 
 __all__ = ["Broadcast", "Samples", "Scattered", "GatherHints", "scatter_kwargs", "scatter_with_hints", "scatter", "gather"]
 
@@ -183,17 +183,23 @@ def _split(
     owners = [j for j, size in enumerate(used_sizes) for _ in range(size)]  # the replica of each sample
     split_packs = [_packed.split(p, used_sizes, used_devices) for p in packs]
     memo: dict[tuple[int, bool], tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
+    paths = {id(t): path for path, t in leaves}
 
     def per_replica(t: torch.Tensor, whole: bool) -> Sequence[torch.Tensor]:
-        hit = memo.get((id(t), whole))
+        key = (id(t), whole)
+        hit = memo.get(key)
         if hit is None:
+            source = t
             # plan_split checked every tensor: 0-dim whole, the batch's size by the split, any other one row each
             if whole or t.dim() == 0:
                 parts: Sequence[torch.Tensor] = _broadcast_tensor(t, used_devices)
             else:
-                rows = used_sizes if t.size(dim) == plan.batch else [1] * len(used)
+                size = t.size(dim)
+                if size != plan.batch and size != count:  # one row per device, fewer replicas (plan_split's 3b)
+                    t = check_repeated_rows(t, dim, count, paths.get(id(t), "a tensor"))
+                rows = used_sizes if size == plan.batch else [1] * count
                 parts = Scatter.apply(used_devices, rows, dim, t)
-            hit = memo[(id(t), whole)] = (t, parts)
+            hit = memo[key] = (source, parts)  # the source kept alive: its id stays its own
         return hit[1]
 
     def column(i: int, t: torch.Tensor, tags: dict[int, tuple[str, int, int]], marked: list[bool] | None) -> Any:

@@ -61,12 +61,20 @@ def test_plan_replica_count_tensor(entries: list[tuple[str, int]], devices: int,
     assert tuple(plan_split(entries, devices)) == expected
 
 
+def test_plan_a_tensor_of_the_device_count_when_fewer_replicas_run() -> None:
+    """Rule 3b: Trainer's [n_gpu, 1] when the last batch has fewer rows than
+    devices (3 replicas run, not 4), or a split with an empty device."""
+    assert tuple(plan_split([("ids", 3), ("n", 4)], 4)) == (3, [1, 1, 1, 0], 3)
+    assert tuple(plan_split([("n", 4), ("ids", 1)], 4)) == (1, [1, 0, 0, 0], 1)
+    assert tuple(plan_split([("x", 5), ("n", 3)], 3, chunk_sizes=[3, 0, 2])) == (5, [3, 0, 2], 2)
+
+
 def test_plan_follows_chunk_sizes_and_weights() -> None:
     # chunk_sizes with an empty device: 2 replicas run, so a size 2 is one row per replica
     assert tuple(plan_split([("x", 5), ("r", 2)], 3, chunk_sizes=[3, 0, 2])) == (5, [3, 0, 2], 2)
     assert tuple(plan_split([("x", 6), ("r", 3)], 3, weights=[1, 1, 1])) == (6, [2, 2, 2], 3)
-    with pytest.raises(ValueError, match=r"r has size 3 .* x has size 5: .*\(2 for a batch of 5\)"):
-        plan_split([("x", 5), ("r", 3)], 3, chunk_sizes=[3, 0, 2])
+    with pytest.raises(ValueError, match=r"r has size 4 .* x has size 5: .*\(2 for a batch of 5\)"):
+        plan_split([("x", 5), ("r", 4)], 3, chunk_sizes=[3, 0, 2])
 
 
 @pytest.mark.parametrize(
@@ -74,9 +82,9 @@ def test_plan_follows_chunk_sizes_and_weights() -> None:
     [
         ([("a", 8), ("b", 3)], 2, r"b has size 3 along dim 0 but a has size 8: .*\(2 for a batch of 8\)"),
         ([("a", 8), ("b", 2), ("c", 3)], 2, r"c has size 3 along dim 0 but a has size 8"),
-        # Trainer's [n_gpu, 1] when the last batch has fewer rows than devices: 3 replicas run, not 4
-        ([("ids", 3), ("n", 4)], 4, r"n has size 4 along dim 0 but ids has size 3: .*\(3 for a batch of 3\)"),
-        ([("a", 1), ("b", 2)], 2, r"b has size 2 along dim 0 but a has size 1"),
+        # neither the batch, nor the replicas used (2), nor the device count (4)
+        ([("ids", 2), ("n", 3)], 4, r"n has size 3 along dim 0 but ids has size 2: .*\(2 for a batch of 2\)"),
+        ([("a", 1), ("b", 3)], 2, r"b has size 3 along dim 0 but a has size 1"),
     ],
 )
 def test_plan_other_disagreements_are_errors(entries: list[tuple[str, int]], devices: int, pattern: str) -> None:
@@ -193,9 +201,34 @@ def test_data_parallel_num_items_equals_one_device(devices: list[str], batch: in
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_data_parallel_trainer_last_small_batch_is_an_error() -> None:
-    """[n_gpu, 1] against a batch smaller than the device list: fewer replicas
-    run, so the extra row would be dropped; that is an error, not a truncation."""
+@pytest.mark.parametrize(("devices", "batch"), [(CPU3, 2), (CPU3, 1), (CPU2, 1)])
+def test_data_parallel_trainer_last_short_batch_equals_one_device(devices: list[str], batch: int) -> None:
+    """Trainer's [n_gpu, 1] (its count repeated per device) against a last
+    batch smaller than the device list: fewer replicas run, each gets its
+    row, as torch's scatter gives it; the rows left over repeat the first,
+    so nothing is lost. Exact against one device."""
+    torch.manual_seed(0)
+    module = _Scaled().double()
+    reference = copy.deepcopy(module)
+    dp = dpcore.DataParallel(module, devices)
+    x = torch.randn(batch, 4, dtype=torch.float64)
+    count = torch.tensor(11.0, dtype=torch.float64)
+    given = count.unsqueeze(0).expand(len(devices), -1) / 1  # materialized, as Trainer's division leaves it
+    out = dp(x, num_items_in_batch=given)
+    expected = reference(x, num_items_in_batch=count)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_data_parallel_rows_per_device_that_differ_are_an_error_when_fewer_replicas_run() -> None:
+    """One row per device whose rows differ, against a batch smaller than the
+    device list: the rows beyond the replicas would be dropped, so it is an
+    error naming the argument, never a truncation."""
     dp = dpcore.DataParallel(_Scaled().double(), CPU3)
-    with pytest.raises(ValueError, match=r"kwargs\['num_items_in_batch'\] has size 3 .* \(2 for a batch of 2\)"):
-        dp(torch.randn(2, 4, dtype=torch.float64), num_items_in_batch=torch.ones(3, 1, dtype=torch.float64))
+    per_device = torch.tensor([[11.0], [11.0], [12.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"kwargs\['num_items_in_batch'\] has size 3 along dim 0, one row per "
+                                         r"device, but the batch runs on 2 replica\(s\), and its rows differ"):
+        dp(torch.randn(2, 4, dtype=torch.float64), num_items_in_batch=per_device)

@@ -90,7 +90,7 @@ def _check_batch(leaves: list[tuple[str, torch.Tensor]], dim: int) -> list[tuple
     return entries
 
 
-def _devices(devices: Sequence[DeviceLike], arg: str) -> list[torch.device]:
+def _nonempty_device_list(devices: Sequence[DeviceLike], arg: str) -> list[torch.device]:
     devs = as_devices(devices, arg)
     if not devs:
         raise ValueError(f"{arg}: expected at least one device, but got an empty list")
@@ -130,7 +130,7 @@ def _misplaced(tree: Any, spec: pt.Spec, node: pt.Spec, outer: str, path: str) -
     )
 
 
-def _split(
+def _split_trees(
     trees: Sequence[tuple[Any, str]],
     devices: list[torch.device],
     dim: int,
@@ -305,7 +305,7 @@ def scatter_with_hints(
 ) -> tuple[Scattered, GatherHints]:
     """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of
     the call's outputs (what DataParallel's scatter keeps for its gather)."""
-    devs = _devices(devices, "devices")
+    devs = _nonempty_device_list(devices, "devices")
     check_split(chunk_sizes, weights, len(devs))
     if inputs is None:
         inputs = ()
@@ -315,7 +315,7 @@ def scatter_with_hints(
         kwargs = {}
     elif not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs: expected a mapping of keyword arguments, but got {type(kwargs).__name__}")
-    (args, kws), sizes, used, hints = _split(
+    (args, kws), sizes, used, hints = _split_trees(
         [(tuple(inputs), "inputs"), (kwargs, "kwargs")], devs, dim, chunk_sizes, weights, [0]
     )
     return Scattered(args, kws, sizes, used), hints
@@ -335,8 +335,8 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     naming both, not a silent truncation (except as :func:`scatter_kwargs`
     says: 0-dim tensors whole, a tensor of the replica count one row each).
     """
-    devs = _devices(target_gpus, "target_gpus")
-    (values,), _, _, _ = _split([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
+    devs = _nonempty_device_list(target_gpus, "target_gpus")
+    (values,), _, _, _ = _split_trees([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
     return tuple(values) if isinstance(inputs, torch.Tensor) else values
 
 

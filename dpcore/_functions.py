@@ -32,7 +32,12 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
 
 __all__ = [
-    "Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket",
+    "Scatter",
+    "Gather",
+    "BroadcastTensor",
+    "BroadcastCoalesced",
+    "ReduceAddCoalesced",
+    "BroadcastBucket",
     "reduce_present",
 ]
 

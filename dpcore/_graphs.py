@@ -58,7 +58,13 @@ from torch.autograd.function import once_differentiable
 from dpcore import _pytree as pt
 
 __all__ = [
-    "GraphRunner", "CaptureSource", "call_signature", "hook_reason", "Uncapturable", "WARMUP_CALLS", "CACHE_SIZE",
+    "GraphRunner",
+    "CaptureSource",
+    "call_signature",
+    "hook_reason",
+    "Uncapturable",
+    "WARMUP_CALLS",
+    "CACHE_SIZE",
 ]
 
 #: Eager calls of a signature before it is captured (torch's
@@ -162,7 +168,9 @@ def _signature(
     return key, [tensors for tensors, _ in flat], [spec for _, (spec, _) in flat]
 
 
-def call_signature(args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+def call_signature(
+    args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]
+) -> tuple[Any, ...]:
     """The key a call's captured graphs are kept under: which replicas run
     (`used`), each replica's argument structure (the pytree spec of its
     ``(args, kwargs)`` and its tensors' metadata), grad mode, inference mode,
@@ -182,7 +190,9 @@ class _ReplayToken:
 
 
 @contextlib.contextmanager
-def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, rng: torch.Generator) -> Iterator[None]:
+def _capturing(
+    graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, rng: torch.Generator
+) -> Iterator[None]:
     """Captures the CUDA work of the block on `stream` into `graph` (memory
     from `pool`), with `rng` as the device's default generator state: the
     graph registers that state, so its replays draw fresh numbers from it.
@@ -281,9 +291,11 @@ class _ReplicaGraph:
                 self.static_grad_outputs = [torch.empty_like(o) for o in differentiable]
             self.bwd = torch.cuda.CUDAGraph()
             with _capturing(self.bwd, self.pool, stream, rng):
-                grads = torch.autograd.grad(
-                    differentiable, surface, self.static_grad_outputs, allow_unused=True
-                ) if surface else ()
+                grads = (
+                    torch.autograd.grad(differentiable, surface, self.static_grad_outputs, allow_unused=True)
+                    if surface
+                    else ()
+                )
             self.static_grads = list(grads)
         # The captured autograd graph is not needed any more (its saved
         # tensors live in the pool, written by each replay).
@@ -357,7 +369,9 @@ class _Replay(torch.autograd.Function):
     its static outputs; backward replays its backward graph."""
 
     @staticmethod
-    def forward(ctx: Any, graph: _ReplicaGraph, token: _ReplayToken, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(
+        ctx: Any, graph: _ReplicaGraph, token: _ReplayToken, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.graph = graph
         ctx.token = token
         graph.fwd.replay()
@@ -663,8 +677,14 @@ class GraphRunner:
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             graphs.append(
                 _ReplicaGraph(
-                    make_call(replica), leaves[j], specs[j], params, self.stream(i, device), self._generator(i, device),
-                    keep=cache, copy_grads=len(used) == 1,
+                    make_call(replica),
+                    leaves[j],
+                    specs[j],
+                    params,
+                    self.stream(i, device),
+                    self._generator(i, device),
+                    keep=cache,
+                    copy_grads=len(used) == 1,
                 )
             )
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]

@@ -82,7 +82,9 @@ def not_built_message(package_dir: str, search_path: Sequence[str] | None = None
             f"(`{INSTALL}` in {os.path.dirname(package_dir)}, then import it from another directory) "
             f"or build in place (`{INPLACE_BUILD}`)"
         )
-    return f"dpcore's C++ extension is not built in {package_dir}: reinstall dpcore (`{INSTALL}` from its source folder)"
+    return (
+        f"dpcore's C++ extension is not built in {package_dir}: reinstall dpcore (`{INSTALL}` from its source folder)"
+    )
 
 
 def load_extension() -> ModuleType:

@@ -117,9 +117,11 @@ class Samples(Generic[T]):
         if not isinstance(value, (list, tuple)) or is_namedtuple(value):
             raise TypeError(
                 f"dpcore.Samples: expected a list or tuple with one entry per sample, but got "
-                f"{type(value).__name__}" + (
+                f"{type(value).__name__}"
+                + (
                     " (a tensor is split along dim already; Samples is for a list of samples)"
-                    if isinstance(value, torch.Tensor) else ""
+                    if isinstance(value, torch.Tensor)
+                    else ""
                 )
             )
         self.value: Sequence[T] = value

@@ -30,8 +30,17 @@ import torch
 from dpcore._loader import _C
 
 __all__ = [
-    "as_int", "as_int_list", "check_chunk_sizes", "check_weights", "check_split", "balanced", "split_sizes",
-    "SplitPlan", "plan_split", "check_first_device", "check_repeated_rows",
+    "as_int",
+    "as_int_list",
+    "check_chunk_sizes",
+    "check_weights",
+    "check_split",
+    "balanced",
+    "split_sizes",
+    "SplitPlan",
+    "plan_split",
+    "check_first_device",
+    "check_repeated_rows",
 ]
 
 
@@ -51,7 +60,9 @@ def as_int(value: Any, arg: str) -> int:
 
 def _as_list(values: Any, arg: str, what: str) -> list[Any]:
     if isinstance(values, (str, bytes, Mapping)):
-        raise TypeError(f"{arg}: expected a sequence of {what}, one per device, but got {type(values).__name__} {values!r}")
+        raise TypeError(
+            f"{arg}: expected a sequence of {what}, one per device, but got {type(values).__name__} {values!r}"
+        )
     try:
         return list(values)
     except TypeError:
@@ -219,45 +230,45 @@ def plan_split(
     units: Sequence[tuple[Any, int, str]] = (),
 ) -> SplitPlan:
     """The scatter rules, for the tensors of one call: ``entries`` holds one
-    ``(path, size)`` per tensor to scatter, ``size`` its size along the split
-    dim ``dim`` or None for a 0-dim tensor; ``units`` one ``(path, count,
-    noun)`` per input that is split between its units, never inside one (a
-    ``dpcore.Samples`` list: its samples; a PackedSequence: its sequences).
+     ``(path, size)`` per tensor to scatter, ``size`` its size along the split
+     dim ``dim`` or None for a 0-dim tensor; ``units`` one ``(path, count,
+     noun)`` per input that is split between its units, never inside one (a
+     ``dpcore.Samples`` list: its samples; a PackedSequence: its sequences).
 
-    Guarantees, in this order of decision:
+     Guarantees, in this order of decision:
 
-    0. Where the call has units, the first one's count is the batch: every
-       other unit must have that count (else ValueError naming both), and
-       every tensor must have the batch's size, or (when that differs) the
-       number of replicas a batch of that size runs on (split one row per
-       replica, as in 3., or the device count, as in 3b.), or be 0-dim (1.);
-       any other size is a ValueError
-       naming the tensor and the first unit.
+     0. Where the call has units, the first one's count is the batch: every
+        other unit must have that count (else ValueError naming both), and
+        every tensor must have the batch's size, or (when that differs) the
+        number of replicas a batch of that size runs on (split one row per
+        replica, as in 3., or the device count, as in 3b.), or be 0-dim (1.);
+        any other size is a ValueError
+        naming the tensor and the first unit.
 
-    1. A 0-dim tensor takes no part: it goes whole to every replica.
-    2. When every other tensor has the same size, that size is the batch
-       (also where it equals the number of replicas).
-    3. Otherwise there must be exactly two sizes, ``b`` and ``r``, where
-       ``r`` is the number of replicas that a batch of ``b`` rows runs on
-       (by :func:`split_sizes` with ``chunk_sizes`` / ``weights``: fewer
-       replicas than devices when ``b`` is smaller than the device count).
-       Then ``b`` is the batch and every tensor of size ``r`` is split one
-       row per replica, row j to the j-th replica (torch.nn.DataParallel's
-       result for a tensor expanded to ``[n_gpu, ...]``). At most one of the
-       two sizes can be the batch: ``r <= b`` always, so ``b = R(r)`` and
-       ``r = R(b)`` would need ``b == r``.
-   3b. Failing 3., the other size may be the device count ``n`` where a
-       batch of ``b`` runs on fewer replicas (a short last batch, or zero
-       chunk sizes or weights): row j still goes to the j-th replica, and
-       the rows left over must all equal the first (Trainer's
-       ``num_items_in_batch`` expanded to ``[n_gpu, 1]``), which the scatter
-       checks (:func:`check_repeated_rows`): they are dropped only because
-       they repeat a row that was sent.
-    4. Every other disagreement is a ValueError naming two paths and their
-       sizes and the replica count: nothing is truncated.
+     1. A 0-dim tensor takes no part: it goes whole to every replica.
+     2. When every other tensor has the same size, that size is the batch
+        (also where it equals the number of replicas).
+     3. Otherwise there must be exactly two sizes, ``b`` and ``r``, where
+        ``r`` is the number of replicas that a batch of ``b`` rows runs on
+        (by :func:`split_sizes` with ``chunk_sizes`` / ``weights``: fewer
+        replicas than devices when ``b`` is smaller than the device count).
+        Then ``b`` is the batch and every tensor of size ``r`` is split one
+        row per replica, row j to the j-th replica (torch.nn.DataParallel's
+        result for a tensor expanded to ``[n_gpu, ...]``). At most one of the
+        two sizes can be the batch: ``r <= b`` always, so ``b = R(r)`` and
+        ``r = R(b)`` would need ``b == r``.
+    3b. Failing 3., the other size may be the device count ``n`` where a
+        batch of ``b`` runs on fewer replicas (a short last batch, or zero
+        chunk sizes or weights): row j still goes to the j-th replica, and
+        the rows left over must all equal the first (Trainer's
+        ``num_items_in_batch`` expanded to ``[n_gpu, 1]``), which the scatter
+        checks (:func:`check_repeated_rows`): they are dropped only because
+        they repeat a row that was sent.
+     4. Every other disagreement is a ValueError naming two paths and their
+        sizes and the replica count: nothing is truncated.
 
-    Errors of ``chunk_sizes`` / ``weights`` against the batch are those of
-    :func:`split_sizes`.
+     Errors of ``chunk_sizes`` / ``weights`` against the batch are those of
+     :func:`split_sizes`.
     """
     if units:
         return _plan_units(entries, n_devices, chunk_sizes, weights, dim, units)
@@ -298,7 +309,8 @@ def plan_split(
     )
     per_replica = (
         f" or, to be split one row per replica, the number of replicas used ({replicas} for a batch of {first})"
-        if replicas is not None else ""
+        if replicas is not None
+        else ""
     )
     raise ValueError(
         f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
@@ -308,8 +320,11 @@ def plan_split(
 
 
 def check_first_device(
-    sizes: Sequence[int], devices: Sequence[int], n_devices: int,
-    chunk_sizes: Sequence[int] | None, weights: Sequence[float] | None,
+    sizes: Sequence[int],
+    devices: Sequence[int],
+    n_devices: int,
+    chunk_sizes: Sequence[int] | None,
+    weights: Sequence[float] | None,
 ) -> None:
     """DataParallel's rule on top of the split: the first device, which holds
     the module, gets rows. `sizes` are the rows of the replicas on the device

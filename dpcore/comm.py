@@ -169,9 +169,7 @@ def gather(
     tensors = tensor_list(tensors, "tensors")
     if out is not None:
         if destination is not None:
-            raise RuntimeError(
-                f"gather: 'destination' must not be specified when 'out' is, but got {destination!r}"
-            )
+            raise RuntimeError(f"gather: 'destination' must not be specified when 'out' is, but got {destination!r}")
         _C.gather_out(tensors, out, dim)
         return out
     return _C.gather(tensors, dim, as_destination(destination))

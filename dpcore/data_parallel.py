@@ -112,7 +112,9 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
     module without ``.reduction``), and TypeError/ValueError for a bad value."""
     if declared is not None:
         if not isinstance(declared, str):
-            raise TypeError(f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}")
+            raise TypeError(
+                f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}"
+            )
         if declared not in CRITERION_REDUCTIONS:
             raise ValueError(f"criterion_reduction: expected 'mean' or 'sum', but got {declared!r}")
         if criterion is None:
@@ -126,9 +128,7 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
         own = None  # not torch's convention: the user declares it
     if declared is not None:
         if own is not None and own in _OWN_REDUCTIONS and _OWN_REDUCTIONS[own] != declared:
-            raise ValueError(
-                f"criterion_reduction={declared!r} disagrees with the criterion's own reduction={own!r}"
-            )
+            raise ValueError(f"criterion_reduction={declared!r} disagrees with the criterion's own reduction={own!r}")
         return declared
     if own is not None and own not in _OWN_REDUCTIONS:
         raise ValueError(
@@ -157,9 +157,7 @@ def _loss_weight(reduction: str | None, chunk: int, total: int) -> float:
     return 1.0 if _summed(reduction) else chunk / total
 
 
-def _check_model_loss(
-    model_loss: Any, loss_items: Any, criterion: Any, gather: Any, process_group: Any
-) -> str | None:
+def _check_model_loss(model_loss: Any, loss_items: Any, criterion: Any, gather: Any, process_group: Any) -> str | None:
     """The checked ``model_loss`` (None, or one of MODEL_LOSSES), with its
     ``loss_items``; TypeError/ValueError naming the option otherwise."""
     if model_loss is None:
@@ -168,10 +166,14 @@ def _check_model_loss(
                 "loss_items: given without criterion= or model_loss='items' / 'num_items_in_batch', which use it"
             )
         if loss_items is not None and not callable(loss_items):
-            raise TypeError(f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}")
+            raise TypeError(
+                f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}"
+            )
         return None
     if not isinstance(model_loss, str):
-        raise TypeError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {type(model_loss).__name__} {model_loss!r}")
+        raise TypeError(
+            f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {type(model_loss).__name__} {model_loss!r}"
+        )
     if model_loss not in MODEL_LOSSES:
         raise ValueError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {model_loss!r}")
     if criterion is not None:
@@ -189,7 +191,9 @@ def _check_model_loss(
             "how many items its loss averages over (for example, labels other than -100)"
         )
     if loss_items is not None and model_loss not in ("items", "num_items_in_batch"):
-        raise ValueError(f"loss_items: model_loss={model_loss!r} does not use it (only 'items' and 'num_items_in_batch')")
+        raise ValueError(
+            f"loss_items: model_loss={model_loss!r} does not use it (only 'items' and 'num_items_in_batch')"
+        )
     if process_group is not None and model_loss not in ("rows", "sum"):
         raise ValueError(
             f"model_loss={model_loss!r} is not supported with process_group= (the processes are weighted by their "
@@ -203,7 +207,9 @@ def _is_loss_dict(output: Any) -> bool:
     Mapping without a "loss" key whose every value is a one-element tensor
     (torchvision's detection models return one in training)."""
     return (
-        isinstance(output, Mapping) and bool(output) and "loss" not in output
+        isinstance(output, Mapping)
+        and bool(output)
+        and "loss" not in output
         and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in output.values())
     )
 
@@ -282,13 +288,28 @@ def _check_count(value: Any, replica: int) -> float:
 #: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
 #: not have: where the wrapped module lacks them too, looking them up is an
 #: AttributeError naming dpcore's wrapper, not one from the wrapped module.
-_DDP_ONLY = frozenset({
-    "_register_builtin_comm_hook", "_register_fused_optim", "reducer", "logger",
-    "static_graph", "_set_static_graph", "find_unused_parameters", "gradient_as_bucket_view",
-    "bucket_bytes_cap", "broadcast_bucket_size", "require_backward_grad_sync", "require_forward_param_sync",
-    "will_sync_module_buffers", "_get_ddp_logging_data", "_register_buffer_comm_hook", "mixed_precision",
-    "forward_sync_buffers", "parameters_to_ignore",
-})
+_DDP_ONLY = frozenset(
+    {
+        "_register_builtin_comm_hook",
+        "_register_fused_optim",
+        "reducer",
+        "logger",
+        "static_graph",
+        "_set_static_graph",
+        "find_unused_parameters",
+        "gradient_as_bucket_view",
+        "bucket_bytes_cap",
+        "broadcast_bucket_size",
+        "require_backward_grad_sync",
+        "require_forward_param_sync",
+        "will_sync_module_buffers",
+        "_get_ddp_logging_data",
+        "_register_buffer_comm_hook",
+        "mixed_precision",
+        "forward_sync_buffers",
+        "parameters_to_ignore",
+    }
+)
 
 
 _EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
@@ -661,10 +682,17 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if cuda_graphs:
             _check_not_compiled(module)
         _check_overrides(
-            type(self), cuda_graphs=cuda_graphs, sync_batchnorm=sync_batchnorm,
+            type(self),
+            cuda_graphs=cuda_graphs,
+            sync_batchnorm=sync_batchnorm,
             bypasses_gather=(
-                "criterion=" if criterion is not None else "gather=False" if not gather
-                else "model_loss=" if model_loss is not None else None
+                "criterion="
+                if criterion is not None
+                else "gather=False"
+                if not gather
+                else "model_loss="
+                if model_loss is not None
+                else None
             ),
         )
         self.cuda_graphs = cuda_graphs
@@ -698,7 +726,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         if defaulted:
             device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
             if not device_ids and cuda_graphs:
-                raise ValueError("cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible")
+                raise ValueError(
+                    "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
+                )
         if defaulted and not device_ids:  # no accelerator and no list: the module runs as is
             self.device_ids: list[torch.device] = []
             self.output_device = None
@@ -729,8 +759,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         self.__dict__.update(_fresh_private_state(cuda_graphs))
         if process_group is not None:
             self._sync = GradientSync(
-                module, self.device_ids[0], process_group,
-                broadcast_buffers=broadcast_buffers, bucket_bytes=self.bucket_bytes, sync_batchnorm=self.sync_batchnorm,
+                module,
+                self.device_ids[0],
+                process_group,
+                broadcast_buffers=broadcast_buffers,
+                bucket_bytes=self.bucket_bytes,
+                sync_batchnorm=self.sync_batchnorm,
             )
 
     # -- attribute fall-through, state dicts, pickling -----------------------
@@ -820,9 +854,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         indices into ``device_ids`` of the replicas' devices) and
         ``.hints`` (for the gather of the call: whether an input was a
         ``dpcore.Samples`` list, the order of PackedSequence inputs)."""
-        return _ScatteredPair(
-            *scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights)
-        )
+        return _ScatteredPair(*scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights))
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """torch's ``replicate``: one module per device of ``device_ids``, the
@@ -843,7 +875,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         order."""
         if len(replicas) == 1:  # in this thread, as forward runs a single replica
             first = inputs[0]
-            return [replicas[0](*(first if isinstance(first, (list, tuple)) else (first,)), **((kwargs or [{}])[0] or {}))]
+            return [
+                replicas[0](*(first if isinstance(first, (list, tuple)) else (first,)), **((kwargs or [{}])[0] or {}))
+            ]
         devices = self._call_devices
         if devices is None or len(devices) != len(replicas):
             devices = self.device_ids[: len(replicas)]
@@ -1079,7 +1113,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return self.gather(outputs, self.output_device)
 
     def _run_overridden(
-        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]],
+        self,
+        args: list[Any],
+        kws: list[Any],
+        used: list[int],
+        make_call: Callable[[nn.Module], Callable[..., Any]],
         local_batch: int,
     ) -> list[Any]:
         """The outputs of the replicas `used`, through this wrapper's
@@ -1139,7 +1177,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return counts
 
     def _gather_with_model_loss(
-        self, outputs: list[Any], args: list[Any], kws: list[Any], sizes: list[int],
+        self,
+        outputs: list[Any],
+        args: list[Any],
+        kws: list[Any],
+        sizes: list[int],
         devices: list[torch.device],
     ) -> Any:
         """The gathered `outputs` with the model's per-replica losses replaced
@@ -1158,9 +1200,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             return gather_with_hints(outputs, self.output_device, self.dim, hints)
         for j, (loss, device) in enumerate(zip(losses, devices)):
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                got = (
-                    f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-                )
+                got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(
                     f"model_loss={self.model_loss!r}: expected a scalar loss (a tensor of one element) in every "
                     f"replica's output, but replica {j} (on {device}) has {got} where the loss goes"
@@ -1202,7 +1242,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return combine
 
     def _run_eagerly(
-        self, args: list[Any], kws: list[Any], used: list[int], make_call: Callable[[nn.Module], Callable[..., Any]],
+        self,
+        args: list[Any],
+        kws: list[Any],
+        used: list[int],
+        make_call: Callable[[nn.Module], Callable[..., Any]],
         local_batch: int,
     ) -> list[Any]:
         """The outputs of the replicas `used` on their chunks, run eagerly:
@@ -1352,5 +1396,7 @@ def data_parallel(
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):
-        raise TypeError(f"module_kwargs: expected a mapping of keyword arguments, but got {type(module_kwargs).__name__}")
+        raise TypeError(
+            f"module_kwargs: expected a mapping of keyword arguments, but got {type(module_kwargs).__name__}"
+        )
     return DataParallel(module, device_ids, output_device, dim, **options)(*inputs, **(module_kwargs or {}))

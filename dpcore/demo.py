@@ -128,9 +128,17 @@ def digits_cnn(batchnorm: bool = False) -> nn.Module:
         return [kind(channels)] if batchnorm else []
 
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), *norm(nn.BatchNorm2d, 16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), *norm(nn.BatchNorm2d, 32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), *norm(nn.BatchNorm1d, 64), nn.ReLU(),
+        nn.Conv2d(1, 16, 3, padding=1),
+        *norm(nn.BatchNorm2d, 16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        *norm(nn.BatchNorm2d, 32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        *norm(nn.BatchNorm1d, 64),
+        nn.ReLU(),
         nn.Linear(64, 10),
     )
 
@@ -153,9 +161,7 @@ def load_data(
 
     images, labels = load_digits(return_X_y=True)
     if limit is not None and limit < len(labels):
-        images, _, labels, _ = train_test_split(
-            images, labels, train_size=limit, stratify=labels, random_state=seed
-        )
+        images, _, labels, _ = train_test_split(images, labels, train_size=limit, stratify=labels, random_state=seed)
     x_train, x_test, y_train, y_test = train_test_split(
         images, labels, test_size=0.2, stratify=labels, random_state=seed
     )
@@ -242,8 +248,11 @@ def check_agreement(
     run_single = single if compile_backend is None else torch.compile(single, backend=compile_backend)
     dp = dpcore.DataParallel(
         parallel if compile_backend is None else torch.compile(parallel, backend=compile_backend),
-        device_ids=list(devices), criterion=criterion, process_group=process_group,
-        sync_batchnorm=sync_batchnorm, cuda_graphs=cuda_graphs,
+        device_ids=list(devices),
+        criterion=criterion,
+        process_group=process_group,
+        sync_batchnorm=sync_batchnorm,
+        cuda_graphs=cuda_graphs,
     )
     rank, world = 0, 1
     if process_group is not None:
@@ -272,10 +281,12 @@ def check_agreement(
             loss_global = loss_global / len(index)
         loss_diffs.append(abs(loss_single.item() - loss_global.item()))
         with torch.no_grad():
-            diffs.append(max(
-                (a.double() - b.double()).abs().max().item()
-                for a, b in zip(single.state_dict().values(), parallel.state_dict().values())
-            ))
+            diffs.append(
+                max(
+                    (a.double() - b.double()).abs().max().item()
+                    for a, b in zip(single.state_dict().values(), parallel.state_dict().values())
+                )
+            )
     if process_group is not None:  # every rank decides on the worst difference anywhere
         worst = torch.tensor(diffs + loss_diffs, dtype=torch.float64, device=devices[0])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=process_group)
@@ -320,42 +331,59 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--devices", default=None,
+        "--devices",
+        default=None,
         help="'cpu:N' (N CPU replicas) or CUDA indices such as '0,1' or '0,0'; default: every GPU, else cpu:4",
     )
     parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"], help="training epochs (default %(default)s)")
     parser.add_argument(
-        "--batch-size", type=int, default=DEFAULTS["batch_size"],
+        "--batch-size",
+        type=int,
+        default=DEFAULTS["batch_size"],
         help="global batch size, split across the devices (default %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=float, default=DEFAULTS["lr"],
+        "--lr",
+        type=float,
+        default=DEFAULTS["lr"],
         help="peak SGD learning rate (momentum 0.9, cosine decay to 0 over the run; default %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=DEFAULTS["seed"], help="seed of the split, weights and shuffling (default %(default)s)"
+        "--seed",
+        type=int,
+        default=DEFAULTS["seed"],
+        help="seed of the split, weights and shuffling (default %(default)s)",
     )
     parser.add_argument(
-        "--batchnorm", action="store_true",
+        "--batchnorm",
+        action="store_true",
         help="add BatchNorm after every hidden layer, with per-replica statistics (the float64 check is skipped)",
     )
     parser.add_argument(
-        "--sync-batchnorm", action="store_true",
+        "--sync-batchnorm",
+        action="store_true",
         help="add BatchNorm after every hidden layer, synchronized across the replicas (implies --batchnorm)",
     )
     parser.add_argument(
-        "--cuda-graphs", action="store_true",
+        "--cuda-graphs",
+        action="store_true",
         help="replay each replica's forward and backward from CUDA graphs after a warm-up "
         "(DataParallel(cuda_graphs=True)); CUDA devices only, not with --sync-batchnorm",
     )
     parser.add_argument(
-        "--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
         help="train DataParallel(torch.compile(model, backend=BACKEND)) (default backend: inductor); "
         "not with --cuda-graphs",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
     parser.add_argument(
-        "--checkpoint", default=None, metavar="FILE",
+        "--checkpoint",
+        default=None,
+        metavar="FILE",
         help="save the trained model's state_dict here (torch.save; from rank 0 only under torchrun)",
     )
     # For tests: train and test on a stratified subset of this many images.
@@ -457,9 +485,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _run(
-    args: argparse.Namespace, devices: list[torch.device], spec: str, group: Any = None
-) -> dict[str, Any]:
+def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group: Any = None) -> dict[str, Any]:
     """The demo proper, once the options are checked (see main); `group`:
     the process group of a torchrun launch (hybrid data parallelism)."""
     from tqdm import tqdm
@@ -506,8 +532,17 @@ def _run(
         )
     else:
         check = check_agreement(
-            model, devices, x_train, y_train, first_batches, args.lr, steps=check_steps, process_group=group,
-            sync_batchnorm=args.sync_batchnorm, cuda_graphs=args.cuda_graphs, compile_backend=args.compile,
+            model,
+            devices,
+            x_train,
+            y_train,
+            first_batches,
+            args.lr,
+            steps=check_steps,
+            process_group=group,
+            sync_batchnorm=args.sync_batchnorm,
+            cuda_graphs=args.cuda_graphs,
+            compile_backend=args.compile,
         )
         worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
         if not check["ok"]:
@@ -526,7 +561,11 @@ def _run(
 
     criterion = nn.CrossEntropyLoss()
     trainer = dpcore.DataParallel(
-        model if args.compile is None else torch.compile(model, backend=args.compile), device_ids=devices, criterion=criterion, process_group=group, sync_batchnorm=args.sync_batchnorm,
+        model if args.compile is None else torch.compile(model, backend=args.compile),
+        device_ids=devices,
+        criterion=criterion,
+        process_group=group,
+        sync_batchnorm=args.sync_batchnorm,
         cuda_graphs=args.cuda_graphs,
     )
     # Every rank evaluates the whole test set (the same weights, the same result); no collective.
@@ -541,8 +580,12 @@ def _run(
         model.train()
         total_loss = torch.zeros((), device=first)
         bar = tqdm(
-            order, desc=f"epoch {epoch}/{args.epochs}", unit="batch", leave=False,
-            disable=args.no_progress or rank != 0, dynamic_ncols=True,
+            order,
+            desc=f"epoch {epoch}/{args.epochs}",
+            unit="batch",
+            leave=False,
+            disable=args.no_progress or rank != 0,
+            dynamic_ncols=True,
         )
         start = time.perf_counter()
         for step, index in enumerate(bar):
@@ -564,13 +607,15 @@ def _run(
         bar.close()
         model.eval()
         acc = accuracy(evaluator, x_test, y_test)
-        history.append({
-            "epoch": epoch,
-            "loss": mean_loss,
-            "test_accuracy": acc,
-            "samples_per_second": trained / seconds,
-            "seconds": seconds,
-        })
+        history.append(
+            {
+                "epoch": epoch,
+                "loss": mean_loss,
+                "test_accuracy": acc,
+                "samples_per_second": trained / seconds,
+                "seconds": seconds,
+            }
+        )
         say(
             f"epoch {epoch:>{len(str(args.epochs))}}/{args.epochs}  loss {mean_loss:.4f}  "
             f"test accuracy {acc:.4f}  {trained / seconds:,.0f} samples/s",
@@ -606,14 +651,16 @@ def _run(
     print_table(history, HISTORY_COLUMNS)
     print()
     print_table(
-        [{
-            "devices": spec if group is None else f"{world} x {spec}",
-            "epochs": args.epochs,
-            "acc": summary["final_accuracy"],
-            "sps": summary["samples_per_second"],
-            "s": train_seconds,
-            "check": "skipped" if check is None else f"passed ({check['steps']} steps, atol {check['atol']:g})",
-        }],
+        [
+            {
+                "devices": spec if group is None else f"{world} x {spec}",
+                "epochs": args.epochs,
+                "acc": summary["final_accuracy"],
+                "sps": summary["samples_per_second"],
+                "s": train_seconds,
+                "check": "skipped" if check is None else f"passed ({check['steps']} steps, atol {check['atol']:g})",
+            }
+        ],
         [
             ("devices", "devices", "s"),
             ("epochs", "epochs", "d"),

@@ -348,7 +348,8 @@ class GradBucket:
         tensor of the same number of elements; ``gradients()`` then views it."""
         if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
             found = (
-                f"a tensor of shape {tuple(buffer.shape)}" if isinstance(buffer, torch.Tensor)
+                f"a tensor of shape {tuple(buffer.shape)}"
+                if isinstance(buffer, torch.Tensor)
                 else type(buffer).__name__
             )
             raise ValueError(
@@ -514,7 +515,8 @@ class GradientSync:
         # The first bucket sent that can carry the sample count exactly (none with a hook).
         self._count_bucket = (
             next((b for b in self._order if self._buckets[b].flat.dtype in _COUNT_DTYPES), None)
-            if self._hook is None else None
+            if self._hook is None
+            else None
         )
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
@@ -592,7 +594,10 @@ class GradientSync:
         group (the buffers' persistent groups unless `fresh`)."""
         dist = _dist()
         groups = (
-            [_AllReduceBuffer([tensors[i] for i in g], self.device) for g in _C.make_buckets(tensors, self.bucket_bytes)]
+            [
+                _AllReduceBuffer([tensors[i] for i in g], self.device)
+                for g in _C.make_buckets(tensors, self.bucket_bytes)
+            ]
             if fresh
             else self._buffer_groups
         )

@@ -94,9 +94,14 @@ def start_parallel_apply(
     if len(devices) != n:
         raise ValueError(f"parallel_apply: expected one device per module ({n}), but got {len(devices)}")
     resolved = [
-        _module_device(m) if d is None else as_device(d, f"devices[{i}]") for i, (m, d) in enumerate(zip(modules, devices))
+        _module_device(m) if d is None else as_device(d, f"devices[{i}]")
+        for i, (m, d) in enumerate(zip(modules, devices))
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
     return _C.start_parallel_apply(
-        with_own_streams(modules, resolved), args, [dict(k or {}) for k in kwargs_tup], resolved, all_at_once=bool(all_at_once)
+        with_own_streams(modules, resolved),
+        args,
+        [dict(k or {}) for k in kwargs_tup],
+        resolved,
+        all_at_once=bool(all_at_once),
     )

@@ -38,7 +38,16 @@ from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, SEQUENCE, TENSOR, Broadcast, Samples
 from dpcore._split import check_repeated_rows, check_split, plan_split
 
-__all__ = ["Broadcast", "Samples", "Scattered", "GatherHints", "scatter_kwargs", "scatter_with_hints", "scatter", "gather"]
+__all__ = [
+    "Broadcast",
+    "Samples",
+    "Scattered",
+    "GatherHints",
+    "scatter_kwargs",
+    "scatter_with_hints",
+    "scatter",
+    "gather",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -501,7 +510,11 @@ def _merge(
             continue
         if (first_kind is REGISTERED or first_kind is DATACLASS) and not (s.context,) == (first.context,):
             raise _mismatch(
-                specs, starts, flats, j, f" (its structure differs: {s.context!r} against replica 0's {first.context!r})"
+                specs,
+                starts,
+                flats,
+                j,
+                f" (its structure differs: {s.context!r} against replica 0's {first.context!r})",
             )
         if len(s.children) != count:
             raise _mismatch(specs, starts, flats, j)
@@ -599,7 +612,9 @@ def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, 
     flats = [pt.flatten(v) for v in values]
     columns: list[_Column] = []
     try:
-        spec = _merge([s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns, _Gathering(target_device, hints))
+        spec = _merge(
+            [s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns, _Gathering(target_device, hints)
+        )
     except _Mismatch as e:
         raise ValueError(
             f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
@@ -622,7 +637,6 @@ def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, 
         raise TypeError(
             f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the per-replica outputs"
         ) from e
-
 
 
 def _output_path(first: Any, spec: pt.Spec, index: int) -> str:

@@ -159,7 +159,8 @@ def synchronized_apply(
     if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
         rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
     replicas = [
-        _SyncedReplica(call, module, rank, rendezvous, across) for rank, (call, module) in enumerate(zip(calls, modules))
+        _SyncedReplica(call, module, rank, rendezvous, across)
+        for rank, (call, module) in enumerate(zip(calls, modules))
     ]
     try:
         results = run(replicas, inputs, kwargs_tup, devices, all_at_once=True)
@@ -294,8 +295,18 @@ class _SyncBatchNormMode(TorchFunctionMode):
         global statistics, in C++ without the GIL (csrc/dpcore/sync_batchnorm.h)."""
         try:
             return _C.sync_batch_norm(
-                self.rendezvous, self.rank, key, input, weight, bias, running_mean, running_var,
-                self.rank == 0, momentum, eps, self.across,
+                self.rendezvous,
+                self.rank,
+                key,
+                input,
+                weight,
+                bias,
+                running_mean,
+                running_var,
+                self.rank == 0,
+                momentum,
+                eps,
+                self.across,
             )
         except SyncBatchNormError as error:
             self.broken = error
@@ -343,10 +354,13 @@ class AcrossProcesses:
         BatchNorm call `key`, from this process's; differentiable."""
         self._agree(key, "forward", mean.device)
         channels = mean.numel()
-        row = torch.cat([
-            mean.detach().to(torch.float64), var.detach().to(torch.float64),
-            torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
-        ])
+        row = torch.cat(
+            [
+                mean.detach().to(torch.float64),
+                var.detach().to(torch.float64),
+                torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
+            ]
+        )
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
         self._wait(key, "forward", self._dist().all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
         counts = rows[:, 2 * channels]

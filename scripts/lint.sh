@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Lint: ruff with the rules of pyproject.toml ([tool.ruff.lint]) over the
-# Python tree. CI runs it (scripts/test.sh, in the test environment).
+# Python tree. CI runs it with --format (scripts/test.sh, in the test
+# environment, with ruff 0.17.6 and clang-format 23.1.5).
 # --format also checks the layout: `ruff format --check` and clang-format
 # (.clang-format) over csrc/ and tests/cpp/; for a tree formatted once with
 # `ruff format . && clang-format -i $(git ls-files 'csrc/*' 'tests/cpp/*')`.

@@ -28,15 +28,17 @@ step "virtual environment $venv with torch $torch_version"
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
 python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib \
-  "ruff==0.17.6"
+  "ruff==0.17.6" "clang-format==23.1.5"
 # The libraries of the drop-in tests (Hugging Face Trainer and accelerate),
 # pinned to versions that run with this torch; those tests skip, naming the
-# package, where it is missing. timm is not installed: it needs torchvision,
-# whose PyPI wheel does not load beside the CPU torch 2.13 wheel.
+# package, where it is missing. timm is not installed here: it needs
+# torchvision, whose PyPI wheel does not load beside the CPU torch 2.13 wheel;
+# tests/test_timm.py runs in scripts/test_cuda_build.sh (torch 2.11.0 with
+# torchvision 0.26.0).
 python -m pip install -q "transformers==5.24.0" "accelerate==1.15.0"
 
-step "lint: ruff (scripts/lint.sh)"
-bash "$root/scripts/lint.sh"
+step "lint: ruff check, and the layout: ruff format and clang-format (scripts/lint.sh --format)"
+bash "$root/scripts/lint.sh" --format
 
 step "build and install dpcore"
 python -m pip install -q --no-build-isolation "$root"

@@ -194,6 +194,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
 
     # A plain function as the criterion: its declared reduction is what the processes are weighted by.
     for reduction in ("mean", "sum"):
+
         def function(output: Any, target: torch.Tensor, reduction: str = reduction) -> torch.Tensor:
             return F.cross_entropy(output[1], target, reduction=reduction)
 
@@ -234,8 +235,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         batches = [r.batch(sizes) for sizes in windows]
         total = sum(sum(sizes) for sizes in windows)
         reference = sum(
-            sum(sizes[p] for sizes in windows) / total
-            * sum(user_loss(r.reference(xs[p]), ys[p]) for xs, ys in batches)
+            sum(sizes[p] for sizes in windows) / total * sum(user_loss(r.reference(xs[p]), ys[p]) for xs, ys in batches)
             for p in range(world)
         )
         reference.backward()
@@ -264,9 +264,7 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         sizes = uneven(step)
         xs, ys = r.batch(sizes)
         n = sum(sizes)
-        reference = sum(
-            sizes[p] / n * user_loss(r.reference(xs[p], use_extra=p == 1), ys[p]) for p in range(world)
-        )
+        reference = sum(sizes[p] / n * user_loss(r.reference(xs[p], use_extra=p == 1), ys[p]) for p in range(world))
         reference.backward()
         user_loss(r.dp(xs[rank], use_extra=rank == 1), ys[rank]).backward()
         r.step()
@@ -467,7 +465,8 @@ def scenario_eval(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
     out: dict[str, Any] = {}
     modes: dict[str, Callable[[], Any]] = {
-        "no_grad_eval_mode": torch.no_grad, "no_grad_train_mode": torch.no_grad,
+        "no_grad_eval_mode": torch.no_grad,
+        "no_grad_train_mode": torch.no_grad,
         "inference_mode": torch.inference_mode,
     }
     uneven = lambda step: [3 + 2 * p + step for p in range(world)]  # noqa: E731
@@ -534,8 +533,12 @@ def _attempt(steps: int, step_fn: Callable[[int], None]) -> dict[str, Any]:
         try:
             step_fn(step)
         except Exception as error:  # noqa: BLE001 - the error is the result
-            return {"error": type(error).__name__, "message": str(error), "step": step,
-                    "seconds": time.monotonic() - started}
+            return {
+                "error": type(error).__name__,
+                "message": str(error),
+                "step": step,
+                "seconds": time.monotonic() - started,
+            }
     return {"error": None}
 
 
@@ -583,8 +586,11 @@ def scenario_layout(rank: int, world: int) -> dict[str, Any]:
             r.reference.fc1.weight.requires_grad_(False)
             r.model.fc1.weight.requires_grad_(False)
 
-    for name, change in (("freeze_on_rank_1", freeze_on_rank_1), ("replace_on_rank_0", replace_on_rank_0),
-                         ("replace_differently", replace_differently)):
+    for name, change in (
+        ("freeze_on_rank_1", freeze_on_rank_1),
+        ("replace_on_rank_0", replace_on_rank_0),
+        ("replace_differently", replace_differently),
+    ):
         _, out[name] = case(change)
     _, out["freeze_on_rank_1_small_buckets"] = case(freeze_on_rank_1, bucket_bytes=64)
     for name, change in (("replace_equally", replace_equally), ("freeze_everywhere", freeze_everywhere)):
@@ -611,7 +617,10 @@ class JoinNet(nn.Module):
 
 
 def _train_under_join(
-    rank: int, make: Callable[[nn.Module], nn.Module], batches: int, join: Callable[[nn.Module, Any], Any],
+    rank: int,
+    make: Callable[[nn.Module], nn.Module],
+    batches: int,
+    join: Callable[[nn.Module, Any], Any],
     group: Any = None,
 ) -> dict[str, Any]:
     """Trains JoinNet (float64) for `batches` equal local batches of 4 under
@@ -670,11 +679,15 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     finals = []
     for divide in (True, False):
         ddp = _train_under_join(
-            rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
+            rank,
+            lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group),
+            batches,
             lambda w, _: Join([w], divide_by_initial_world_size=divide),
         )
         ours = _train_under_join(
-            rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+            rank,
+            lambda m: dpcore.DataParallel(m, devices, process_group=group),
+            batches,
             lambda w, _: Join([w], divide_by_initial_world_size=divide),
         )
         out[f"divide_{divide}"] = {
@@ -689,24 +702,36 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
         rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches, lambda w, _: w.join()
     )
     ours_default = _train_under_join(
-        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+        rank,
+        lambda m: dpcore.DataParallel(m, devices, process_group=group),
+        batches,
         lambda w, _: Join([w]),
     )
     out["join_method_equals_join"] = _largest_difference([method["final"]], [ours_default["final"]])
     # With a joinable optimizer too: Join([wrapper, ZeroRedundancyOptimizer]).
     ddp = _train_under_join(
-        rank, lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group), batches,
-        lambda w, opt: Join([w, opt]), group=group,
+        rank,
+        lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group),
+        batches,
+        lambda w, opt: Join([w, opt]),
+        group=group,
     )
     ours = _train_under_join(
-        rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
-        lambda w, opt: Join([w, opt]), group=group,
+        rank,
+        lambda m: dpcore.DataParallel(m, devices, process_group=group),
+        batches,
+        lambda w, opt: Join([w, opt]),
+        group=group,
     )
-    out["zero"] = {"trace": _largest_difference(ddp["trace"], ours["trace"]),
-                   "final": _largest_difference([ddp["final"]], [ours["final"]])}
+    out["zero"] = {
+        "trace": _largest_difference(ddp["trace"], ours["trace"]),
+        "final": _largest_difference([ddp["final"]], [ours["final"]]),
+    }
     try:
         _train_under_join(
-            rank, lambda m: dpcore.DataParallel(m, devices, process_group=group), batches,
+            rank,
+            lambda m: dpcore.DataParallel(m, devices, process_group=group),
+            batches,
             lambda w, _: Join([w], throw_on_early_termination=True),
         )
         out["throw"] = None
@@ -781,8 +806,13 @@ class _WireCounter:
 
 
 def _train_hooked(
-    rank: int, make: Callable[[nn.Module], Any], hook: tuple[Callable[[], Any], Any] | None, steps: int,
-    sizes: Callable[[int], int], accumulate: int = 1, dtype: torch.dtype = torch.float32,
+    rank: int,
+    make: Callable[[nn.Module], Any],
+    hook: tuple[Callable[[], Any], Any] | None,
+    steps: int,
+    sizes: Callable[[int], int],
+    accumulate: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     """Trains HookNet (SGD with momentum) on this rank's own data, `steps`
     synchronizations of `accumulate` backward passes each (all but the last
@@ -897,6 +927,7 @@ def scenario_hooks(rank: int, world: int) -> dict[str, Any]:
         )
         for name in ("fp16", "powerSGD")
     }
+
     # Join: rank r has 2 + r batches; the joined ranks' shadows go through the hook.
     def hooked(make: Callable[[nn.Module], Any], name: str) -> Callable[[nn.Module], Any]:
         def build(m: nn.Module) -> Any:
@@ -929,14 +960,16 @@ def scenario_hooks(rank: int, world: int) -> dict[str, Any]:
     out["uneven"] = {}
     for name in ("none", "allreduce", "fp16", "bf16"):
         got = _train_hooked(
-            rank, hybrid, None if name == "none" else hooks[name], 3, lambda step: uneven(step)[rank],
+            rank,
+            hybrid,
+            None if name == "none" else hooks[name],
+            3,
+            lambda step: uneven(step)[rank],
             dtype=torch.float64,
         )
         out["uneven"][name] = _relative_difference(got["trace"], reference)
     # What the unweighted mean of the ranks' gradients (DDP's) would be off by on these batches.
-    ddp_uneven = _train_hooked(
-        rank, ddp, hooks["allreduce"], 1, lambda step: uneven(step)[rank], dtype=torch.float64
-    )
+    ddp_uneven = _train_hooked(rank, ddp, hooks["allreduce"], 1, lambda step: uneven(step)[rank], dtype=torch.float64)
     out["uneven"]["ddp_unweighted"] = _relative_difference(ddp_uneven["trace"], reference[:2])
     ones = torch.ones(1)
     dist.all_reduce(ones, group=group)
@@ -984,8 +1017,13 @@ def scenario_failure(rank: int, world: int, where: str, then: str) -> dict[str, 
         try:
             dp(torch.randn(6, 5)).pow(2).mean().backward()
         except Exception as error:  # noqa: BLE001 - every error is the result
-            result = {"error": type(error).__name__, "runtime_error": isinstance(error, RuntimeError),
-                      "message": str(error)[:500], "step": step, "seconds": time.monotonic() - started}
+            result = {
+                "error": type(error).__name__,
+                "runtime_error": isinstance(error, RuntimeError),
+                "message": str(error)[:500],
+                "step": step,
+                "seconds": time.monotonic() - started,
+            }
             if rank == 1 and then == "stay":
                 write(result)
                 time.sleep(3 * timeout())  # alive, its connections open, doing nothing
@@ -1041,7 +1079,11 @@ def scenario_syncbn(rank: int, world: int) -> dict[str, Any]:
             model.load_state_dict(reference.state_dict())
         model.to(DEVICE)
         dp = dpcore.DataParallel(
-            model, local_devices(world, rank), process_group=group, sync_batchnorm=True, broadcast_buffers=False,
+            model,
+            local_devices(world, rank),
+            process_group=group,
+            sync_batchnorm=True,
+            broadcast_buffers=False,
             criterion=criterion,
         )
         lr = 0.1 if criterion is None else 0.01  # a summed loss: about the mean's steps, not diverging
@@ -1085,8 +1127,11 @@ def scenario_syncbn(rank: int, world: int) -> dict[str, Any]:
         dp(x, x[:, 0, 0, :2], which="a" if rank == 0 else "b")
         out["different_layers"] = {"error": None}
     except Exception as error:  # noqa: BLE001 - the error is the result
-        out["different_layers"] = {"error": type(error).__name__, "message": str(error)[:600],
-                                   "seconds": time.monotonic() - started}
+        out["different_layers"] = {
+            "error": type(error).__name__,
+            "message": str(error)[:600],
+            "seconds": time.monotonic() - started,
+        }
     try:
         dp.join()
         out["join"] = None
@@ -1123,8 +1168,12 @@ def scenario_syncbn_eval(rank: int, world: int) -> dict[str, Any]:
     try:
         dp(torch.randn(6, 4, dtype=torch.float64, device=DEVICE)).pow(2).mean().backward()
     except Exception as error:  # noqa: BLE001 - every error is the result
-        return {"error": type(error).__name__, "runtime_error": isinstance(error, RuntimeError),
-                "message": str(error)[:600], "seconds": time.monotonic() - started}
+        return {
+            "error": type(error).__name__,
+            "runtime_error": isinstance(error, RuntimeError),
+            "message": str(error)[:600],
+            "seconds": time.monotonic() - started,
+        }
     return {"error": None}
 
 

@@ -53,7 +53,8 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     step = json.loads((out / "step.json").read_text())
     assert step["benchmark"] == "step"
     assert [row["model"] for row in step["rows"]] == [
-        *(name for name, *_ in bench_step.models(True, False, 4)), "MLP 4x64 compiled (eager), batch 32"
+        *(name for name, *_ in bench_step.models(True, False, 4)),
+        "MLP 4x64 compiled (eager), batch 32",
     ]
     assert [row["model"] for row in step["rows"]][3:-1] == [
         "MLP 50x128, batch 32",
@@ -67,7 +68,10 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     assert compiled["ratio"] == pytest.approx(compiled["dpcore_ms"] / compiled["sequential_split_ms"])
     if step["devices"][0] == "cpu":  # no graphed rows, and the JSON says why
         assert step["cuda_graphs"] == {
-            "choice": "auto", "measured": False, "note": bench_step.CUDA_ONLY, "warmup_calls": None
+            "choice": "auto",
+            "measured": False,
+            "note": bench_step.CUDA_ONLY,
+            "warmup_calls": None,
         }
         assert step["cuda_graphs"]["note"] == "cuda_graphs: CUDA lists only"
         assert all(row["graphed_ms"] is None and row["torch_dp_vs_graphed"] is None for row in step["rows"])
@@ -86,8 +90,17 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
 
     printed = capsys.readouterr().out
     for marker in (
-        "[1/3]", "[2/3]", "[3/3]", "x copy_", "K x 1/K plain ms", "x unsynced", "256 KiB", "wrote",
-        "graphed ms", "graphed x plain", "torch DP / graphed",
+        "[1/3]",
+        "[2/3]",
+        "[3/3]",
+        "x copy_",
+        "K x 1/K plain ms",
+        "x unsynced",
+        "256 KiB",
+        "wrote",
+        "graphed ms",
+        "graphed x plain",
+        "torch DP / graphed",
     ):
         assert marker in printed
 
@@ -157,8 +170,12 @@ def test_without_matplotlib_writes_json_and_tables_and_skips_the_plot(
     # The collectives and the step benchmark stand in for themselves with no
     # rows (the full run is test_quick_run_writes_json_and_plot's); the sweep,
     # whose plot is skipped, runs for real at one small size.
-    monkeypatch.setattr(bench_cli.bench_comm, "run", lambda devices, quick, repeats: {"rows": [], "env": {"build": "cpu"}})
-    monkeypatch.setattr(bench_cli.bench_step, "run", lambda devices, quick, repeats, min_seconds, compiled=None: {"rows": []})
+    monkeypatch.setattr(
+        bench_cli.bench_comm, "run", lambda devices, quick, repeats: {"rows": [], "env": {"build": "cpu"}}
+    )
+    monkeypatch.setattr(
+        bench_cli.bench_step, "run", lambda devices, quick, repeats, min_seconds, compiled=None: {"rows": []}
+    )
     out = tmp_path / "results"
     result = bench_cli.main(["--smoke", "--devices", "cpu:2", "--sizes", "16K", "--out", str(out)])
     assert sorted(p.name for p in out.iterdir()) == ["comm.json", "step.json"]
@@ -182,8 +199,13 @@ def test_bench_modules_make_torch_cuda_comm_available() -> None:
         "print(torch.cuda.comm.scatter.__name__, torch.cuda.comm.gather.__name__)"
     )
     completed = subprocess.run(
-        [sys.executable, "-c", code], cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True,
-        timeout=120, check=False,
+        [sys.executable, "-c", code],
+        cwd=TESTS_DIR,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["scatter", "gather"]
@@ -196,7 +218,9 @@ def test_step_models_full_size() -> None:
     """On a CUDA list without --quick: the full batches and images, and
     ResNets of the published sizes (torchvision's parameter counts with a
     100-class head); built, not run."""
-    specs = {name: (factory, shape, batch, sync) for name, factory, shape, batch, sync in bench_step.models(False, True, 4)}
+    specs = {
+        name: (factory, shape, batch, sync) for name, factory, shape, batch, sync in bench_step.models(False, True, 4)
+    }
     assert list(specs)[3:] == [
         "MLP 50x1024, batch 512",
         "resnet18-style, batch 256 x 3 x 64 x 64",
@@ -241,7 +265,9 @@ def test_graphs_note_on_a_cpu_list(choice: str, expected: str) -> None:
 
 
 def test_graphs_note_refuses_on_with_a_cpu_list_and_unknown_choices() -> None:
-    with pytest.raises(ValueError, match=r"--cuda-graphs on needs a CUDA device list, but --devices is \['cpu', 'cpu'\]"):
+    with pytest.raises(
+        ValueError, match=r"--cuda-graphs on needs a CUDA device list, but --devices is \['cpu', 'cpu'\]"
+    ):
         bench_step.graphs_note([torch.device("cpu")] * 2, "on")
     with pytest.raises(ValueError, match="--cuda-graphs: expected one of auto, on, off, but got 'yes'"):
         bench_step.graphs_note([torch.device("cpu")], "yes")
@@ -325,11 +351,22 @@ def test_graphed_rows_and_their_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setattr(bench_step, "graphs_note", lambda devices, choice: None)
     picked = [  # tiny models: the columns are under test, not the timings
         ("tiny MLP", lambda: bench_step.mlp(2, 8), (8,), 4, False),
-        ("tiny BatchNorm, sync", lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)), (8,), 4, True),
+        (
+            "tiny BatchNorm, sync",
+            lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)),
+            (8,),
+            4,
+            True,
+        ),
     ]
     monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: picked)
     result = bench_step.run([torch.device("cpu")] * 2, quick=True, repeats=1, min_seconds=0.0, compiled="off")
-    assert result["cuda_graphs"] == {"choice": "auto", "measured": True, "note": None, "warmup_calls": bench_step.GRAPH_WARMUP}
+    assert result["cuda_graphs"] == {
+        "choice": "auto",
+        "measured": True,
+        "note": None,
+        "warmup_calls": bench_step.GRAPH_WARMUP,
+    }
     assert len(_RecordingDataParallel.made) == 2
     # The warm-up calls, then measure()'s own warm-up call (quick, not an
     # overhead model: the short protocol) and at least one timed call.
@@ -365,10 +402,24 @@ def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
     monkeypatch.setattr(bench_step, "models", lambda quick, full_size, replicas: tiny)
     out = tmp_path / "step.json"
     with pytest.raises(SystemExit) as exc:
-        bench_step.main([
-            "--devices", "cpu:2", "--quick", "--repeats", "1", "--min-seconds", "0", "--compiled", "off", "--json", str(out)
-        ])
-    assert exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
+        bench_step.main(
+            [
+                "--devices",
+                "cpu:2",
+                "--quick",
+                "--repeats",
+                "1",
+                "--min-seconds",
+                "0",
+                "--compiled",
+                "off",
+                "--json",
+                str(out),
+            ]
+        )
+    assert (
+        exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["graphed_error"] for r in rows] == [
         "RuntimeError: CUDA error: operation not permitted when stream is capturing"

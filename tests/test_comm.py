@@ -36,7 +36,9 @@ def current_device_of(device: torch.device) -> torch.device:
     return torch.device(device.type)
 
 
-def rand(shape: Sequence[int], dtype: torch.dtype = torch.float32, device: DeviceLike = "cpu", seed: int = 0) -> torch.Tensor:
+def rand(
+    shape: Sequence[int], dtype: torch.dtype = torch.float32, device: DeviceLike = "cpu", seed: int = 0
+) -> torch.Tensor:
     """A deterministic tensor with distinct small values (exact in every dtype used)."""
     generator = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -46,12 +48,17 @@ def rand(shape: Sequence[int], dtype: torch.dtype = torch.float32, device: Devic
     return values.to(as_torch_device(device))
 
 
-def sparse(shape: tuple[int, int], dtype: torch.dtype = torch.float32, device: DeviceLike = "cpu", seed: int = 0) -> torch.Tensor:
+def sparse(
+    shape: tuple[int, int], dtype: torch.dtype = torch.float32, device: DeviceLike = "cpu", seed: int = 0
+) -> torch.Tensor:
     """A small sparse COO tensor with a few non-zeros."""
     generator = torch.Generator().manual_seed(seed)
     nnz = 4
     indices = torch.stack(
-        [torch.randint(0, shape[0], (nnz,), generator=generator), torch.randint(0, shape[1], (nnz,), generator=generator)]
+        [
+            torch.randint(0, shape[0], (nnz,), generator=generator),
+            torch.randint(0, shape[1], (nnz,), generator=generator),
+        ]
     )
     values = torch.arange(1, nnz + 1, dtype=dtype) * (seed + 1)
     return torch.sparse_coo_tensor(indices, values, shape, check_invariants=True).to(as_torch_device(device))
@@ -351,7 +358,9 @@ def bitwise_variants(device: DeviceLike) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("name", ["contiguous", "misaligned", "transposed", "channels_last", "stepped", "empty", "conj"])
+@pytest.mark.parametrize(
+    "name", ["contiguous", "misaligned", "transposed", "channels_last", "stepped", "empty", "conj"]
+)
 def test_broadcast_repeated_device_copies_are_bitwise_and_own_memory(any_devices: list[DeviceLike], name: str) -> None:
     # Every copy on a repeat of the source's device comes from one pack_multi.
     source = bitwise_variants(any_devices[0])[name]
@@ -417,7 +426,9 @@ def test_coalesced_results_leave_the_garbage_collector_as_found(enabled: bool) -
 
 
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
-def test_broadcast_coalesced_equals_per_tensor_broadcast(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+def test_broadcast_coalesced_equals_per_tensor_broadcast(
+    any_devices: list[DeviceLike], buffer_size: int | None
+) -> None:
     tensors = mixed_tensors(any_devices[0])
     originals = [t.clone() for t in tensors]
     results = comm.broadcast_coalesced(tensors, any_devices, **buffer_kwargs(buffer_size))
@@ -435,7 +446,9 @@ def test_broadcast_coalesced_equals_per_tensor_broadcast(any_devices: list[Devic
 
 
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
-def test_broadcast_coalesced_first_device_results_are_inputs(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+def test_broadcast_coalesced_first_device_results_are_inputs(
+    any_devices: list[DeviceLike], buffer_size: int | None
+) -> None:
     tensors = mixed_tensors(any_devices[0])
     results = comm.broadcast_coalesced(tensors, any_devices, **buffer_kwargs(buffer_size))
     for i, tensor in enumerate(tensors):
@@ -468,9 +481,13 @@ def test_broadcast_coalesced_own_version_counters(any_devices: list[DeviceLike],
 
 
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
-def test_broadcast_coalesced_preserves_order_of_interleaved_dtypes(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+def test_broadcast_coalesced_preserves_order_of_interleaved_dtypes(
+    any_devices: list[DeviceLike], buffer_size: int | None
+) -> None:
     dtypes = [torch.float32, torch.int64, torch.float64, torch.float32, torch.float16, torch.int64, torch.float32]
-    tensors = [torch.full((i + 1,), i, dtype=dtype, device=as_torch_device(any_devices[0])) for i, dtype in enumerate(dtypes)]
+    tensors = [
+        torch.full((i + 1,), i, dtype=dtype, device=as_torch_device(any_devices[0])) for i, dtype in enumerate(dtypes)
+    ]
     results = comm.broadcast_coalesced(tensors, any_devices, **buffer_kwargs(buffer_size))
     for per_device in results:
         assert [t.dtype for t in per_device] == dtypes
@@ -587,7 +604,10 @@ def test_reduce_add_result_carries_no_autograd_history(any_devices: list[DeviceL
 
 
 def test_reduce_add_half_with_tolerance(any_devices: list[DeviceLike]) -> None:
-    inputs = inputs_on(any_devices, lambda d, k: torch.randn(64, generator=torch.Generator().manual_seed(k)).half().to(as_torch_device(d)))
+    inputs = inputs_on(
+        any_devices,
+        lambda d, k: torch.randn(64, generator=torch.Generator().manual_seed(k)).half().to(as_torch_device(d)),
+    )
     result = comm.reduce_add(inputs)
     assert result.dtype == torch.float16
     expected = sum(t.float().cpu() for t in inputs)
@@ -708,7 +728,9 @@ def test_reduce_add_errors() -> None:
 
 
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
-def test_reduce_add_coalesced_equals_per_tensor_reduce_add(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+def test_reduce_add_coalesced_equals_per_tensor_reduce_add(
+    any_devices: list[DeviceLike], buffer_size: int | None
+) -> None:
     inputs = [mixed_tensors(d, seed=10 * k) for k, d in enumerate(any_devices)]
     originals = [[t.clone() for t in group] for group in inputs]
     results = comm.reduce_add_coalesced(inputs, **buffer_kwargs(buffer_size))
@@ -779,7 +801,9 @@ def test_reduce_add_coalesced_preserves_order(any_devices: list[DeviceLike]) -> 
 
 
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
-def test_reduce_add_coalesced_layouts_differ_between_lists(any_devices: list[DeviceLike], buffer_size: int | None) -> None:
+def test_reduce_add_coalesced_layouts_differ_between_lists(
+    any_devices: list[DeviceLike], buffer_size: int | None
+) -> None:
     """inputs[k][i] share a shape but not strides: the first tensor of list k
     is laid out as LAYOUTS[k % 4] (transposed, stepped, offset, expanded),
     the second alternates transposed and contiguous."""
@@ -799,7 +823,9 @@ def test_reduce_add_coalesced_layouts_differ_between_lists(any_devices: list[Dev
 
 
 def test_reduce_add_coalesced_empty_tensors(any_devices: list[DeviceLike]) -> None:
-    inputs = [[torch.empty(0, device=as_torch_device(d)), rand((2,), device=d, seed=k)] for k, d in enumerate(any_devices)]
+    inputs = [
+        [torch.empty(0, device=as_torch_device(d)), rand((2,), device=d, seed=k)] for k, d in enumerate(any_devices)
+    ]
     results = comm.reduce_add_coalesced(inputs, buffer_size=1)
     assert results[0].shape == (0,)
     assert torch.equal(results[1].cpu(), sum(g[1].cpu() for g in inputs))
@@ -873,7 +899,9 @@ def test_scatter_chunk_sizes_with_zero(any_devices: list[DeviceLike]) -> None:
     check_scatter(tensor, chunks, any_devices, sizes, 0)
 
 
-@pytest.mark.parametrize("rows, expected", [(10, [3, 3, 2, 2]), (3, [1, 1, 1, 0]), (4, [1, 1, 1, 1]), (9, [3, 2, 2, 2])])
+@pytest.mark.parametrize(
+    "rows, expected", [(10, [3, 3, 2, 2]), (3, [1, 1, 1, 0]), (4, [1, 1, 1, 1]), (9, [3, 2, 2, 2])]
+)
 def test_scatter_default_split_is_balanced(rows: int, expected: list[int]) -> None:
     tensor = rand((rows, 2))
     chunks = comm.scatter(tensor, ["cpu"] * 4)
@@ -1118,7 +1146,10 @@ def test_gather_empty_tensors(any_devices: list[DeviceLike]) -> None:
     assert comm.gather(inputs).shape == (0, 3)
     assert comm.gather(inputs, dim=1).shape == (0, 3 * len(inputs))
     # Empty chunks among non-empty ones (scatter of fewer rows than devices).
-    mixed = [rand((1, 3), device=d, seed=i) if i % 2 == 0 else torch.empty(0, 3, device=as_torch_device(d)) for i, d in enumerate(any_devices)]
+    mixed = [
+        rand((1, 3), device=d, seed=i) if i % 2 == 0 else torch.empty(0, 3, device=as_torch_device(d))
+        for i, d in enumerate(any_devices)
+    ]
     assert torch.equal(comm.gather(mixed).cpu(), torch.cat([t.cpu() for t in mixed]))
 
 
@@ -1150,7 +1181,9 @@ def test_scatter_then_gather_round_trip(any_devices: list[DeviceLike]) -> None:
 def test_gather_errors() -> None:
     with pytest.raises(RuntimeError, match="at least one tensor"):
         comm.gather([])
-    with pytest.raises(RuntimeError, match=r"tensors\[0\] has 2 dimensions|as tensors\[0\] does, but tensors\[1\] has 1"):
+    with pytest.raises(
+        RuntimeError, match=r"tensors\[0\] has 2 dimensions|as tensors\[0\] does, but tensors\[1\] has 1"
+    ):
         comm.gather([torch.zeros(2, 3), torch.zeros(3)])
     with pytest.raises(RuntimeError, match=r"input tensor at index 1 has invalid shape \[2, 4\]"):
         comm.gather([torch.zeros(2, 3), torch.zeros(2, 4)], dim=0)

@@ -88,7 +88,10 @@ def _base() -> Net:
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 5, dtype=torch.float64, generator=g), torch.randn(BATCH, 3, dtype=torch.float64, generator=g))
+        (
+            torch.randn(BATCH, 5, dtype=torch.float64, generator=g),
+            torch.randn(BATCH, 3, dtype=torch.float64, generator=g),
+        )
         for _ in range(STEPS)
     ]
 
@@ -106,7 +109,9 @@ def _compiled(form: str, base: Net, backend: Any) -> tuple[Net, nn.Module]:
     return model, model
 
 
-def _train(model: Net, net: Callable[[torch.Tensor], torch.Tensor], after_first: Callable[[], None] | None = None) -> dict[str, Any]:
+def _train(
+    model: Net, net: Callable[[torch.Tensor], torch.Tensor], after_first: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """Outputs, gradients, final parameters and the call count of STEPS SGD steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     outs, grads = [], []
@@ -135,10 +140,18 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def _snapshot(root: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
+def _snapshot(
+    root: nn.Module,
+) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """Every module of `root`'s tree with copies of its __dict__, _parameters, _buffers and _modules."""
     return [
-        (m, dict(m.__dict__), dict(m.__dict__["_parameters"]), dict(m.__dict__["_buffers"]), dict(m.__dict__["_modules"]))
+        (
+            m,
+            dict(m.__dict__),
+            dict(m.__dict__["_parameters"]),
+            dict(m.__dict__["_buffers"]),
+            dict(m.__dict__["_modules"]),
+        )
         for m in root.modules()
     ]
 

@@ -407,7 +407,9 @@ def test_registered_inputs_and_outputs_with_criterion_equal_single_device(device
 def test_cache_with_a_wrong_batch_size_names_its_path() -> None:
     x = torch.zeros(BATCH, 2)
     cache = DynamicCache([(torch.zeros(BATCH, 1, 2, 2), torch.zeros(BATCH, 1, 2, 2)), (torch.zeros(3, 1, 2, 2), x)])
-    with pytest.raises(ValueError, match=r"kwargs\['past_key_values'\]\[1\]\[0\] has size 3 along dim 0 but inputs\[0\] has size 7"):
+    with pytest.raises(
+        ValueError, match=r"kwargs\['past_key_values'\]\[1\]\[0\] has size 3 along dim 0 but inputs\[0\] has size 7"
+    ):
         scatter_kwargs((x,), {"past_key_values": cache}, ["cpu"] * 2)
     sample = Sample(x, torch.zeros(5))
     with pytest.raises(ValueError, match=r"inputs\[0\]\.mask has size 5 along dim 0 but inputs\[0\]\.x has size 7"):
@@ -429,7 +431,9 @@ class _Pairish:
 
 def test_iterable_that_cannot_be_rebuilt_is_an_error_naming_its_path() -> None:
     p = _Pairish(torch.zeros(4), torch.zeros(4))
-    with pytest.raises(TypeError, match=r"kwargs\['p'\] is a _Pairish, an iterable holding tensors.*register_pytree_node.*Broadcast"):
+    with pytest.raises(
+        TypeError, match=r"kwargs\['p'\] is a _Pairish, an iterable holding tensors.*register_pytree_node.*Broadcast"
+    ):
         scatter_kwargs((), {"p": p}, ["cpu"] * 2)
     args, kwargs, _, _ = scatter_kwargs((torch.zeros(4),), {"p": dpcore.Broadcast(p)}, ["cpu"] * 2)
     assert all(kw["p"] is p for kw in kwargs)  # passed whole, as asked
@@ -462,8 +466,17 @@ def test_true_leaves_are_passed_by_reference_and_gathered_into_lists() -> None:
     x = torch.zeros(4, 2)
     gen = (i for i in range(3))
     leaves = (
-        "text", b"bytes", torch.Size([2, 3]), range(3), {1, 2}, np.zeros((4, 2)), gen, nn.Linear(2, 2), {"a": 1}.keys(),
-        _Endless(torch.zeros(4)), _Unreadable(),
+        "text",
+        b"bytes",
+        torch.Size([2, 3]),
+        range(3),
+        {1, 2},
+        np.zeros((4, 2)),
+        gen,
+        nn.Linear(2, 2),
+        {"a": 1}.keys(),
+        _Endless(torch.zeros(4)),
+        _Unreadable(),
     )
     args, _, _, _ = scatter_kwargs((x, *leaves), None, ["cpu"] * 2)
     for a in args:
@@ -472,24 +485,36 @@ def test_true_leaves_are_passed_by_reference_and_gathered_into_lists() -> None:
     no_tensors = DynamicCache()  # an iterable without a tensor is a leaf
     args, _, _, _ = scatter_kwargs((x, no_tensors), None, ["cpu"] * 2)
     assert all(a[1] is no_tensors for a in args)
-    out = dpcore.gather([(torch.zeros(1), torch.Size([1]), no_tensors, "s"), (torch.zeros(1), torch.Size([1]), no_tensors, "t")], "cpu")
+    out = dpcore.gather(
+        [(torch.zeros(1), torch.Size([1]), no_tensors, "s"), (torch.zeros(1), torch.Size([1]), no_tensors, "t")], "cpu"
+    )
     assert out[1] == [torch.Size([1])] * 2 and out[2] == [no_tensors, no_tensors] and out[3] == ["s", "t"]
 
 
 def test_mismatched_registered_contexts_name_the_path() -> None:
     a = CausalLMOutput(logits=torch.zeros(1), note="x")
     b = CausalLMOutput(logits=torch.zeros(1))
-    with pytest.raises(ValueError, match=r"gather: output of replica 1 is a CausalLMOutput but replica 0's is a CausalLMOutput \(its structure differs"):
+    with pytest.raises(
+        ValueError,
+        match=r"gather: output of replica 1 is a CausalLMOutput but replica 0's is a CausalLMOutput \(its structure differs",
+    ):
         dpcore.gather([a, b], "cpu")
     one = DynamicCache([(torch.zeros(1, 1), torch.zeros(1, 1))])
     two = DynamicCache([(torch.zeros(1, 1), torch.zeros(1, 1))] * 2)
-    with pytest.raises(ValueError, match=r"gather: output\['c'\] of replica 1 is a DynamicCache of 2 elements but replica 0's is a DynamicCache of 1 elements"):
+    with pytest.raises(
+        ValueError,
+        match=r"gather: output\['c'\] of replica 1 is a DynamicCache of 2 elements but replica 0's is a DynamicCache of 1 elements",
+    ):
         dpcore.gather([{"c": one}, {"c": two}], "cpu")
 
 
 def test_one_flatten_rebuilds_every_container() -> None:
     cache = DynamicCache([(torch.ones(2, 1), torch.zeros(2, 1))])
-    tree = ({"out": CausalLMOutput(logits=torch.ones(2), past_key_values=cache)}, [Box(torch.ones(2), torch.ones(2), 1.0)], "s")
+    tree = (
+        {"out": CausalLMOutput(logits=torch.ones(2), past_key_values=cache)},
+        [Box(torch.ones(2), torch.ones(2), 1.0)],
+        "s",
+    )
     tensors, spec = pt.flatten(tree)
     assert len(tensors) == spec.num_tensors == 5
     rebuilt = spec.unflatten([t * 2 for t in tensors])
@@ -518,7 +543,9 @@ def test_signature_of_registered_types_and_caches() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_graphs, "_DEVICE_TYPE", "cpu")
         # the same structure and shapes in new objects: the same key
-        assert _key((torch.zeros(3, 1),), {"past_key_values": cache(2)}) == _key((torch.zeros(3, 1),), {"past_key_values": cache(2)})
+        assert _key((torch.zeros(3, 1),), {"past_key_values": cache(2)}) == _key(
+            (torch.zeros(3, 1),), {"past_key_values": cache(2)}
+        )
         assert hash(_key((), {"c": cache(2)})) == hash(_key((), {"c": cache(2)}))
         assert _key((), {"c": cache(2)}) != _key((), {"c": cache(3)})  # layers
         assert _key((), {"c": cache(2)}) != _key((), {"c": cache(2, seq=3)})  # shapes

@@ -33,7 +33,9 @@ def test_cuda_graphs_must_be_bool(value: Any) -> None:
 
 
 def test_cuda_graphs_on_cpu_list_is_value_error() -> None:
-    with pytest.raises(ValueError, match=r"cuda_graphs=True needs a CUDA device list, but device_ids is \['cpu', 'cpu'\]"):
+    with pytest.raises(
+        ValueError, match=r"cuda_graphs=True needs a CUDA device list, but device_ids is \['cpu', 'cpu'\]"
+    ):
         dpcore.DataParallel(nn.Linear(2, 2), ["cpu", "cpu"], cuda_graphs=True)
 
 
@@ -60,7 +62,9 @@ def test_cuda_graphs_off_keeps_the_eager_path_and_pickles() -> None:
 # -- signatures and hooks (CPU) -----------------------------------------------
 
 
-def _key(args: list[tuple[Any, ...]], kws: list[dict[str, Any]] | None = None, modules: list[nn.Module] | None = None) -> Any:
+def _key(
+    args: list[tuple[Any, ...]], kws: list[dict[str, Any]] | None = None, modules: list[nn.Module] | None = None
+) -> Any:
     kws = kws if kws is not None else [{} for _ in args]
     return _graphs.call_signature(args, kws, list(range(len(args))), modules or [])
 
@@ -135,7 +139,9 @@ def _pair(devices: list[Any], **options: Any) -> tuple[Any, Any]:
     return eager, graphed
 
 
-def _train_steps(dp: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+def _train_steps(
+    dp: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Output and master gradients after each SGD step over `batches`."""
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
     trace = []
@@ -151,7 +157,10 @@ def _train_steps(dp: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> l
 def _batches(n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(batch, 6, generator=g, dtype=torch.float64).cuda(), torch.randint(0, 3, (batch,), generator=g).cuda())
+        (
+            torch.randn(batch, 6, generator=g, dtype=torch.float64).cuda(),
+            torch.randint(0, 3, (batch,), generator=g).cuda(),
+        )
         for _ in range(n)
     ]
 
@@ -205,7 +214,9 @@ def test_batchnorm_statistics_advance_as_in_eager(devices: list[Any]) -> None:
     _train_steps(graphed, batches)
     _train_steps(eager, batches)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
-        torch.testing.assert_close(getattr(graphed.module[1], name), getattr(eager.module[1], name), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            getattr(graphed.module[1], name), getattr(eager.module[1], name), rtol=1e-12, atol=1e-12
+        )
     graphed.eval()
     eager.eval()
     x = batches[0][0]
@@ -537,7 +548,9 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pools = iter(range(1, 1 << 30))
     monkeypatch.setattr(_graphs, "_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.setdefault(str(device), _FakeStream()))
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: streams.setdefault(str(device), _FakeStream())
+    )
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -717,4 +730,7 @@ def test_stand_in_bounded_cache_and_structural_change(stand_in_cuda: list[str]) 
 
 def _batches_cpu(n: int, batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g))
+        for _ in range(n)
+    ]

@@ -209,7 +209,9 @@ class ManyArgs(nn.Module):
         super().__init__()
         self.linear = nn.Linear(3, 2).to(F64)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, scale: float, mode: str, *, bias: torch.Tensor, square: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, scale: float, mode: str, *, bias: torch.Tensor, square: bool = False
+    ) -> torch.Tensor:
         out = self.linear(x) * scale + y + bias
         if mode == "double":
             out = out * 2

@@ -65,7 +65,8 @@ def test_single_device_and_batch_smaller_than_device_count() -> None:
     )
     _check_summary(
         demo.main(["--epochs", "1", "--devices", "cpu:4", "--batch-size", "2", "--limit", "60", "--no-progress"]),
-        epochs=1, devices=4,
+        epochs=1,
+        devices=4,
     )
 
 
@@ -74,7 +75,18 @@ def test_synchronized_batchnorm(capsys: pytest.CaptureFixture[str]) -> None:
     replicas (batch 7 on 3 devices); the float64 check covers them, running
     statistics included, and passes."""
     summary = demo.main(
-        ["--epochs", "1", "--devices", "cpu:3", "--batch-size", "7", "--limit", "200", "--no-progress", "--sync-batchnorm"]
+        [
+            "--epochs",
+            "1",
+            "--devices",
+            "cpu:3",
+            "--batch-size",
+            "7",
+            "--limit",
+            "200",
+            "--no-progress",
+            "--sync-batchnorm",
+        ]
     )
     _check_summary(summary, epochs=1, devices=3)
     assert summary["batchnorm"] == "synchronized"
@@ -167,9 +179,7 @@ def test_cuda_graphs_reach_the_check_and_the_trainer(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("devices", [["--devices", "cpu:2"], ["--devices", "cpu"]])
-def test_cuda_graphs_on_a_cpu_list_is_an_option_error(
-    devices: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cuda_graphs_on_a_cpu_list_is_an_option_error(devices: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         demo.main(["--cuda-graphs", *devices])
     assert exc.value.code == 2
@@ -235,7 +245,9 @@ def test_compile_trains_a_compiled_model(monkeypatch: pytest.MonkeyPatch, capsys
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(dpcore, "DataParallel", recording)
-    summary = demo.main(["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress", "--compile", "aot_eager"])
+    summary = demo.main(
+        ["--epochs", "1", "--devices", "cpu:2", "--limit", "100", "--no-progress", "--compile", "aot_eager"]
+    )
     assert seen == ["OptimizedModule", "OptimizedModule", "Sequential"]  # the check's, the trainer's, the evaluator's
     assert summary["compile"] == "aot_eager" and summary["agreement"] is True
     assert "torch.compile (backend aot_eager)" in capsys.readouterr().out
@@ -279,9 +291,7 @@ def test_same_seed_same_run() -> None:
         (["--seed", "-1"], "--seed"),
     ],
 )
-def test_bad_options_exit_2_naming_the_option(
-    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_options_exit_2_naming_the_option(argv: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         demo.main(argv)
     assert exc.value.code == 2
@@ -363,7 +373,14 @@ def test_help_works(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for option in (
-        "--devices", "--epochs", "--batch-size", "--seed", "--lr", "--batchnorm", "--sync-batchnorm", "--cuda-graphs",
+        "--devices",
+        "--epochs",
+        "--batch-size",
+        "--seed",
+        "--lr",
+        "--batchnorm",
+        "--sync-batchnorm",
+        "--cuda-graphs",
     ):
         assert option in out
     assert "--limit" not in out

@@ -60,7 +60,9 @@ def launch(
     still running at the deadline fails the test with every rank's output."""
     env = loopback_env()
     env.update(
-        MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), DPCORE_TEST_PG_TIMEOUT=str(pg_timeout),
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        DPCORE_TEST_PG_TIMEOUT=str(pg_timeout),
         DPCORE_TEST_BACKEND=backend,
     )
     procs = []
@@ -68,11 +70,15 @@ def launch(
     for rank in range(world):
         log = open(out / f"rank{rank}.log", "wb")
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, WORKER, scenario, str(out)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            cwd=TESTS_DIR, stdout=log, stderr=subprocess.STDOUT,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, scenario, str(out)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                cwd=TESTS_DIR,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     deadline = time.monotonic() + timeout
     try:
         for rank in wait_for if wait_for is not None else range(world):
@@ -128,9 +134,23 @@ def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[
     _, results = group_run
     for rank, r in enumerate(results):
         r = r["equality"]
-        for key in ("equal", "uneven", "uneven_small_buckets", "uneven_separate_count", "empty_rank", "criterion_mean",
-                    "criterion_sum", "criterion_function_mean", "criterion_function_sum", "no_sync", "no_sync_changing_shares", "twice_without_zero_grad", "unused",
-                    "buffers", "unfrozen"):
+        for key in (
+            "equal",
+            "uneven",
+            "uneven_small_buckets",
+            "uneven_separate_count",
+            "empty_rank",
+            "criterion_mean",
+            "criterion_sum",
+            "criterion_function_mean",
+            "criterion_function_sum",
+            "no_sync",
+            "no_sync_changing_shares",
+            "twice_without_zero_grad",
+            "unused",
+            "buffers",
+            "unfrozen",
+        ):
             assert 0.0 <= r[key] <= ATOL, f"rank {rank}: {key} differs from the single-device run by {r[key]}"
         assert r["buckets"] > 2  # the overlap path: buckets launched from the hooks
         assert r["no_sync_left_gradients_local"] is True
@@ -243,11 +263,17 @@ def test_a_layout_change_on_one_rank_is_an_error_on_every_rank(parity_run: tuple
     on every rank (equal values) is adopted, exact against one device."""
     world, results = parity_run
     expected = {
-        "freeze_on_rank_1": (2, "on rank 1 (rank 1: parameter 'fc1.weight' frozen (requires_grad True -> False))",
-                             "but rank" + ("s 0, 2" if world == 3 else " 0") + " did not change"),
+        "freeze_on_rank_1": (
+            2,
+            "on rank 1 (rank 1: parameter 'fc1.weight' frozen (requires_grad True -> False))",
+            "but rank" + ("s 0, 2" if world == 3 else " 0") + " did not change",
+        ),
         "freeze_on_rank_1_small_buckets": (2, "on rank 1 (rank 1: parameter 'fc1.weight' frozen", "did not change"),
-        "replace_on_rank_0": (1, "on rank 0 (rank 0: parameter 'fc2.bias' replaced by another tensor)",
-                              "did not change"),
+        "replace_on_rank_0": (
+            1,
+            "on rank 0 (rank 0: parameter 'fc2.bias' replaced by another tensor)",
+            "did not change",
+        ),
         "replace_differently": (1, "on ranks " + ", ".join(map(str, range(world))), "the changes differ"),
     }
     for rank, r in enumerate(results):
@@ -425,8 +451,9 @@ def test_sync_batchnorm_ranks_at_different_layers_fail_on_every_rank(
     for rank, r in enumerate(results):
         got = r["different_layers"]
         assert got["error"] == "SyncBatchNormError", f"rank {rank}: {got}"
-        assert "rank 0: the forward of BatchNorm 'a' (call 1); rank 1: the forward of BatchNorm 'b' (call 1)" in (
-            got["message"]
+        assert (
+            "rank 0: the forward of BatchNorm 'a' (call 1); rank 1: the forward of BatchNorm 'b' (call 1)"
+            in (got["message"])
         ), got
         assert got["seconds"] < AT_ONCE_S, got
         assert r["join"] is not None and "cannot shadow the BatchNorm collectives" in r["join"]
@@ -519,6 +546,7 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
     calls: list[str] = []
     for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object"):
         real = getattr(dist, name)
+
         def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
             calls.append(_name)
             return _real(*args, **kwargs)
@@ -636,7 +664,6 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
     copy.deepcopy(plain)  # the join state copies with a wrapper without a group
-
 
 
 def test_register_comm_hook_needs_a_group_and_checks_its_arguments(world_of_one: Any) -> None:
@@ -891,9 +918,23 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
     --devices cpu:2` (here shortened with --limit and one epoch)."""
     checkpoint = tmp_path / "digits.pt"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--limit", "300", "--no-progress",
-        "--checkpoint", str(checkpoint),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dpcore.demo",
+        "--devices",
+        "cpu:2",
+        "--epochs",
+        "1",
+        "--limit",
+        "300",
+        "--no-progress",
+        "--checkpoint",
+        str(checkpoint),
     ]
     done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
     out = done.stdout
@@ -912,8 +953,21 @@ def test_torchrun_demo_with_sync_batchnorm_passes_its_float64_check() -> None:
     float64 check against one device on the global batch (running
     statistics included) passes."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--limit", "200", "--no-progress",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dpcore.demo",
+        "--devices",
+        "cpu:2",
+        "--epochs",
+        "1",
+        "--limit",
+        "200",
+        "--no-progress",
         "--sync-batchnorm",
     ]
     done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)

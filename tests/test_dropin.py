@@ -651,8 +651,13 @@ def _optional(name: str) -> Any:
 def _tiny_bert() -> nn.Module:
     transformers = _optional("transformers")
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16, num_labels=3,
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
     )
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(config)

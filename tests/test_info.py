@@ -19,8 +19,17 @@ from dpcore import _build_info, _loader
 from conftest import TESTS_DIR, requires_cuda, subprocess_env
 
 
-EXPECTED_KEYS = {"dpcore", "torch", "built_against_torch", "torch_matches", "build", "cuda_arch_list", "devices",
-                 "peer_access", "self_check"}
+EXPECTED_KEYS = {
+    "dpcore",
+    "torch",
+    "built_against_torch",
+    "torch_matches",
+    "build",
+    "cuda_arch_list",
+    "devices",
+    "peer_access",
+    "self_check",
+}
 
 
 def test_info_keys() -> None:
@@ -117,8 +126,7 @@ def test_python_m_dpcore_info_prints_torch_version() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     lines = {
-        key.strip(): value.strip()
-        for key, _, value in (line.partition(":") for line in completed.stdout.splitlines())
+        key.strip(): value.strip() for key, _, value in (line.partition(":") for line in completed.stdout.splitlines())
     }
     assert lines["torch"] == torch.__version__
     assert lines["build"] == dpcore.info()["build"]
@@ -167,7 +175,12 @@ def test_python_m_dpcore_info_runs_without_the_sys_modules_warning() -> None:
     # runpy warned "'dpcore.info' found in sys.modules" when that was a module.
     completed = subprocess.run(
         [sys.executable, "-W", "error::RuntimeWarning", "-m", "dpcore.info"],
-        cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+        cwd=TESTS_DIR,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert "found in sys.modules" not in completed.stderr
@@ -197,7 +210,12 @@ def test_unbuilt_checkout_shadowing_the_installed_dpcore_says_so(tmp_path: Path)
     checkout = _unbuilt_checkout(tmp_path / "checkout")
     completed = subprocess.run(
         [sys.executable, "-m", "dpcore.info"],
-        cwd=checkout, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False,
+        cwd=checkout,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 1
     message = completed.stderr.strip().splitlines()[-1]

@@ -141,7 +141,12 @@ def test_unflatten_views_match_as_strided_and_are_independent(device: str, offse
         stride = torch.empty(t.shape).stride() if i == len(tensors) - 1 else t.stride()
         expected = flat.as_strided(t.shape, stride, flat.storage_offset() + position)
         assert (v.shape, v.stride(), v.storage_offset(), v.dtype, v.device) == (
-            expected.shape, expected.stride(), expected.storage_offset(), expected.dtype, expected.device)
+            expected.shape,
+            expected.stride(),
+            expected.storage_offset(),
+            expected.dtype,
+            expected.device,
+        )
         assert v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
         assert v.grad_fn is None and not v._is_view()
         position += t.numel()
@@ -275,7 +280,11 @@ def test_pack_multi_misaligned_flats_and_special_values(device: str) -> None:
     values[1::7] = -0.0
     tensors = [values, _values(5, torch.float32, device, 2)]
     n = values.numel() + 5
-    flats = [torch.empty(n, device=device), torch.empty(n + 1, device=device)[1:], torch.empty(n + 3, device=device)[3:]]
+    flats = [
+        torch.empty(n, device=device),
+        torch.empty(n + 1, device=device)[1:],
+        torch.empty(n + 3, device=device)[3:],
+    ]
     torch.ops.dpcore.pack_multi(tensors, flats)
     expected = _packed(tensors, device)
     for flat in flats:
@@ -340,7 +349,8 @@ def test_opcheck(device: str) -> None:
     tensors = [torch.randn(5, device=device), torch.randn(2, 3, device=device)]
     torch.library.opcheck(torch.ops.dpcore.pack.default, (tensors, torch.empty(11, device=device)))
     torch.library.opcheck(
-        torch.ops.dpcore.unpack.default, (torch.randn(11, device=device), [torch.empty(5, device=device), torch.empty(2, 3, device=device)])
+        torch.ops.dpcore.unpack.default,
+        (torch.randn(11, device=device), [torch.empty(5, device=device), torch.empty(2, 3, device=device)]),
     )
     torch.library.opcheck(
         torch.ops.dpcore.pack_multi.default,

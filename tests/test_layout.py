@@ -179,13 +179,16 @@ def test_stub_class_members_are_the_extensions(name: str) -> None:
         return
     methods = {item.name: item for item in node.body if isinstance(item, ast.FunctionDef)}
     properties = {
-        item.name for item in methods.values()
+        item.name
+        for item in methods.values()
         if any(ast.unparse(decorator) == "property" for decorator in item.decorator_list)
     }
     bound_properties = {key for key, value in vars(cls).items() if isinstance(value, property)}
     bound_methods = {
-        key for key in vars(cls)
-        if key not in bound_properties and key not in _PYBIND_MEMBERS
+        key
+        for key in vars(cls)
+        if key not in bound_properties
+        and key not in _PYBIND_MEMBERS
         and (not key.startswith("__") or key == "__init__")
     }
     assert properties == bound_properties

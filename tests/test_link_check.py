@@ -137,7 +137,10 @@ def test_project_link_args_keep_the_shared_libstdcxx_with_a_static_wrapper(
     assert link_check.libstdcxx_problems(library, link_check.loaded_libstdcxx()) == []
     loaded = subprocess.run(
         [sys.executable, "-c", LOAD_AND_FORMAT, str(library)],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "value 42"
@@ -160,9 +163,17 @@ def test_check_reports_versions_the_runtime_libstdcxx_lacks(tmp_path: Path, link
     source = tmp_path / "plain.cpp"
     source.write_text(TINY_SOURCE)
     subprocess.run(
-        [_system_compiler("g++"), "-shared", "-fPIC", str(source), "-o", str(library),
-         *link_check.SHARED_LIBSTDCXX_LINK_ARGS],
-        check=True, timeout=120,
+        [
+            _system_compiler("g++"),
+            "-shared",
+            "-fPIC",
+            str(source),
+            "-o",
+            str(library),
+            *link_check.SHARED_LIBSTDCXX_LINK_ARGS,
+        ],
+        check=True,
+        timeout=120,
     )
     runtime = link_check.loaded_libstdcxx()
     assert runtime is not None and os.path.basename(runtime).startswith("libstdc++.so")

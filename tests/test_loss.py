@@ -106,7 +106,10 @@ def test_criterion_equals_one_device(name: str, n_devices: int) -> None:
     ids=["function", "partial", "lambda", "module-without-reduction"],
 )
 def test_undeclared_criterion_is_refused_at_construction(criterion: Callable[..., Any]) -> None:
-    with pytest.raises(TypeError, match=r"criterion: dpcore cannot tell whether .* criterion_reduction='mean'.*criterion_reduction='sum'"):
+    with pytest.raises(
+        TypeError,
+        match=r"criterion: dpcore cannot tell whether .* criterion_reduction='mean'.*criterion_reduction='sum'",
+    ):
         dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=criterion)
 
 
@@ -119,11 +122,27 @@ def test_undeclared_criterion_is_refused_without_devices_too() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "pattern"),
     [
-        ({"criterion": _ce_sum, "criterion_reduction": "avg"}, ValueError, r"criterion_reduction: expected 'mean' or 'sum', but got 'avg'"),
-        ({"criterion": _ce_sum, "criterion_reduction": "none"}, ValueError, r"criterion_reduction: expected 'mean' or 'sum', but got 'none'"),
-        ({"criterion": _ce_sum, "criterion_reduction": True}, TypeError, r"criterion_reduction: expected 'mean' or 'sum', but got bool"),
+        (
+            {"criterion": _ce_sum, "criterion_reduction": "avg"},
+            ValueError,
+            r"criterion_reduction: expected 'mean' or 'sum', but got 'avg'",
+        ),
+        (
+            {"criterion": _ce_sum, "criterion_reduction": "none"},
+            ValueError,
+            r"criterion_reduction: expected 'mean' or 'sum', but got 'none'",
+        ),
+        (
+            {"criterion": _ce_sum, "criterion_reduction": True},
+            TypeError,
+            r"criterion_reduction: expected 'mean' or 'sum', but got bool",
+        ),
         ({"criterion_reduction": "sum"}, ValueError, r"criterion_reduction: given without a criterion"),
-        ({"criterion": nn.MSELoss(), "criterion_reduction": "sum"}, ValueError, r"criterion_reduction='sum' disagrees with the criterion's own reduction='mean'"),
+        (
+            {"criterion": nn.MSELoss(), "criterion_reduction": "sum"},
+            ValueError,
+            r"criterion_reduction='sum' disagrees with the criterion's own reduction='mean'",
+        ),
         ({"criterion": 3}, TypeError, r"criterion: expected a callable"),
     ],
 )
@@ -162,7 +181,10 @@ def test_hybrid_mode_reads_the_declared_reduction(reduction: str, summed: bool) 
 
     dp = dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=lambda o, t: o.sum(), criterion_reduction=reduction)
     assert _summed(dp._reduction) is summed
-    assert _summed(dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=nn.NLLLoss(reduction=reduction))._reduction) is summed
+    assert (
+        _summed(dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=nn.NLLLoss(reduction=reduction))._reduction)
+        is summed
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +326,9 @@ def test_model_loss_num_items_in_batch_falls_back_to_declared_items() -> None:
 
 def test_model_loss_num_items_in_batch_without_it_is_an_error() -> None:
     dp = dpcore.DataParallel(TinyCausalLM().double(), ["cpu"] * 2, model_loss="num_items_in_batch")
-    with pytest.raises(ValueError, match=r"model_loss='num_items_in_batch': this call passed no num_items_in_batch .* loss_items="):
+    with pytest.raises(
+        ValueError, match=r"model_loss='num_items_in_batch': this call passed no num_items_in_batch .* loss_items="
+    ):
         dp(**_padded_batch(7, 6, 0))
 
 
@@ -417,16 +441,31 @@ def test_model_loss_with_transformers_model_output() -> None:
 @pytest.mark.parametrize(
     ("options", "error", "pattern"),
     [
-        ({"model_loss": "mean"}, ValueError, r"model_loss: expected one of \['rows', 'items', 'sum', 'num_items_in_batch'\], but got 'mean'"),
+        (
+            {"model_loss": "mean"},
+            ValueError,
+            r"model_loss: expected one of \['rows', 'items', 'sum', 'num_items_in_batch'\], but got 'mean'",
+        ),
         ({"model_loss": 1}, TypeError, r"model_loss: expected one of .* but got int 1"),
         ({"model_loss": "items"}, ValueError, r"model_loss='items' needs loss_items="),
         ({"loss_items": count_labels}, ValueError, r"loss_items: given without criterion= or model_loss="),
-        ({"model_loss": "rows", "loss_items": count_labels}, ValueError, r"loss_items: model_loss='rows' does not use it"),
+        (
+            {"model_loss": "rows", "loss_items": count_labels},
+            ValueError,
+            r"loss_items: model_loss='rows' does not use it",
+        ),
         ({"model_loss": "items", "loss_items": 3}, TypeError, r"loss_items: expected a callable"),
-        ({"model_loss": "rows", "criterion": nn.MSELoss()}, ValueError, r"model_loss: cannot be combined with criterion="),
+        (
+            {"model_loss": "rows", "criterion": nn.MSELoss()},
+            ValueError,
+            r"model_loss: cannot be combined with criterion=",
+        ),
         ({"model_loss": "rows", "gather": False}, ValueError, r"model_loss: needs gather=True"),
-        ({"model_loss": "items", "loss_items": count_labels, "process_group": object()}, ValueError,
-         r"model_loss='items' is not supported with process_group="),
+        (
+            {"model_loss": "items", "loss_items": count_labels, "process_group": object()},
+            ValueError,
+            r"model_loss='items' is not supported with process_group=",
+        ),
     ],
 )
 def test_model_loss_options_are_validated(options: dict[str, Any], error: type[Exception], pattern: str) -> None:
@@ -439,7 +478,9 @@ def test_model_loss_errors_at_call() -> None:
     y = torch.randn(6, 3, dtype=torch.float64)
     # a loss that is not one number
     vector = dpcore.DataParallel(nn.Linear(4, 3).double(), ["cpu"] * 2, model_loss="rows")
-    with pytest.raises(ValueError, match=r"expected a scalar loss .* replica 0 \(on cpu\) has a tensor of shape \[3, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"expected a scalar loss .* replica 0 \(on cpu\) has a tensor of shape \[3, 3\]"
+    ):
         vector(x)
     # an output with no loss in it
     with pytest.raises(TypeError, match=r"model_loss: .* replica 0 \(on cpu\) returned str"):
@@ -449,7 +490,9 @@ def test_model_loss_errors_at_call() -> None:
     with pytest.raises(ValueError, match=r"loss_items: the count of replica 0: expected a non-negative finite number"):
         bad(x, y)
     with pytest.raises(TypeError, match=r"loss_items: the count of replica 0: expected a real number, but got str"):
-        dpcore.DataParallel(_RowMean(False).double(), ["cpu"] * 2, model_loss="items", loss_items=lambda x, y: "3")(x, y)
+        dpcore.DataParallel(_RowMean(False).double(), ["cpu"] * 2, model_loss="items", loss_items=lambda x, y: "3")(
+            x, y
+        )
 
 
 class _Returns(nn.Module):
@@ -492,11 +535,15 @@ def test_trainer_gpu_branch_by_hand_needs_no_model_loss(n_devices: int) -> None:
         _assert_same_parameters(module, reference)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("accumulation", "optim"), [(1, "sgd"), (2, "sgd"), (1, "default"), (2, "default")]
+)
+def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, optim: str, tmp_path: Any) -> None:
     """The README's recipe: Trainer on a CPU list (it sees no GPU and passes a
     0-dim num_items_in_batch) with model_loss="num_items_in_batch" trains a
-    GPT-2 on a padded batch with -100 labels exactly as the bare model."""
+    GPT-2 on a padded batch with -100 labels exactly as the bare model; also
+    with Trainer's default optimizer (fused AdamW, whose kernels bump no
+    version counter: stale replicas were 1e-2 off after a few steps)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -513,9 +560,18 @@ def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, tmp_path: Any)
 
     def train(model: nn.Module) -> None:
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path), per_device_train_batch_size=7, max_steps=3, optim="sgd", learning_rate=0.5,
-            lr_scheduler_type="constant", use_cpu=True, report_to=[], save_strategy="no", seed=0,
-            remove_unused_columns=False, gradient_accumulation_steps=accumulation, logging_strategy="no",
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=7,
+            max_steps=3,
+            **({"optim": "sgd", "learning_rate": 0.5} if optim == "sgd" else {"learning_rate": 1e-2}),
+            lr_scheduler_type="constant",
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            remove_unused_columns=False,
+            gradient_accumulation_steps=accumulation,
+            logging_strategy="no",
             disable_tqdm=True,
         )
         transformers.Trainer(model=model, args=args, train_dataset=rows).train()
@@ -524,7 +580,11 @@ def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, tmp_path: Any)
     train(reference)
     train(dpcore.DataParallel(mine, ["cpu"] * 3, model_loss="num_items_in_batch"))
     assert max((p - q).abs().max().item() for p, q in zip(reference.parameters(), base.parameters())) > 1e-3
-    _assert_same_parameters(mine, reference)
+    if optim == "sgd":
+        _assert_same_parameters(mine, reference)
+    else:  # Adam divides by sqrt(v): summation-order noise in near-zero gradients grows, to ~1e-9 here
+        for p, q in zip(mine.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
 
 
 def test_accelerate_recipe_equals_bare_model() -> None:
@@ -569,7 +629,9 @@ CE_CRITERIA: dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]] = {
     "class-weights": (nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.7], dtype=torch.float64)), {}),
     "label-smoothing": (nn.CrossEntropyLoss(label_smoothing=0.1), {}),
     "nll-weights-ignore-1": (
-        nn.NLLLoss(weight=torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64), ignore_index=1), {}),
+        nn.NLLLoss(weight=torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64), ignore_index=1),
+        {},
+    ),
     "function-with-loss-items": (
         lambda o, t: F.cross_entropy(o, t, ignore_index=-100),
         {"criterion_reduction": "mean", "loss_items": lambda *args: (args[-1] != -100).sum()},
@@ -644,14 +706,22 @@ def test_probability_targets_are_a_mean_over_rows() -> None:
     x = torch.randn(7, 5, dtype=torch.float64)
     y = torch.softmax(torch.randn(7, 4, dtype=torch.float64), -1)
     criterion = nn.CrossEntropyLoss(weight=torch.tensor([0.2, 1.0, 3.0, 0.7], dtype=torch.float64))
-    torch.testing.assert_close(dpcore.DataParallel(module, ["cpu"] * 3, criterion=criterion)(x, y), criterion(module(x), y), **TOL)
+    torch.testing.assert_close(
+        dpcore.DataParallel(module, ["cpu"] * 3, criterion=criterion)(x, y), criterion(module(x), y), **TOL
+    )
 
 
 @pytest.mark.parametrize(
     ("options", "pattern"),
     [
-        ({"criterion": nn.CrossEntropyLoss(reduction="sum"), "loss_items": lambda *a: 1}, r"loss_items: with criterion=, only for a mean criterion"),
-        ({"criterion": nn.CrossEntropyLoss(), "loss_items": lambda *a: 1, "process_group": object()}, r"loss_items: not supported with process_group="),
+        (
+            {"criterion": nn.CrossEntropyLoss(reduction="sum"), "loss_items": lambda *a: 1},
+            r"loss_items: with criterion=, only for a mean criterion",
+        ),
+        (
+            {"criterion": nn.CrossEntropyLoss(), "loss_items": lambda *a: 1, "process_group": object()},
+            r"loss_items: not supported with process_group=",
+        ),
     ],
 )
 def test_criterion_loss_items_is_validated(options: dict[str, Any], pattern: str) -> None:

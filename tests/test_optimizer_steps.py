@@ -27,7 +27,10 @@ def _model(device: str | torch.device = "cpu") -> nn.Module:
 def _batches(device: str | torch.device = "cpu", n: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(n, 5, generator=g, dtype=torch.float64).to(device), torch.randn(n, 3, generator=g, dtype=torch.float64).to(device))
+        (
+            torch.randn(n, 5, generator=g, dtype=torch.float64).to(device),
+            torch.randn(n, 3, generator=g, dtype=torch.float64).to(device),
+        )
         for _ in range(STEPS)
     ]
 

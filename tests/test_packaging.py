@@ -45,9 +45,22 @@ def test_pyproject_is_valid_for_setuptools_65_5(tmp_path: Path) -> None:
     if not wheels:
         # Python 3.12 and later bundle no setuptools: take the same wheel from the package index.
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             "-d", str(tmp_path / "wheels"), "setuptools==65.5.0"],
-            capture_output=True, text=True, timeout=300, check=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                str(tmp_path / "wheels"),
+                "setuptools==65.5.0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
         )
         wheels = sorted((tmp_path / "wheels").glob("setuptools-65.5*.whl"))
     assert wheels, "no setuptools 65.5 wheel: neither bundled with this Python nor downloadable"
@@ -57,7 +70,10 @@ def test_pyproject_is_valid_for_setuptools_65_5(tmp_path: Path) -> None:
     completed = subprocess.run(
         [sys.executable, "-S", "-c", READ_WITH_BUNDLED_SETUPTOOLS, str(PYPROJECT)],
         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.split() == ["65.5.0", "dpcore", _version(), "BSD-3-Clause", "torch>=2.11"]
@@ -104,9 +120,7 @@ def test_every_package_and_the_stub_are_shipped() -> None:
     from setuptools.config.pyprojecttoml import read_configuration
 
     config = read_configuration(str(PYPROJECT), expand=False)["tool"]["setuptools"]
-    found = sorted(
-        ".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "dpcore").rglob("__init__.py")
-    )
+    found = sorted(".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "dpcore").rglob("__init__.py"))
     assert sorted(config["packages"]) == found
     assert {"_C.pyi", "py.typed"} <= set(config["package-data"]["dpcore"])
     assert (ROOT / "dpcore" / "_C.pyi").is_file() and (ROOT / "dpcore" / "py.typed").is_file()
@@ -151,8 +165,14 @@ def _pip(python: Path, *args: str, cwd: Path | None = None, timeout: int = 600) 
     """Runs the venv's pip; its output (stdout and stderr) is in .stdout."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     return subprocess.run(
-        [str(python), "-m", "pip", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout, check=False,
+        [str(python), "-m", "pip", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

@@ -385,7 +385,9 @@ def test_nested_parallel_apply_does_not_deadlock(any_devices: list[Any]) -> None
         return parallel_apply([inner] * k, [(x + j,) for j in range(k)], None, devs)
 
     def call() -> list[Any]:
-        return parallel_apply([outer] * k, [(torch.full((1,), float(i), device=d),) for i, d in enumerate(devs)], None, devs)
+        return parallel_apply(
+            [outer] * k, [(torch.full((1,), float(i), device=d),) for i, d in enumerate(devs)], None, devs
+        )
 
     results = _run_with_timeout(call, timeout=30)
     for i, inner_results in enumerate(results):

@@ -150,7 +150,11 @@ def test_python_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(block.program)
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert result.returncode == 0, (
@@ -333,7 +337,8 @@ def test_design_layer_map_names_every_source_file() -> None:
     root = README.parent
     layer_map = _layer_map()
     files = sorted(
-        p for p in [*(root / "dpcore").rglob("*.py"), *(root / "csrc").rglob("*")]
+        p
+        for p in [*(root / "dpcore").rglob("*.py"), *(root / "csrc").rglob("*")]
         if p.is_file() and p.suffix in {".py", ".h", ".cpp", ".cu", ".cuh"} and "__pycache__" not in p.parts
     )
     assert len(files) > 40
@@ -342,7 +347,8 @@ def test_design_layer_map_names_every_source_file() -> None:
         return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", layer_map) is not None
 
     missing = [
-        str(p.relative_to(root)) for p in files
+        str(p.relative_to(root))
+        for p in files
         if not (named(p.name) or (p.suffix in {".cpp", ".cu"} and named(p.stem + ".h")))
     ]
     assert missing == [], f"docs/design.md's layer map does not name {missing}"

@@ -124,10 +124,12 @@ def _images(count: int, seed: int = 0) -> tuple[list[torch.Tensor], list[dict[st
         h, w = SIZES[i % len(SIZES)]
         images.append(torch.rand(3, h, w, generator=g, dtype=torch.float64))
         k = 1 + i % 3
-        targets.append({
-            "boxes": torch.rand(k, 4, generator=g, dtype=torch.float64),
-            "labels": torch.randint(0, 4, (k,), generator=g),
-        })
+        targets.append(
+            {
+                "boxes": torch.rand(k, 4, generator=g, dtype=torch.float64),
+                "labels": torch.randint(0, 4, (k,), generator=g),
+            }
+        )
     return images, targets
 
 
@@ -137,7 +139,8 @@ def _detector() -> TinyDetector:
 
 
 def _train(
-    model: nn.Module, step: Callable[[list[torch.Tensor], list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
+    model: nn.Module,
+    step: Callable[[list[torch.Tensor], list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]],
     count: int,
 ) -> list[dict[str, torch.Tensor]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -156,12 +159,12 @@ def _train(
 @pytest.mark.parametrize(
     ("count", "n_devices", "split"),
     [
-        (5, 2, {}),                              # uneven: 3, 2
-        (7, 3, {}),                              # uneven: 3, 2, 2
-        (4, 4, {}),                              # one image each
-        (3, 4, {}),                              # fewer images than devices: 3 replicas run
+        (5, 2, {}),  # uneven: 3, 2
+        (7, 3, {}),  # uneven: 3, 2, 2
+        (4, 4, {}),  # one image each
+        (3, 4, {}),  # fewer images than devices: 3 replicas run
         (6, 2, {"chunk_sizes": [1, 5]}),
-        (6, 3, {"weights": [1, 0, 2]}),          # device 1 gets no image and runs no replica
+        (6, 3, {"weights": [1, 0, 2]}),  # device 1 gets no image and runs no replica
     ],
 )
 def test_detector_trains_like_one_device(count: int, n_devices: int, split: dict[str, Any]) -> None:
@@ -233,8 +236,11 @@ def test_loss_dict_without_model_loss_is_stacked_per_replica() -> None:
 def test_criterion_is_weighted_by_sample_counts() -> None:
     """criterion= with a Samples target: each replica's mean over its images,
     weighted by its image count, is the one-device mean."""
+
     def score_loss(detections: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        per_image = [(d["boxes"][: t["boxes"].shape[0]] - t["boxes"]).pow(2).mean() for d, t in zip(detections, targets)]
+        per_image = [
+            (d["boxes"][: t["boxes"].shape[0]] - t["boxes"]).pow(2).mean() for d, t in zip(detections, targets)
+        ]
         return torch.stack(per_image).mean()
 
     one = _detector().eval()
@@ -383,7 +389,9 @@ def test_lstm_over_packed_trains_like_one_device(
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (one, dp_model)]
     for step in range(STEPS):
         x, lengths = _sequences(count, step, enforce_sorted)
-        target = torch.randn(count, x.shape[1], 2, generator=torch.Generator().manual_seed(step + 9), dtype=torch.float64)
+        target = torch.randn(
+            count, x.shape[1], 2, generator=torch.Generator().manual_seed(step + 9), dtype=torch.float64
+        )
         results = []
         for model, optimizer in zip((one, dp), optimizers):
             xs = x.clone().requires_grad_()
@@ -440,6 +448,7 @@ def test_each_replica_gets_a_valid_packed_sequence_of_its_sequences() -> None:
 def test_packed_target_and_criterion() -> None:
     """A packed target is split by the same sequences as the input, and a
     summed criterion over the packed rows is the one-device loss."""
+
     def loss_fn(output: tuple[PackedSequence, torch.Tensor], target: PackedSequence) -> torch.Tensor:
         return (output[0].data - target.data).pow(2).sum()
 

@@ -105,8 +105,11 @@ def test_split_sizes_chunk_sizes() -> None:
 
 @pytest.mark.parametrize(
     "chunk_sizes,match",
-    [([1, 2], r"chunk_sizes.*one size per device \(3\)"), ([1, 2, 2], r"chunk_sizes.*sum.*6.*5"),
-     ([7, -1, 0], r"chunk_sizes\[1\].*non-negative")],
+    [
+        ([1, 2], r"chunk_sizes.*one size per device \(3\)"),
+        ([1, 2, 2], r"chunk_sizes.*sum.*6.*5"),
+        ([7, -1, 0], r"chunk_sizes\[1\].*non-negative"),
+    ],
 )
 def test_split_sizes_chunk_sizes_errors(chunk_sizes: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -115,8 +118,14 @@ def test_split_sizes_chunk_sizes_errors(chunk_sizes: list[int], match: str) -> N
 
 @pytest.mark.parametrize(
     "batch,weights,expected",
-    [(8, [1, 3], [2, 6]), (10, [1, 1, 1], [4, 3, 3]), (7, [0, 1, 2, 3], [0, 1, 2, 4]), (5, [0.5, 0.5], [3, 2]),
-     (3, [1, 0, 0], [3, 0, 0]), (0, [1, 2], [0, 0])],
+    [
+        (8, [1, 3], [2, 6]),
+        (10, [1, 1, 1], [4, 3, 3]),
+        (7, [0, 1, 2, 3], [0, 1, 2, 4]),
+        (5, [0.5, 0.5], [3, 2]),
+        (3, [1, 0, 0], [3, 0, 0]),
+        (0, [1, 2], [0, 0]),
+    ],
 )
 def test_split_sizes_weights(batch: int, weights: list[float], expected: list[int]) -> None:
     assert split_sizes(batch, len(weights), weights=weights) == expected
@@ -142,8 +151,13 @@ def test_split_sizes_weights_largest_remainder_property() -> None:
 
 @pytest.mark.parametrize(
     "weights,match",
-    [([1, -1], r"weights\[1\].*non-negative"), ([0, 0], "weights.*positive sum"), ([1, float("nan")], r"weights\[1\]"),
-     ([1, float("inf")], r"weights\[1\]"), ([1, 2, 3], r"weights.*one weight per device \(2\)")],
+    [
+        ([1, -1], r"weights\[1\].*non-negative"),
+        ([0, 0], "weights.*positive sum"),
+        ([1, float("nan")], r"weights\[1\]"),
+        ([1, float("inf")], r"weights\[1\]"),
+        ([1, 2, 3], r"weights.*one weight per device \(2\)"),
+    ],
 )
 def test_split_sizes_weights_errors(weights: list[float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -747,6 +761,7 @@ def test_scatter_function_empty_chunks() -> None:
     out = Gather.apply(CPU, 0, *chunks)
     (out * 2).sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
     def f(t: torch.Tensor) -> torch.Tensor:
         return Gather.apply(CPU, 0, *Scatter.apply([CPU] * 3, [0, 3, 0], 0, t)) ** 2
 

@@ -229,6 +229,9 @@ def test_data_parallel_rows_per_device_that_differ_are_an_error_when_fewer_repli
     error naming the argument, never a truncation."""
     dp = dpcore.DataParallel(_Scaled().double(), CPU3)
     per_device = torch.tensor([[11.0], [11.0], [12.0]], dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"kwargs\['num_items_in_batch'\] has size 3 along dim 0, one row per "
-                                         r"device, but the batch runs on 2 replica\(s\), and its rows differ"):
+    with pytest.raises(
+        ValueError,
+        match=r"kwargs\['num_items_in_batch'\] has size 3 along dim 0, one row per "
+        r"device, but the batch runs on 2 replica\(s\), and its rows differ",
+    ):
         dp(torch.randn(2, 4, dtype=torch.float64), num_items_in_batch=per_device)

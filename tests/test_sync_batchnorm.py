@@ -35,7 +35,9 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
-def _model(kind: str, affine: bool = True, track: bool = True, momentum: float | None = 0.1) -> tuple[nn.Module, tuple[int, ...]]:
+def _model(
+    kind: str, affine: bool = True, track: bool = True, momentum: float | None = 0.1
+) -> tuple[nn.Module, tuple[int, ...]]:
     """A small model with BatchNorm of `kind`, and its input shape without the batch."""
     torch.manual_seed(0)
     bn = {"1d": nn.BatchNorm1d, "1d-seq": nn.BatchNorm1d, "2d": nn.BatchNorm2d, "3d": nn.BatchNorm3d}[kind]
@@ -375,9 +377,9 @@ def test_batchnorm_called_only_on_some_replicas() -> None:
     # Which of replicas 0 and 1 were already waiting when replica 2 finished is a race; either way
     # the message names replica 2 and the layer.
     message = str(info.value)
-    assert re.search(r"replica 2 finished without reaching BatchNorm 'bn' \(call 1\), which replicas? [01]", message) or (
-        "after replica 2 had finished without it" in message and "BatchNorm 'bn' (call 1)" in message
-    ), message
+    assert re.search(
+        r"replica 2 finished without reaching BatchNorm 'bn' \(call 1\), which replicas? [01]", message
+    ) or ("after replica 2 had finished without it" in message and "BatchNorm 'bn' (call 1)" in message), message
     dp.module.min_rows = 0
     reference = copy.deepcopy(dp.module)
     x = _randn(8, 3, seed=1)

@@ -27,8 +27,10 @@ try:
     import timm.utils
     from timm.models import resume_checkpoint
 except (ImportError, RuntimeError) as e:  # RuntimeError: a torchvision built for another torch
-    pytest.skip(f"timm is not usable here ({type(e).__name__}: {e}); pip install timm with a torchvision "
-                f"that matches torch", allow_module_level=True)
+    pytest.skip(
+        f"timm is not usable here ({type(e).__name__}: {e}); pip install timm with a torchvision that matches torch",
+        allow_module_level=True,
+    )
 
 DEVICES = ["cpu"] * 2
 STEPS = 3

@@ -103,7 +103,7 @@ def read_elf_dynamic(path: str | os.PathLike[str]) -> ElfDynamicInfo:
         raise ValueError(f"{path}: not an ELF file")
     if data[4] != 2 or data[5] != 1:
         raise ValueError(f"{path}: expected a 64-bit little-endian ELF file (class {data[4]}, data {data[5]})")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = []
     for i in range(shnum):
@@ -238,4 +238,3 @@ def make_checked_build_ext(base: type) -> type:
                 raise ExecError(refusal_message(library, problems, compiler_description(cxx[0] if cxx else None)))
 
     return CheckedBuildExtension
-

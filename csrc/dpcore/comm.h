@@ -42,9 +42,7 @@ void broadcast_out(const at::Tensor& tensor, at::TensorList outs);
 // devices[0]; result[0] is `tensors` itself. Dense tensors travel in buckets
 // of one dtype of about `bucket_bytes`; sparse ones one by one.
 TensorList2D broadcast_coalesced(
-    at::TensorList tensors,
-    c10::ArrayRef<c10::Device> devices,
-    int64_t bucket_bytes = kDefaultBucketBytes);
+    at::TensorList tensors, c10::ArrayRef<c10::Device> devices, int64_t bucket_bytes = kDefaultBucketBytes);
 
 // The elementwise sum of `tensors` (same shape, dtype and layout; dense or
 // sparse COO), on `destination` (default: the current device of their type).
@@ -57,18 +55,14 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
 // buffers on the members' device by one pack_multi (the members read once),
 // the others by a copy of one flat buffer on that device (the member itself
 // when it is the whole bucket, else one of those packed, else one made).
-void broadcast_flat_into(
-    at::TensorList members,
-    const FlatLayout& layout,
-    at::TensorList flats);
+void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::TensorList flats);
 
 // result[i] = reduce_add({inputs[0][i], inputs[1][i], ...}) for every i, in
 // buckets as broadcast_coalesced. inputs[k] lists device k's tensors, all on
 // one device. Dense results are views of one buffer per bucket, each with its
 // own version counter.
 std::vector<at::Tensor> reduce_add_coalesced(
-    const TensorList2D& inputs,
-    std::optional<c10::Device> destination,
+    const TensorList2D& inputs, std::optional<c10::Device> destination,
     int64_t bucket_bytes = kDefaultBucketBytes);
 
 // Sizes that split `total` into `parts` chunks differing by at most one, the
@@ -82,28 +76,22 @@ std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts);
 // streams[i] where given. A chunk bound for tensor's own device is a view.
 // Memory format (channels_last) is preserved.
 std::vector<at::Tensor> scatter(
-    const at::Tensor& tensor,
-    c10::ArrayRef<c10::Device> devices,
-    const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt,
-    int64_t dim = 0,
+    const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices,
+    const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0,
     const std::optional<StreamList>& streams = std::nullopt);
 
 // Copies consecutive chunks of `tensor` along `dim` into `outs`; the chunk
 // sizes are the outs' sizes along dim. An out sharing memory with `tensor`
 // or with another out is an error (checked before anything is written).
 void scatter_out(
-    const at::Tensor& tensor,
-    at::TensorList outs,
-    int64_t dim = 0,
+    const at::Tensor& tensor, at::TensorList outs, int64_t dim = 0,
     const std::optional<StreamList>& streams = std::nullopt);
 
 // Concatenates `tensors` along `dim` into a new tensor on `destination`
 // (default: the current device of their type). channels_last is kept when
 // every input has it.
 at::Tensor gather(
-    at::TensorList tensors,
-    int64_t dim = 0,
-    std::optional<c10::Device> destination = std::nullopt);
+    at::TensorList tensors, int64_t dim = 0, std::optional<c10::Device> destination = std::nullopt);
 
 // Concatenates `tensors` along `dim` into `out`, which must not share
 // memory with any of them (checked before anything is written).

@@ -9,15 +9,11 @@
 namespace dpcore {
 
 bool is_plain_dense(const at::Tensor& t) {
-  return t.layout() == c10::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() &&
-      !t.is_neg();
+  return t.layout() == c10::kStrided && t.is_non_overlapping_and_dense() && !t.is_conj() && !t.is_neg();
 }
 
 at::Tensor empty_like_layout(
-    const at::Tensor& like,
-    c10::Device device,
-    c10::IntArrayRef sizes,
-    c10::IntArrayRef strides) {
+    const at::Tensor& like, c10::Device device, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
   const int64_t nbytes = c10::multiply_integers(sizes) * static_cast<int64_t>(like.element_size());
   if (device.is_cpu() && nbytes >= kMinCachedBytes) {
     return host_cache_empty_strided(sizes, strides, like.scalar_type());

@@ -55,10 +55,7 @@ bool is_plain_dense(const at::Tensor& t);
 // An uninitialised tensor on `device` of `sizes` and `strides` (dense: a
 // permutation of contiguous strides) with `like`'s dtype.
 at::Tensor empty_like_layout(
-    const at::Tensor& like,
-    c10::Device device,
-    c10::IntArrayRef sizes,
-    c10::IntArrayRef strides);
+    const at::Tensor& like, c10::Device device, c10::IntArrayRef sizes, c10::IntArrayRef strides);
 
 // An uninitialised tensor on `device` shaped like `like`, keeping its strides
 // where it is dense (channels_last stays channels_last), contiguous otherwise.

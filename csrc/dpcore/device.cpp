@@ -13,32 +13,25 @@ c10::Device normalize_device(c10::Device device) {
   return device;
 }
 
-std::vector<c10::Device> check_devices(
-    c10::ArrayRef<c10::Device> devices,
-    const char* op,
-    const char* arg) {
-  TORCH_CHECK(
-      !devices.empty(), op, ": expected at least one device in '", arg,
-      "', but the list is empty");
+std::vector<c10::Device> check_devices(c10::ArrayRef<c10::Device> devices, const char* op, const char* arg) {
+  TORCH_CHECK(!devices.empty(), op, ": expected at least one device in '", arg, "', but the list is empty");
   std::vector<c10::Device> result;
   result.reserve(devices.size());
   const c10::DeviceType type = devices[0].type();
   for (size_t i = 0; i < devices.size(); ++i) {
     const c10::Device device = normalize_device(devices[i]);
     TORCH_CHECK(
-        device.type() == type, op, ": expected all of '", arg,
-        "' to be of one device type, but ", arg, "[0] is ", devices[0], " and ",
-        arg, "[", i, "] is ", device);
+        device.type() == type, op, ": expected all of '", arg, "' to be of one device type, but ", arg,
+        "[0] is ", devices[0], " and ", arg, "[", i, "] is ", device);
     if (!device.is_cpu()) {
       TORCH_CHECK(
-          c10::impl::hasDeviceGuardImpl(type), op, ": ", arg, "[", i, "] is ",
-          device, ", but PyTorch has no support for that device type loaded");
+          c10::impl::hasDeviceGuardImpl(type), op, ": ", arg, "[", i, "] is ", device,
+          ", but PyTorch has no support for that device type loaded");
       // DeviceIndex is int8_t: widen it, or the message prints it as a char.
       const int count = static_cast<int>(c10::impl::getDeviceGuardImpl(type)->deviceCount());
       TORCH_CHECK(
-          device.has_index() && device.index() >= 0 && device.index() < count,
-          op, ": ", arg, "[", i, "] is ", device, ", but only ", count, " ",
-          c10::DeviceTypeName(type, /*lower_case=*/true),
+          device.has_index() && device.index() >= 0 && device.index() < count, op, ": ", arg, "[", i, "] is ",
+          device, ", but only ", count, " ", c10::DeviceTypeName(type, /*lower_case=*/true),
           " device(s) are visible");
     }
     result.push_back(device);
@@ -51,8 +44,8 @@ c10::Device current_device(c10::DeviceType type) {
     return c10::Device(c10::kCPU);
   }
   TORCH_CHECK(
-      c10::impl::hasDeviceGuardImpl(type), "no support for device type ",
-      c10::DeviceTypeName(type), " is loaded");
+      c10::impl::hasDeviceGuardImpl(type), "no support for device type ", c10::DeviceTypeName(type),
+      " is loaded");
   return c10::impl::getDeviceGuardImpl(type)->getDevice();
 }
 

@@ -19,9 +19,7 @@ c10::Device normalize_device(c10::Device device);
 // non-empty, one device type, CUDA indices visible. Returns it normalised.
 // Repeats are allowed (["cpu"] * 4, [0, 0]).
 std::vector<c10::Device> check_devices(
-    c10::ArrayRef<c10::Device> devices,
-    const char* op,
-    const char* arg = "devices");
+    c10::ArrayRef<c10::Device> devices, const char* op, const char* arg = "devices");
 
 // The current device of `type` (for CUDA: torch.cuda.current_device()).
 c10::Device current_device(c10::DeviceType type);

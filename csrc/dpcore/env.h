@@ -21,8 +21,8 @@ inline int64_t env_int(const char* name, int64_t fallback, int64_t minimum) {
   errno = 0;
   const long long value = std::strtoll(text, &end, 10);
   TORCH_CHECK(
-      errno == 0 && *end == '\0' && value >= minimum, "dpcore: expected the environment variable ",
-      name, " to be an integer of at least ", minimum, ", but it is '", text, "'");
+      errno == 0 && *end == '\0' && value >= minimum, "dpcore: expected the environment variable ", name,
+      " to be an integer of at least ", minimum, ", but it is '", text, "'");
   return static_cast<int64_t>(value);
 }
 

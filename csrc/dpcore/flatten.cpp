@@ -17,15 +17,14 @@ FlatLayout FlatLayout::of(at::TensorList tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(
-        t.layout() == c10::kStrided, "flatten: expected dense tensors, but tensor ",
-        i, " has layout ", t.layout());
+        t.layout() == c10::kStrided, "flatten: expected dense tensors, but tensor ", i, " has layout ",
+        t.layout());
     if (i == 0) {
       layout.dtype = t.scalar_type();
     }
     TORCH_CHECK(
-        t.scalar_type() == layout.dtype, "flatten: expected all tensors to have dtype ",
-        layout.dtype, " (the dtype of tensor 0), but tensor ", i, " has dtype ",
-        t.scalar_type());
+        t.scalar_type() == layout.dtype, "flatten: expected all tensors to have dtype ", layout.dtype,
+        " (the dtype of tensor 0), but tensor ", i, " has dtype ", t.scalar_type());
     layout.offsets.push_back(layout.numel);
     layout.sizes.emplace_back(t.sizes().begin(), t.sizes().end());
     if (t.is_non_overlapping_and_dense()) {
@@ -65,9 +64,7 @@ std::vector<at::Tensor> FlatLayout::unflatten(const at::Tensor& flat) const {
 }
 
 std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes) {
-  TORCH_CHECK(
-      bucket_bytes > 0, "expected bucket_bytes (buffer_size) to be positive, but got ",
-      bucket_bytes);
+  TORCH_CHECK(bucket_bytes > 0, "expected bucket_bytes (buffer_size) to be positive, but got ", bucket_bytes);
   std::vector<Bucket> closed;
   // One open bucket per dtype; the position in `closed` it will take, so that
   // buckets come out in the order of their first tensor.
@@ -85,8 +82,8 @@ std::vector<Bucket> make_buckets(at::TensorList tensors, int64_t bucket_bytes) {
       continue;
     }
     TORCH_CHECK(
-        t.layout() == c10::kStrided, "expected dense or sparse COO tensors, but tensor ",
-        i, " has layout ", t.layout());
+        t.layout() == c10::kStrided, "expected dense or sparse COO tensors, but tensor ", i, " has layout ",
+        t.layout());
     auto it = open.find(t.scalar_type());
     if (it == open.end()) {
       it = open.emplace(t.scalar_type(), closed.size()).first;

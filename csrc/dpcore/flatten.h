@@ -29,7 +29,9 @@ struct FlatLayout {
   // Layout of `tensors`, which must all be dense (strided) and of one dtype.
   static FlatLayout of(at::TensorList tensors);
 
-  size_t size() const { return offsets.size(); }
+  size_t size() const {
+    return offsets.size();
+  }
   // Whether tensor `t` is already laid out as entry i (same strides, dense):
   // then its bytes can be copied as one block.
   bool matches(size_t i, const at::Tensor& t) const;

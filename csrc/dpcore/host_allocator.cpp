@@ -58,9 +58,9 @@ class HostCache final : public c10::Allocator {
     }
     if (data == nullptr) {
       TORCH_CHECK(
-          posix_memalign(&data, kAlignment, size) == 0, "dpcore host cache: out of memory allocating ",
-          size, " bytes");
-      madvise(data, size, MADV_HUGEPAGE);  // a hint; failure only costs speed
+          posix_memalign(&data, kAlignment, size) == 0, "dpcore host cache: out of memory allocating ", size,
+          " bytes");
+      madvise(data, size, MADV_HUGEPAGE); // a hint; failure only costs speed
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -128,10 +128,7 @@ class HostCache final : public c10::Allocator {
 
 } // namespace
 
-at::Tensor host_cache_empty_strided(
-    c10::IntArrayRef sizes,
-    c10::IntArrayRef strides,
-    c10::ScalarType dtype) {
+at::Tensor host_cache_empty_strided(c10::IntArrayRef sizes, c10::IntArrayRef strides, c10::ScalarType dtype) {
   return at::detail::empty_strided_generic(
       sizes, strides, &HostCache::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype);
 }

@@ -21,18 +21,15 @@ namespace dpcore {
 constexpr int64_t kMinCachedBytes = 1 << 20;
 
 struct HostCacheStats {
-  int64_t cached_bytes = 0;  // held by the cache, not in use
-  int64_t hits = 0;          // allocations served from the cache
-  int64_t misses = 0;        // allocations that went to the system
+  int64_t cached_bytes = 0; // held by the cache, not in use
+  int64_t hits = 0;         // allocations served from the cache
+  int64_t misses = 0;       // allocations that went to the system
 };
 
 // An uninitialised CPU tensor of `sizes`, `strides` (dense) and `dtype` whose
 // memory comes from the cache. Callers go through the empty_* allocators of
 // common.h, which take this path for CPU tensors of at least kMinCachedBytes.
-at::Tensor host_cache_empty_strided(
-    c10::IntArrayRef sizes,
-    c10::IntArrayRef strides,
-    c10::ScalarType dtype);
+at::Tensor host_cache_empty_strided(c10::IntArrayRef sizes, c10::IntArrayRef strides, c10::ScalarType dtype);
 
 HostCacheStats host_cache_stats();
 

@@ -73,11 +73,13 @@ constexpr int64_t kTensorsPerTask = 16;
 // The argument checks of pack / unpack (`op` names which in the messages)
 // and of reduce_add_n, shared by the entry points above and by every
 // backend's operator implementation.
-void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op);
+void check_pack_args(
+    at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op);
 // The checks of one flat buffer for `count` tensors laid out as `layout`
 // (defined, contiguous 1-D, layout.numel elements of layout.dtype), named
 // 'flat', or flats[index] when index >= 0.
-void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index);
+void check_flat(
+    const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index);
 // pack_multi's: at least one flat, each as check_pack_args wants it, all on
 // one device.
 void check_pack_multi_args(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats);

@@ -19,7 +19,8 @@ void check_flat_meta(at::TensorList tensors, const at::Tensor& flat, const char*
     total = total + t.sym_numel();
   }
   TORCH_CHECK(flat.dim() == 1, op, ": expected 'flat' to be 1-D, but it has ", flat.dim(), " dims");
-  TORCH_SYM_CHECK(flat.sym_numel().sym_eq(total), op, ": expected 'flat' to hold every element of the tensors");
+  TORCH_SYM_CHECK(
+      flat.sym_numel().sym_eq(total), op, ": expected 'flat' to hold every element of the tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK(
         tensors[i].scalar_type() == flat.scalar_type(), op, ": expected tensor ", i, " of dtype ",

@@ -48,8 +48,7 @@ Rendezvous::Rendezvous(size_t participants, std::chrono::milliseconds timeout)
 }
 
 void Rendezvous::check_rank(size_t rank, const char* what) const {
-  TORCH_CHECK_INDEX(
-      rank < n_, "Rendezvous.", what, ": expected a rank in [0, ", n_, "), but got ", rank);
+  TORCH_CHECK_INDEX(rank < n_, "Rendezvous.", what, ": expected a rank in [0, ", n_, "), but got ", rank);
 }
 
 std::vector<size_t> Rendezvous::arrived_ranks_locked() const {
@@ -82,7 +81,8 @@ void Rendezvous::break_locked(std::string reason, int64_t culprit, std::vector<C
   cv_.notify_all();
 }
 
-std::vector<Contribution> Rendezvous::exchange(size_t rank, const std::string& key, Contribution contribution) {
+std::vector<Contribution> Rendezvous::exchange(
+    size_t rank, const std::string& key, Contribution contribution) {
   check_rank(rank, "exchange");
   // Declared before the lock: tensors dropped here are destroyed after it is released.
   std::vector<Contribution> doomed;
@@ -117,7 +117,8 @@ std::vector<Contribution> Rendezvous::exchange(size_t rank, const std::string& k
       // Group the ranks by key; the largest group (the lowest rank's on a tie) is the expected one.
       std::vector<std::pair<std::string, std::vector<size_t>>> groups;
       for (size_t i = 0; i < n_; ++i) {
-        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == keys_[i]; });
+        auto it =
+            std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == keys_[i]; });
         if (it == groups.end()) {
           groups.emplace_back(keys_[i], std::vector<size_t>{i});
         } else {
@@ -135,12 +136,13 @@ std::vector<Contribution> Rendezvous::exchange(size_t rank, const std::string& k
         size_t culprit = n_;
         for (size_t g = 0; g < groups.size(); ++g) {
           if (g != expected) {
-            reason += (reason.empty() ? "" : " and ") + replicas_text(groups[g].second) + " reached " + groups[g].first;
+            reason += (reason.empty() ? "" : " and ") + replicas_text(groups[g].second) + " reached " +
+                      groups[g].first;
             culprit = std::min(culprit, groups[g].second.front());
           }
         }
-        reason += " where " + replicas_text(groups[expected].second) + " reached " + groups[expected].first + "; " +
-            kSameCalls;
+        reason += " where " + replicas_text(groups[expected].second) + " reached " + groups[expected].first +
+                  "; " + kSameCalls;
         break_locked(std::move(reason), static_cast<int64_t>(culprit), doomed);
         throw RendezvousBroken(reason_);
       }
@@ -164,8 +166,8 @@ std::vector<Contribution> Rendezvous::exchange(size_t rank, const std::string& k
           }
         }
         break_locked(
-            replicas_text(missing) + " did not reach " + key + " within " + seconds_text(timeout_) + ", while " +
-                replicas_text(arrived_ranks_locked()) + " waited there (raise the limit with " +
+            replicas_text(missing) + " did not reach " + key + " within " + seconds_text(timeout_) +
+                ", while " + replicas_text(arrived_ranks_locked()) + " waited there (raise the limit with " +
                 kSyncTimeoutVariable + "=<seconds>)",
             missing.empty() ? -1 : static_cast<int64_t>(missing.front()), doomed);
       }
@@ -186,9 +188,9 @@ void Rendezvous::finish(size_t rank) {
   finished_[rank] = 1;
   if (!broken_ && arrived_ > 0 && !present_[rank]) {
     break_locked(
-        "replica " + std::to_string(rank) + " finished without reaching " + waiting_key_locked() + ", which " +
-            replicas_text(arrived_ranks_locked()) + " reached (a call skipped on replica " + std::to_string(rank) +
-            ", or an extra one on the others); " + kSameCalls,
+        "replica " + std::to_string(rank) + " finished without reaching " + waiting_key_locked() +
+            ", which " + replicas_text(arrived_ranks_locked()) + " reached (a call skipped on replica " +
+            std::to_string(rank) + ", or an extra one on the others); " + kSameCalls,
         static_cast<int64_t>(rank), doomed);
   }
 }

@@ -81,8 +81,12 @@ class Rendezvous {
   // The rank whose action broke it (raised, skipped or added a call, arrived
   // with another key, or did not arrive in time); -1 while not broken or after abort().
   int64_t culprit() const;
-  size_t participants() const { return n_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  size_t participants() const {
+    return n_;
+  }
+  std::chrono::milliseconds timeout() const {
+    return timeout_;
+  }
   // Rounds completed so far.
   uint64_t rounds() const;
   // Ranks waiting at the current round.
@@ -103,7 +107,7 @@ class Rendezvous {
   std::condition_variable cv_;
   uint64_t round_ = 0;
   size_t arrived_ = 0;
-  std::vector<char> present_;  // per rank: arrived at the current round
+  std::vector<char> present_; // per rank: arrived at the current round
   std::vector<char> finished_;
   std::vector<std::string> keys_;
   std::vector<Contribution> pending_;

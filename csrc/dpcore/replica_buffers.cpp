@@ -14,12 +14,14 @@ namespace dpcore {
 ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> targets)
     : layout_(FlatLayout::of(like)),
       source_(like.empty() ? c10::Device(c10::kCPU) : normalize_device(like[0].device())),
-      targets_(targets.empty() ? std::vector<c10::Device>{} : check_devices(targets, "ReplicaBuffers", "targets")) {
+      targets_(
+          targets.empty() ? std::vector<c10::Device>{}
+                          : check_devices(targets, "ReplicaBuffers", "targets")) {
   TORCH_CHECK(!like.empty(), "ReplicaBuffers: expected at least one tensor in the bucket");
   for (size_t i = 0; i < like.size(); ++i) {
     TORCH_CHECK(
-        normalize_device(like[i].device()) == source_, "ReplicaBuffers: expected all tensors on ",
-        source_, " (the device of tensor 0), but tensor ", i, " is on ", like[i].device());
+        normalize_device(like[i].device()) == source_, "ReplicaBuffers: expected all tensors on ", source_,
+        " (the device of tensor 0), but tensor ", i, " is on ", like[i].device());
   }
   // Normal tensors (with version counters) even when built in inference mode.
   c10::InferenceMode normal_mode(false);
@@ -41,8 +43,8 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
     TORCH_CHECK(
         tensors[i].sizes().equals(layout_.sizes[i]) && tensors[i].scalar_type() == layout_.dtype &&
             normalize_device(tensors[i].device()) == source_,
-        "ReplicaBuffers.refresh: tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(),
-        " on ", tensors[i].device(), ", but the bucket was built for ", layout_.dtype,
+        "ReplicaBuffers.refresh: tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(), " on ",
+        tensors[i].device(), ", but the bucket was built for ", layout_.dtype,
         c10::IntArrayRef(layout_.sizes[i]), " on ", source_);
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -99,7 +101,7 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
 
 void ReplicaBuffers::invalidate() {
   std::lock_guard<std::mutex> lock(mutex_);
-  master_ptrs_.clear();  // the next refresh treats every entry as changed
+  master_ptrs_.clear(); // the next refresh treats every entry as changed
 }
 
 } // namespace dpcore

@@ -43,7 +43,9 @@ class ReplicaBuffers {
   void invalidate();
 
   // Whether the last refresh copied (false: it found nothing changed).
-  bool last_refresh_copied() const { return copied_.load(); }
+  bool last_refresh_copied() const {
+    return copied_.load();
+  }
 
  private:
   FlatLayout layout_;
@@ -57,7 +59,7 @@ class ReplicaBuffers {
   std::vector<const void*> master_ptrs_;
   std::vector<int64_t> master_versions_;
   std::atomic<bool> copied_{false};
-  std::mutex mutex_;  // held by refresh
+  std::mutex mutex_; // held by refresh
 };
 
 } // namespace dpcore

@@ -117,13 +117,8 @@ struct Combine : public torch::autograd::Function<Combine> {
 // plain differentiable operations.
 struct Normalize : public torch::autograd::Function<Normalize> {
   static at::Tensor forward(
-      AutogradContext* ctx,
-      const at::Tensor& x,
-      const at::Tensor& mean,
-      const at::Tensor& var,
-      const std::optional<at::Tensor>& weight,
-      const std::optional<at::Tensor>& bias,
-      double eps) {
+      AutogradContext* ctx, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& var,
+      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->save_for_backward({x, mean, var, weight.value_or(at::Tensor())});
@@ -144,7 +139,7 @@ struct Normalize : public torch::autograd::Function<Normalize> {
     at::Tensor dx;
     at::Tensor dw;
     at::Tensor sum_dy;
-    if (at::GradMode::is_enabled() || x.numel() == 0) {  // create_graph, or no values: plain formulas
+    if (at::GradMode::is_enabled() || x.numel() == 0) { // create_graph, or no values: plain formulas
       const auto shape = channel_shape(x);
       const auto dims = reduce_dims(x);
       sum_dy = dy.sum(dims);
@@ -177,20 +172,13 @@ std::optional<at::Tensor> as_dtype(const std::optional<at::Tensor>& t, at::Scala
 } // namespace
 
 at::Tensor sync_batch_norm(
-    Rendezvous& rendezvous,
-    size_t rank,
-    const std::string& key,
-    const at::Tensor& input,
-    const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var,
-    bool update_running_stats,
-    double momentum,
-    double eps,
-    const CombineAcross& across) {
+    Rendezvous& rendezvous, size_t rank, const std::string& key, const at::Tensor& input,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    bool update_running_stats, double momentum, double eps, const CombineAcross& across) {
   TORCH_CHECK_VALUE(
-      input.dim() >= 2, "sync_batch_norm: expected an input of shape (N, C, ...), but got shape ", input.sizes());
+      input.dim() >= 2, "sync_batch_norm: expected an input of shape (N, C, ...), but got shape ",
+      input.sizes());
   const bool full = input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble;
   const at::Tensor x = full ? input : input.to(at::kFloat);
   const auto local = LocalStats::apply(x);
@@ -206,7 +194,7 @@ at::Tensor sync_batch_norm(
     if (t.device() == device) {
       return t;
     }
-    if (c.stream) {  // the copy is ordered after this thread's current stream of the source device
+    if (c.stream) { // the copy is ordered after this thread's current stream of the source device
       wait_stream(current_stream(t.device()), *c.stream);
     }
     return t.to(device);
@@ -220,11 +208,11 @@ at::Tensor sync_batch_norm(
   }
   const char* over = across ? " over all replicas of every process" : " over all replicas";
   TORCH_CHECK_VALUE(
-      across || total > 1, "Expected more than 1 value per channel when training, got ", total, over, " (input size ",
-      input.sizes(), " on replica ", rank, ")");
+      across || total > 1, "Expected more than 1 value per channel when training, got ", total, over,
+      " (input size ", input.sizes(), " on replica ", rank, ")");
   at::Tensor mean;
   at::Tensor var;
-  if (!across || rank == 0) {  // with `across`, only rank 0's combination is used
+  if (!across || rank == 0) { // with `across`, only rank 0's combination is used
     std::vector<double> shares;
     std::vector<at::Tensor> stats;
     for (const Contribution& c : all) {
@@ -235,7 +223,7 @@ at::Tensor sync_batch_norm(
       }
     }
     at::Tensor weights = at::tensor(shares, at::TensorOptions().dtype(at::kDouble)).to(x.scalar_type());
-    if (!device.is_cpu()) {  // from pinned memory: no wait for the device's queued work
+    if (!device.is_cpu()) { // from pinned memory: no wait for the device's queued work
       weights = weights.pin_memory().to(device, /*non_blocking=*/true);
     }
     const auto combined = Combine::apply(weights, at::TensorList(stats));
@@ -249,8 +237,8 @@ at::Tensor sync_batch_norm(
       std::tie(mean, var, everywhere) = across(key, mean, var, total);
       mine = {mean, var};
     }
-    const std::vector<Contribution> shared =
-        rendezvous.exchange(rank, key + " (every process)", Contribution{std::move(mine), everywhere, stream});
+    const std::vector<Contribution> shared = rendezvous.exchange(
+        rank, key + " (every process)", Contribution{std::move(mine), everywhere, stream});
     const Contribution& first = shared[0];
     total = first.count;
     if (rank != 0) {
@@ -272,8 +260,8 @@ at::Tensor sync_batch_norm(
       running_var->lerp_((var * unbiased).to(running_var->scalar_type()), momentum);
     }
   }
-  const at::Tensor out = Normalize::apply(
-      x, mean, var, as_dtype(weight, x.scalar_type()), as_dtype(bias, x.scalar_type()), eps);
+  const at::Tensor out =
+      Normalize::apply(x, mean, var, as_dtype(weight, x.scalar_type()), as_dtype(bias, x.scalar_type()), eps);
   return full ? out : out.to(input.scalar_type());
 }
 

@@ -52,17 +52,9 @@ using CombineAcross = std::function<std::tuple<at::Tensor, at::Tensor, int64_t>(
 // process are fine with `across` when others have more), and whatever
 // `across` throws.
 at::Tensor sync_batch_norm(
-    Rendezvous& rendezvous,
-    size_t rank,
-    const std::string& key,
-    const at::Tensor& input,
-    const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var,
-    bool update_running_stats,
-    double momentum,
-    double eps,
-    const CombineAcross& across = {});
+    Rendezvous& rendezvous, size_t rank, const std::string& key, const at::Tensor& input,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    bool update_running_stats, double momentum, double eps, const CombineAcross& across = {});
 
 } // namespace dpcore

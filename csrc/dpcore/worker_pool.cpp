@@ -45,8 +45,8 @@ struct CallerState {
 struct Completion {
   std::mutex mutex;
   std::condition_variable finished;
-  size_t remaining = 0;  // lanes still holding the run
-  bool done = false;     // every lane let go and the pool is back in service
+  size_t remaining = 0; // lanes still holding the run
+  bool done = false;    // every lane let go and the pool is back in service
 };
 
 // One submitted run, shared by its TaskRun handles and the workers running
@@ -57,7 +57,7 @@ struct Run {
   size_t lanes = 0;
   std::atomic<bool> cancelled{false};
   std::mutex mutex;
-  std::vector<std::exception_ptr> errors;  // under `mutex`
+  std::vector<std::exception_ptr> errors; // under `mutex`
   std::shared_ptr<Completion> completion = std::make_shared<Completion>();
 };
 
@@ -77,7 +77,9 @@ void release_pool(WorkerPool* pool);
 
 class WorkerPool {
  public:
-  WorkerPool() { g_pools.fetch_add(1); }
+  WorkerPool() {
+    g_pools.fetch_add(1);
+  }
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
@@ -158,7 +160,7 @@ class WorkerPool {
       }
     }
     const std::shared_ptr<Completion> completion = run->completion;
-    run.reset();  // freed here only if every handle is gone (abandoned)
+    run.reset(); // freed here only if every handle is gone (abandoned)
     {
       std::lock_guard<std::mutex> lock(completion->mutex);
       if (--completion->remaining != 0) {
@@ -188,7 +190,7 @@ class WorkerPool {
       at::ThreadLocalStateGuard tls_guard(state.tls);
 #ifdef _OPENMP
       if (state.intra_op_threads > 0) {
-        omp_set_num_threads(state.intra_op_threads);  // this thread's teams only
+        omp_set_num_threads(state.intra_op_threads); // this thread's teams only
       }
 #endif
       const bool cache = at::autocast::is_autocast_cache_enabled();
@@ -207,7 +209,7 @@ class WorkerPool {
       at::autocast::set_autocast_cache_enabled(cache);
 #if defined(__GLIBCXX__)
     } catch (const abi::__forced_unwind&) {
-      throw;  // the thread is being ended (pthread_exit): never swallow that
+      throw; // the thread is being ended (pthread_exit): never swallow that
 #endif
     } catch (...) {
       return std::current_exception();
@@ -218,7 +220,7 @@ class WorkerPool {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::vector<std::thread> threads_;
-  std::shared_ptr<Run> run_;  // the run of the current generation, until it finishes
+  std::shared_ptr<Run> run_; // the run of the current generation, until it finishes
   uint64_t generation_ = 0;
   bool stop_ = false;
 };
@@ -267,7 +269,8 @@ void prepare(Run& run, bool all_at_once) {
   // that many run at once (more would only contend for cores and the GIL),
   // each with its share of intra-op threads. Accelerator tasks all run at
   // once, and so do CPU tasks with all_at_once (they wait for each other).
-  const bool all_cpu = std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
+  const bool all_cpu =
+      std::all_of(tasks.begin(), tasks.end(), [](const Task& t) { return t.device.is_cpu(); });
   run.lanes = tasks.size();
   if (all_cpu) {
     const int budget = std::max(1, at::get_num_threads());
@@ -289,7 +292,7 @@ void prepare(Run& run, bool all_at_once) {
 } // namespace
 
 TaskRun submit_tasks(std::vector<Task> tasks, bool all_at_once) {
-  auto run = std::make_shared<Run>();  // captures the caller's thread-local state
+  auto run = std::make_shared<Run>(); // captures the caller's thread-local state
   run->tasks = std::move(tasks);
   if (run->tasks.empty()) {
     run->completion->done = true;

@@ -72,8 +72,8 @@ void bind_comm(py::module_& m) {
          const std::optional<dpcore::StreamList>& streams) {
         return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams);
       },
-      py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"),
-      py::arg("streams"), NoGil());
+      py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"), py::arg("streams"),
+      NoGil());
   m.def(
       "scatter_out",
       [](const at::Tensor& tensor, const Tensors& outs, int64_t dim,

@@ -45,8 +45,7 @@ std::vector<std::string> cuda_arch_list() {
 // numbers (GCC 12) or crashes (GCC 13) right here.
 std::string self_check() {
   try {
-    TORCH_CHECK(
-        false, "self-check: size_t ", size_t{42}, ", int64_t ", int64_t{-7}, ", double ", 0.5);
+    TORCH_CHECK(false, "self-check: size_t ", size_t{42}, ", int64_t ", int64_t{-7}, ", double ", 0.5);
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
@@ -106,8 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const Devices& devices_in) {
         const auto devices = dpcore::check_devices(devices_in, "peer_access");
         TORCH_CHECK(
-            devices[0].is_cuda(), "peer_access: expected CUDA devices, but devices[0] is ",
-            devices[0]);
+            devices[0].is_cuda(), "peer_access: expected CUDA devices, but devices[0] is ", devices[0]);
         py::dict result;
         for (const c10::Device& reader : devices) {
           for (const c10::Device& owner : devices) {

@@ -109,7 +109,8 @@ class AbandonedRuns {
   void add(const TaskRun& run) {
     std::vector<TaskRun> finished;
     std::lock_guard<std::mutex> lock(mutex_);
-    auto split = std::stable_partition(runs_.begin(), runs_.end(), [](const TaskRun& r) { return !r.done(); });
+    auto split =
+        std::stable_partition(runs_.begin(), runs_.end(), [](const TaskRun& r) { return !r.done(); });
     finished.assign(std::make_move_iterator(split), std::make_move_iterator(runs_.end()));
     runs_.erase(split, runs_.end());
     runs_.push_back(run);
@@ -140,12 +141,14 @@ AbandonedRuns& abandoned_runs() {
 // during that wait ends it, leaving them to finish in the background (see
 // AbandonedRuns), as a run without `call` is at once. Returns whether the
 // run is done.
-bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s, const ApplyCall* call = nullptr) {
+bool wait_interruptibly(
+    const TaskRun& run, std::optional<double> timeout_s, const ApplyCall* call = nullptr) {
   using Clock = std::chrono::steady_clock;
   const bool bounded = timeout_s.has_value();
-  const Clock::time_point deadline = bounded
-      ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, *timeout_s)))
-      : Clock::time_point::max();
+  const Clock::time_point deadline =
+      bounded ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(std::max(0.0, *timeout_s)))
+              : Clock::time_point::max();
   for (;;) {
     std::chrono::nanoseconds step = kSignalPoll;
     if (bounded) {
@@ -165,9 +168,9 @@ bool wait_interruptibly(const TaskRun& run, std::optional<double> timeout_s, con
         abandoned_runs().add(run);
         throw py::error_already_set();
       }
-      py::error_already_set first;  // the handler's exception, fetched
+      py::error_already_set first; // the handler's exception, fetched
       call->interrupt_running();
-      wait_interruptibly(run, std::nullopt);  // a second signal abandons the run and raises its exception
+      wait_interruptibly(run, std::nullopt); // a second signal abandons the run and raises its exception
       throw first;
     }
     if (bounded && Clock::now() >= deadline) {
@@ -222,10 +225,16 @@ class ParallelRun {
 
   // Waits until every call has returned or been skipped, at most `timeout`
   // seconds (None: no limit); their errors are not raised. Interruptible.
-  bool join(std::optional<double> timeout) const { return wait_interruptibly(run_, timeout, call_.get()); }
+  bool join(std::optional<double> timeout) const {
+    return wait_interruptibly(run_, timeout, call_.get());
+  }
 
-  void cancel() const { run_.cancel(); }
-  bool done() const { return run_.done(); }
+  void cancel() const {
+    run_.cancel();
+  }
+  bool done() const {
+    return run_.done();
+  }
 
  private:
   std::shared_ptr<ApplyCall> call_;
@@ -234,18 +243,15 @@ class ParallelRun {
 };
 
 std::unique_ptr<ParallelRun> start_parallel_apply(
-    const py::sequence& callables,
-    const py::sequence& args,
-    const py::sequence& kwargs,
-    const std::vector<c10::Device>& devices,
-    bool all_at_once) {
+    const py::sequence& callables, const py::sequence& args, const py::sequence& kwargs,
+    const std::vector<c10::Device>& devices, bool all_at_once) {
   const size_t n = py::len(callables);
   TORCH_CHECK_VALUE(
       py::len(args) == n, "parallel_apply: expected one args tuple per callable (", n, "), but got ",
       py::len(args));
   TORCH_CHECK_VALUE(
-      py::len(kwargs) == n, "parallel_apply: expected one kwargs dict per callable (", n,
-      "), but got ", py::len(kwargs));
+      py::len(kwargs) == n, "parallel_apply: expected one kwargs dict per callable (", n, "), but got ",
+      py::len(kwargs));
   TORCH_CHECK_VALUE(
       devices.size() == n, "parallel_apply: expected one device per callable (", n, "), but got ",
       devices.size());
@@ -284,18 +290,15 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
                          }});
   }
   TaskRun run = [&] {
-    py::gil_scoped_release no_gil;  // the tasks' state is captured here; they may start at once
+    py::gil_scoped_release no_gil; // the tasks' state is captured here; they may start at once
     return submit_tasks(std::move(tasks), all_at_once);
   }();
   return std::make_unique<ParallelRun>(std::move(call), std::move(run), devices);
 }
 
 py::list parallel_apply(
-    const py::sequence& callables,
-    const py::sequence& args,
-    const py::sequence& kwargs,
-    const std::vector<c10::Device>& devices,
-    bool all_at_once) {
+    const py::sequence& callables, const py::sequence& args, const py::sequence& kwargs,
+    const std::vector<c10::Device>& devices, bool all_at_once) {
   return start_parallel_apply(callables, args, kwargs, devices, all_at_once)->result();
 }
 
@@ -325,8 +328,8 @@ void bind_parallel_apply(py::module_& m) {
       .def("cancel", &ParallelRun::cancel, "Calls not yet started will be skipped.")
       .def_property_readonly("done", &ParallelRun::done);
   m.def(
-      "start_parallel_apply", &start_parallel_apply, py::arg("callables"), py::arg("args"),
-      py::arg("kwargs"), py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
+      "start_parallel_apply", &start_parallel_apply, py::arg("callables"), py::arg("args"), py::arg("kwargs"),
+      py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
       "Starts parallel_apply's calls and returns a ParallelRun at once.");
   m.def("worker_thread_count", &worker_thread_count);
   m.def("worker_pool_count", &worker_pool_count);

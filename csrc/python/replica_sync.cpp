@@ -47,8 +47,9 @@ std::vector<int64_t> structure_of(const py::list& masters) {
   out.reserve(masters.size() * 16);
   for (const py::handle& module : masters) {
     const py::dict d = instance_dict(module);
-    out.push_back(static_cast<int64_t>(
-        reinterpret_cast<intptr_t>(PyDict_GetItemString(d.ptr(), "_compiled_call_impl"))));
+    out.push_back(
+        static_cast<int64_t>(
+            reinterpret_cast<intptr_t>(PyDict_GetItemString(d.ptr(), "_compiled_call_impl"))));
     for (const char* name : kOwnDicts) {
       PyObject* sub = PyDict_GetItemString(d.ptr(), name);
       if (sub == nullptr || !PyDict_Check(sub)) {
@@ -81,22 +82,22 @@ std::vector<int64_t> structure_of(const py::list& masters) {
 
 // One entry of a master module's _parameters or _buffers dict.
 struct Slot {
-  size_t module;                 // index into the master modules
-  bool parameter;                // in _parameters, else in _buffers
+  size_t module;  // index into the master modules
+  bool parameter; // in _parameters, else in _buffers
   py::str name;
-  std::optional<size_t> tensor;  // index into the unique tensors; none for a None entry
+  std::optional<size_t> tensor; // index into the unique tensors; none for a None entry
 };
 
 // One entry of a master module's _modules dict.
 struct Child {
   py::str name;
-  std::optional<size_t> module;  // index into the master modules; none for a None entry
+  std::optional<size_t> module; // index into the master modules; none for a None entry
 };
 
 // What the replicas of one master module need besides their tensors.
 struct ModulePlan {
-  std::vector<py::str> hooks;     // names of the hook dicts in the master's __dict__
-  std::vector<py::str> privates;  // attributes its replicas keep for themselves
+  std::vector<py::str> hooks;    // names of the hook dicts in the master's __dict__
+  std::vector<py::str> privates; // attributes its replicas keep for themselves
   std::vector<Child> children;
 };
 
@@ -104,7 +105,7 @@ struct ModulePlan {
 struct BucketEntry {
   std::shared_ptr<ReplicaBuffers> replicas;
   std::vector<at::Tensor> tensors;
-  py::list objects;  // the same tensors as the Python objects (Parameters stay Parameters)
+  py::list objects; // the same tensors as the Python objects (Parameters stay Parameters)
   bool requires_grad = false;
 };
 
@@ -118,7 +119,8 @@ struct Place {
 // require grad never sharing a bucket with ones that do not (a frozen
 // tensor's copies need no gradient reduction), in the order of each bucket's
 // first tensor.
-std::vector<std::vector<size_t>> buckets_by_grad(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes) {
+std::vector<std::vector<size_t>> buckets_by_grad(
+    const std::vector<at::Tensor>& tensors, int64_t bucket_bytes) {
   std::vector<std::vector<size_t>> result;
   for (const bool requires_grad : {true, false}) {
     std::vector<size_t> indices;
@@ -233,7 +235,9 @@ class ReplicaSet {
   }
 
   // Whether the masters' structure is still the one the set was built for.
-  bool valid() const { return structure_of(masters_) == signature_; }
+  bool valid() const {
+    return structure_of(masters_) == signature_;
+  }
 
   // Refreshes rows 0..rows-1 and returns their root replica modules.
   // outputs[b] holds bucket b's copies, device-major (copy of position p for
@@ -312,7 +316,7 @@ class ReplicaSet {
         fresh = entry.replicas->refresh(entry.tensors);
       }
       py::tuple result(rows * size);
-      GcPause pause;  // thousands of new objects at once (tensor_lists.h)
+      GcPause pause; // thousands of new objects at once (tensor_lists.h)
       for (size_t j = 0; j < rows; ++j) {
         for (size_t p = 0; p < size; ++p) {
           result[j * size + p] = py::cast(std::move(fresh[j][p]));
@@ -369,7 +373,8 @@ class ReplicaSet {
       }
       py::dict modules = py::reinterpret_borrow<py::dict>(d[own_keys_[2]]);
       for (const Child& child : plan.children) {
-        modules[child.name] = child.module ? py::reinterpret_borrow<py::object>(row[*child.module]) : py::none();
+        modules[child.name] =
+            child.module ? py::reinterpret_borrow<py::object>(row[*child.module]) : py::none();
       }
       own_params[i] = py::reinterpret_borrow<py::dict>(d[own_keys_[0]]);
       own_buffers[i] = py::reinterpret_borrow<py::dict>(d[own_keys_[1]]);
@@ -390,9 +395,9 @@ class ReplicaSet {
   std::vector<int64_t> signature_;
   std::vector<ModulePlan> plans_;
   std::vector<Slot> slots_;
-  std::vector<Place> places_;  // per unique tensor
+  std::vector<Place> places_; // per unique tensor
   std::vector<BucketEntry> buckets_;
-  std::vector<py::list> rows_;  // rows_[j][i]: the replica of master i on target j
+  std::vector<py::list> rows_; // rows_[j][i]: the replica of master i on target j
   py::str is_replica_key_{"_is_replica"};
   py::str dict_key_{"__dict__"};
   py::str own_keys_[3] = {py::str("_parameters"), py::str("_buffers"), py::str("_modules")};
@@ -422,7 +427,8 @@ void enable_gc(PyHeapTypeObject* heap_type) {
 
 void bind_replica_sync(py::module_& m) {
   py::class_<ReplicaBuffers, std::shared_ptr<ReplicaBuffers>>(
-      m, "ReplicaBuffers", "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
+      m, "ReplicaBuffers",
+      "Persistent per-device copies of one bucket of master tensors (built by ReplicaSet).")
       .def(
           py::init([](const std::vector<at::Tensor>& like, const std::vector<c10::Device>& targets) {
             return std::make_shared<ReplicaBuffers>(like, targets);
@@ -466,7 +472,8 @@ void bind_replica_sync(py::module_& m) {
           "buckets", &ReplicaSet::buckets,
           "(ReplicaBuffers, master tensors, requires_grad) for every bucket, in order")
       .def_property_readonly(
-          "replica_modules", &ReplicaSet::replica_modules, "rows[j][i]: the replica of module i on targets[j]");
+          "replica_modules", &ReplicaSet::replica_modules,
+          "rows[j][i]: the replica of module i on targets[j]");
 }
 
 } // namespace python

@@ -67,8 +67,9 @@ void bind_sync_batchnorm(py::module_& m) {
       .def_property_readonly("culprit", &Rendezvous::culprit)
       .def_property_readonly("rounds", &Rendezvous::rounds)
       .def_property_readonly("participants", &Rendezvous::participants)
-      .def_property_readonly(
-          "timeout_s", [](const Rendezvous& self) { return static_cast<double>(self.timeout().count()) / 1000.0; });
+      .def_property_readonly("timeout_s", [](const Rendezvous& self) {
+        return static_cast<double>(self.timeout().count()) / 1000.0;
+      });
   m.def(
       "sync_batch_norm",
       [](Rendezvous& rendezvous, size_t rank, const std::string& key, const at::Tensor& input,
@@ -83,20 +84,21 @@ void bind_sync_batchnorm(py::module_& m) {
             py::gil_scoped_acquire gil;
             py::tuple result = (*fn)(k, mean, var, count);
             TORCH_CHECK(
-                result.size() == 3, "sync_batch_norm: expected `across` to return (mean, var, count), but got ",
-                result.size(), " values");
+                result.size() == 3,
+                "sync_batch_norm: expected `across` to return (mean, var, count), but got ", result.size(),
+                " values");
             return std::make_tuple(
                 result[0].cast<at::Tensor>(), result[1].cast<at::Tensor>(), result[2].cast<int64_t>());
           };
         }
         py::gil_scoped_release no_gil;
         return sync_batch_norm(
-            rendezvous, rank, key, input, weight, bias, running_mean, running_var, update_running_stats, momentum,
-            eps, combine);
+            rendezvous, rank, key, input, weight, bias, running_mean, running_var, update_running_stats,
+            momentum, eps, combine);
       },
-      py::arg("rendezvous"), py::arg("rank"), py::arg("key"), py::arg("input"), py::arg("weight"), py::arg("bias"),
-      py::arg("running_mean"), py::arg("running_var"), py::arg("update_running_stats"), py::arg("momentum"),
-      py::arg("eps"), py::arg("across") = py::none(),
+      py::arg("rendezvous"), py::arg("rank"), py::arg("key"), py::arg("input"), py::arg("weight"),
+      py::arg("bias"), py::arg("running_mean"), py::arg("running_var"), py::arg("update_running_stats"),
+      py::arg("momentum"), py::arg("eps"), py::arg("across") = py::none(),
       "One replica's BatchNorm in training mode with the statistics of every replica's input "
       "(exchanged once through `rendezvous` under `key`, without the GIL); differentiable. With `across`, "
       "a callable (key, mean, var, count) -> (mean, var, count) that rank 0 calls (with the GIL) to turn "

@@ -52,7 +52,7 @@ inline pybind11::list to_python_list(std::vector<at::Tensor>&& tensors) {
     if (object == nullptr) {
       throw pybind11::error_already_set();
     }
-    PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(i), object);  // steals the reference
+    PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(i), object); // steals the reference
   }
   return result;
 }
@@ -61,7 +61,8 @@ inline pybind11::list to_python_list(std::vector<at::Tensor>&& tensors) {
 inline pybind11::list to_python_lists(TensorList2D&& lists) {
   pybind11::list result(lists.size());
   for (size_t k = 0; k < lists.size(); ++k) {
-    PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(k), to_python_list(std::move(lists[k])).release().ptr());
+    PyList_SET_ITEM(
+        result.ptr(), static_cast<Py_ssize_t>(k), to_python_list(std::move(lists[k])).release().ptr());
   }
   return result;
 }

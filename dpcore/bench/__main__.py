@@ -119,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (minimum)")
     parser.add_argument(
-        "--sizes", default=None,
+        "--sizes",
+        default=None,
         help="payload sizes of the sweep, e.g. '256K,1M,4M'; default 256K..64M by 4x (--quick: 256K,2M,16M)",
     )
     # For tests: --quick with the fewest repeats, two small sweep sizes and
@@ -170,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\n[3/3] step: training step against the same arithmetic without data parallelism on {spec}", flush=True)
     # --smoke's compiled row runs Dynamo's eager backend: inductor compiles for a minute on a busy 2-core CPU.
     step_result = bench_step.run(
-        devices, quick=quick, repeats=repeats, min_seconds=step_min_seconds,
+        devices,
+        quick=quick,
+        repeats=repeats,
+        min_seconds=step_min_seconds,
         compiled="eager" if args.smoke else "inductor",
     )
 

@@ -57,12 +57,15 @@ def add_devices_argument(parser: argparse.ArgumentParser, default: str) -> None:
     """Adds the --devices option every command line here shares; `default`
     says in words what its default is."""
     parser.add_argument(
-        "--devices", default=None,
+        "--devices",
+        default=None,
         help=f"'cpu:N' (N CPU replicas) or CUDA indices such as '0,0,0,0' or '0,1'; default: {default}",
     )
 
 
-def devices_from_args(parser: argparse.ArgumentParser, spec: str | None, default: str) -> tuple[str, list[torch.device]]:
+def devices_from_args(
+    parser: argparse.ArgumentParser, spec: str | None, default: str
+) -> tuple[str, list[torch.device]]:
     """(the spec used, its devices) for the --devices value `spec` (`default`
     when None); a bad spec exits with status 2 through ``parser.error``,
     naming --devices."""
@@ -179,9 +182,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str
     """Prints rows as a fixed-width table; columns are (key, header, format)."""
     cells = [[header for _, header, _ in columns]]
     for row in rows:
-        cells.append(
-            [("-" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns]
-        )
+        cells.append([("-" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns])
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     for n, line in enumerate(cells):
         print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
@@ -215,7 +216,9 @@ def bench_command(
     ``parser.error`` (exit status 2, nothing measured)."""
 
     def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-        parser = argparse.ArgumentParser(prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = argparse.ArgumentParser(
+            prog=name, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         add_devices_argument(parser, "0,0,0,0 with a GPU, else cpu:4")
         parser.add_argument("--quick", action="store_true", help="smaller payloads and fewer repeats")
         parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")

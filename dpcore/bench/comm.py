@@ -46,26 +46,32 @@ def _torch_path(op: str, devices: Sequence[torch.device]) -> Callable[..., Any] 
     if op == "broadcast_coalesced":
         if cuda:
             return lambda ts: torch.cuda.comm.broadcast_coalesced(ts, indices)
+
         def broadcast_cpu(ts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             flat = _flatten_dense_tensors(ts)
             return [ts] + [list(_unflatten_dense_tensors(flat.clone(), ts)) for _ in devices[1:]]
+
         return broadcast_cpu
     if op == "reduce_add_coalesced":
         if cuda:
             return lambda lists: torch.cuda.comm.reduce_add_coalesced(lists, indices[0])
+
         def reduce_cpu(lists: list[list[torch.Tensor]]) -> list[torch.Tensor]:
             flats = [_flatten_dense_tensors(ts) for ts in lists]
             total = flats[0].clone()
             for flat in flats[1:]:
                 total.add_(flat)
             return list(_unflatten_dense_tensors(total, lists[0]))
+
         return reduce_cpu
     if op == "scatter":
         if cuda:
             return lambda t, outs: torch.cuda.comm.scatter(t, out=outs)
+
         def scatter_cpu(t: torch.Tensor, outs: list[torch.Tensor]) -> None:
             for out, chunk in zip(outs, t.split([o.shape[0] for o in outs])):
                 out.copy_(chunk)
+
         return scatter_cpu
     if op == "gather":
         if cuda:
@@ -110,26 +116,38 @@ def _cases(devices: Sequence[torch.device], shapes: Sequence[int]) -> tuple[int,
     torch_sc = _torch_path("scatter", devices)
     torch_ga = _torch_path("gather", devices)
     if k > 1:
-        cases.append((
-            "broadcast_coalesced", 2 * nbytes * (k - 1),
-            lambda: comm.broadcast_coalesced(tensors, devices),
-            (lambda: torch_bc(tensors)) if torch_bc else None,
-        ))
-    cases.append((
-        "reduce_add_coalesced", (k + 1) * nbytes,
-        lambda: comm.reduce_add_coalesced(lists, first),
-        (lambda: torch_ra(lists)) if torch_ra and k > 1 else None,
-    ))
-    cases.append((
-        "scatter (out=)", 2 * nbytes,
-        lambda: comm.scatter(batch, out=outs),
-        (lambda: torch_sc(batch, outs)) if torch_sc else None,
-    ))
-    cases.append((
-        "gather", 2 * nbytes,
-        lambda: comm.gather(chunks, destination=first),
-        (lambda: torch_ga(chunks)) if torch_ga else None,
-    ))
+        cases.append(
+            (
+                "broadcast_coalesced",
+                2 * nbytes * (k - 1),
+                lambda: comm.broadcast_coalesced(tensors, devices),
+                (lambda: torch_bc(tensors)) if torch_bc else None,
+            )
+        )
+    cases.append(
+        (
+            "reduce_add_coalesced",
+            (k + 1) * nbytes,
+            lambda: comm.reduce_add_coalesced(lists, first),
+            (lambda: torch_ra(lists)) if torch_ra and k > 1 else None,
+        )
+    )
+    cases.append(
+        (
+            "scatter (out=)",
+            2 * nbytes,
+            lambda: comm.scatter(batch, out=outs),
+            (lambda: torch_sc(batch, outs)) if torch_sc else None,
+        )
+    )
+    cases.append(
+        (
+            "gather",
+            2 * nbytes,
+            lambda: comm.gather(chunks, destination=first),
+            (lambda: torch_ga(chunks)) if torch_ga else None,
+        )
+    )
     return nbytes, cases
 
 

@@ -100,13 +100,23 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
             per_ours, per_theirs = measure_rounds(
                 _cpu_timed(lambda: _train_step(dp, opt, x, y), cpu["ours"]),
                 _cpu_timed(lambda: _train_step(ddp, opt_twin, x, y), cpu["theirs"]),
-                devices, rounds=rounds, repeats=repeats,
+                devices,
+                rounds=rounds,
+                repeats=repeats,
             )
             ours, theirs = statistics.median(per_ours), statistics.median(per_theirs)
             cpu_ours, cpu_theirs = statistics.median(cpu["ours"]), statistics.median(cpu["theirs"])
-            row.update(ms=ours * 1e3, baseline="torch DDP (gloo), same processes", baseline_ms=theirs * 1e3,
-                       ratio=ours / theirs, **ratio_spread(per_ours, per_theirs), rounds=rounds,
-                       cpu_ms=cpu_ours * 1e3, baseline_cpu_ms=cpu_theirs * 1e3, cpu_ratio=cpu_ours / cpu_theirs)
+            row.update(
+                ms=ours * 1e3,
+                baseline="torch DDP (gloo), same processes",
+                baseline_ms=theirs * 1e3,
+                ratio=ours / theirs,
+                **ratio_spread(per_ours, per_theirs),
+                rounds=rounds,
+                cpu_ms=cpu_ours * 1e3,
+                baseline_cpu_ms=cpu_theirs * 1e3,
+                cpu_ratio=cpu_ours / cpu_theirs,
+            )
         else:
             # Fixed step counts: every rank must run the same number of steps.
             ours, _ = measure_against(
@@ -126,12 +136,28 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         threads = str(max(1, (os.cpu_count() or 1) // world))  # as torchrun's OMP_NUM_THREADS
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                   OMP_NUM_THREADS=threads)
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(world),
+            OMP_NUM_THREADS=threads,
+        )
         if "lo" in [name for _, name in socket.if_nameindex()]:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
-        cmd = [sys.executable, "-m", "dpcore.bench.distributed", "--worker", config,
-               "--rounds", str(rounds), "--repeats", str(repeats), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dpcore.bench.distributed",
+            "--worker",
+            config,
+            "--rounds",
+            str(rounds),
+            "--repeats",
+            str(repeats),
+            "--out",
+            out,
+        ]
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
         try:
             codes = [p.wait(timeout=600) for p in procs]
@@ -179,8 +205,9 @@ COLUMNS = [
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Command line: see the module docstring."""
-    parser = argparse.ArgumentParser(prog="bench_distributed", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench_distributed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds and repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per round")
     parser.add_argument("--json", default=None, help="write the results here as JSON")

@@ -40,16 +40,20 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
     rows: list[dict[str, Any]] = []
 
     def add(name: str, seconds: float, traffic: int | None, baseline: str, base_seconds: float, note: str = "") -> None:
-        rows.append({
-            "kernel": name,
-            "ms": seconds * 1e3,
-            "gbps": None if traffic is None else traffic / seconds / 1e9,
-            "baseline": baseline,
-            "baseline_ms": base_seconds * 1e3,
-            "ratio": base_seconds / seconds,
-            "note": note,
-        })
-        print(f"  {name}: {seconds * 1e3:.3f} ms; {baseline} {base_seconds * 1e3:.3f} ms; ratio {base_seconds / seconds:.2f}")
+        rows.append(
+            {
+                "kernel": name,
+                "ms": seconds * 1e3,
+                "gbps": None if traffic is None else traffic / seconds / 1e9,
+                "baseline": baseline,
+                "baseline_ms": base_seconds * 1e3,
+                "ratio": base_seconds / seconds,
+                "note": note,
+            }
+        )
+        print(
+            f"  {name}: {seconds * 1e3:.3f} ms; {baseline} {base_seconds * 1e3:.3f} ms; ratio {base_seconds / seconds:.2f}"
+        )
 
     # reduce_add_n: K reads and one write per element.
     nbytes = (64 if quick else 256) * MiB if cuda else (16 if quick else 64) * MiB
@@ -69,8 +73,14 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
             out.add_(s)
 
     t_torch = measure(torch_adds, [first], repeats=repeats)
-    add(f"reduce_add_n 4 x {nbytes // MiB} MiB", t_ours, traffic, "copy_ of same traffic", t_copy,
-        f"{t_torch / t_ours:.2f}x torch adds ({t_torch * 1e3:.3f} ms)")
+    add(
+        f"reduce_add_n 4 x {nbytes // MiB} MiB",
+        t_ours,
+        traffic,
+        "copy_ of same traffic",
+        t_copy,
+        f"{t_torch / t_ours:.2f}x torch adds ({t_torch * 1e3:.3f} ms)",
+    )
     del sources, out
 
     # pack of many tiny tensors.
@@ -93,8 +103,14 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
         src = torch.empty(3 * n, device=first)
         dst = torch.empty_like(src)
         t_copy = measure(lambda: dst.copy_(src), [first], repeats=repeats)
-        add(f"pack_multi {label} -> 3 flats", t_multi, 4 * n * 4, "3 packs", t_packs,
-            f"{t_copy / t_multi:.2f} of a copy_ of the 3 flats' bytes ({t_copy * 1e3:.3f} ms)")
+        add(
+            f"pack_multi {label} -> 3 flats",
+            t_multi,
+            4 * n * 4,
+            "3 packs",
+            t_packs,
+            f"{t_copy / t_multi:.2f} of a copy_ of the 3 flats' bytes ({t_copy * 1e3:.3f} ms)",
+        )
         del flats, src, dst
     del tensors, big
 
@@ -108,22 +124,41 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
         # baselines are one pinned copy_ of the same bytes (the DMA roofline)
         # and torch.cuda.comm on the same pageable tensors.
         t_scatter, t_pinned = measure_against(
-            lambda: comm.scatter(batch, devices), lambda: on_gpu.copy_(pinned, non_blocking=True),
-            devices, rounds=3, repeats=max(2, repeats // 2))
+            lambda: comm.scatter(batch, devices),
+            lambda: on_gpu.copy_(pinned, non_blocking=True),
+            devices,
+            rounds=3,
+            repeats=max(2, repeats // 2),
+        )
         t_torch_scatter = measure(lambda: torch.cuda.comm.scatter(batch, indices), devices, repeats=repeats)
-        add(f"scatter {nbytes // MiB} MiB pageable CPU -> {len(devices)} devices", t_scatter, nbytes,
-            "pinned H2D copy_", t_pinned,
-            f"{t_torch_scatter / t_scatter:.2f}x torch.cuda.comm.scatter ({t_torch_scatter * 1e3:.3f} ms)")
+        add(
+            f"scatter {nbytes // MiB} MiB pageable CPU -> {len(devices)} devices",
+            t_scatter,
+            nbytes,
+            "pinned H2D copy_",
+            t_pinned,
+            f"{t_torch_scatter / t_scatter:.2f}x torch.cuda.comm.scatter ({t_torch_scatter * 1e3:.3f} ms)",
+        )
         del on_gpu
         chunks = comm.scatter(batch, devices)
         pinned_out = torch.empty_like(batch).pin_memory()
         gathered_on_gpu = torch.cat(chunks)
         t_gather, t_pinned_d2h = measure_against(
-            lambda: comm.gather(chunks, destination="cpu"), lambda: pinned_out.copy_(gathered_on_gpu),
-            devices, rounds=3, repeats=max(2, repeats // 2))
+            lambda: comm.gather(chunks, destination="cpu"),
+            lambda: pinned_out.copy_(gathered_on_gpu),
+            devices,
+            rounds=3,
+            repeats=max(2, repeats // 2),
+        )
         t_torch_gather = measure(lambda: torch.cuda.comm.gather(chunks, 0, -1), devices, repeats=repeats)
-        add(f"gather {nbytes // MiB} MiB -> CPU", t_gather, nbytes, "torch.cuda.comm.gather(-1)", t_torch_gather,
-            f"{t_pinned_d2h / t_gather:.2f} of a pinned D2H copy_ ({t_pinned_d2h * 1e3:.3f} ms)")
+        add(
+            f"gather {nbytes // MiB} MiB -> CPU",
+            t_gather,
+            nbytes,
+            "torch.cuda.comm.gather(-1)",
+            t_torch_gather,
+            f"{t_pinned_d2h / t_gather:.2f} of a pinned D2H copy_ ({t_pinned_d2h * 1e3:.3f} ms)",
+        )
     return {"benchmark": "kernels", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
 
 

@@ -207,7 +207,10 @@ def _at_least(minimum: int) -> Any:
 
 def _add_options(parser: Any) -> None:
     parser.add_argument(
-        "--steps", type=_at_least(10), default=None, help=f"training steps (default {DEFAULT_STEPS}; {QUICK_STEPS} with --quick)"
+        "--steps",
+        type=_at_least(10),
+        default=None,
+        help=f"training steps (default {DEFAULT_STEPS}; {QUICK_STEPS} with --quick)",
     )
     parser.add_argument(
         "--max-rss-growth-mib",

@@ -118,18 +118,32 @@ def mlp(depth: int = 50, width: int = 64) -> nn.Module:
 def small_cnn() -> nn.Module:
     """A small CNN for 3x32x32 images and 10 classes."""
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.GroupNorm(4, 32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
     )
 
 
 def small_cnn_bn() -> nn.Module:
     """small_cnn with BatchNorm2d in place of GroupNorm."""
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
     )
 
 
@@ -145,9 +159,7 @@ class _Residual(nn.Module):
     def __init__(self, body: list[nn.Module], cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.body = nn.Sequential(*body)
-        self.shortcut = (
-            nn.Sequential(*_conv_bn(cin, cout, 1, stride)) if stride != 1 or cin != cout else nn.Identity()
-        )
+        self.shortcut = nn.Sequential(*_conv_bn(cin, cout, 1, stride)) if stride != 1 or cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.body(x) + self.shortcut(x))
@@ -163,8 +175,10 @@ def bottleneck(cin: int, width: int, stride: int) -> nn.Module:
     """ResNet's Bottleneck: 1x1 down to `width`, 3x3 with `stride`, 1x1 up to
     4 x `width` channels, BatchNorm after each."""
     body = [
-        *_conv_bn(cin, width, 1), nn.ReLU(),
-        *_conv_bn(width, width, 3, stride), nn.ReLU(),
+        *_conv_bn(cin, width, 1),
+        nn.ReLU(),
+        *_conv_bn(width, width, 3, stride),
+        nn.ReLU(),
         *_conv_bn(width, 4 * width, 1),
     ]
     return _Residual(body, cin, 4 * width, stride)
@@ -343,14 +357,30 @@ def _compiled_row(
         step()
     synchronize(devices)
     compile_s = time.perf_counter() - started
-    t_dp, t_split = measure_against(dp_step, split_step, devices, rounds=1 if quick else 5, repeats=max(2, repeats // 5))
+    t_dp, t_split = measure_against(
+        dp_step, split_step, devices, rounds=1 if quick else 5, repeats=max(2, repeats // 5)
+    )
     t_plain = measure(plain_step, devices, warmup=1, repeats=repeats, min_seconds=min_seconds)
-    t_eager = measure(lambda: _train_step(eager, opt, x, y), devices, warmup=1, repeats=repeats, min_seconds=min_seconds)
-    print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, compiled sequential split {t_split * 1e3:.2f} ms, "
-          f"ratio {t_dp / t_split:.3f}; eager dpcore {t_eager * 1e3:.2f} ms; compiling {compile_s:.1f} s")
-    unmeasured = ("unsynced_ms", "sync_ratio", "replicate_ms", "torch_replicate_ms", "torch_dp_ms",
-                  "speedup_vs_torch_dp", "graphed_ms", "graphed_vs_plain", "torch_dp_vs_graphed", "graphed_note",
-                  "graphed_error")
+    t_eager = measure(
+        lambda: _train_step(eager, opt, x, y), devices, warmup=1, repeats=repeats, min_seconds=min_seconds
+    )
+    print(
+        f"  {name}: dpcore {t_dp * 1e3:.2f} ms, compiled sequential split {t_split * 1e3:.2f} ms, "
+        f"ratio {t_dp / t_split:.3f}; eager dpcore {t_eager * 1e3:.2f} ms; compiling {compile_s:.1f} s"
+    )
+    unmeasured = (
+        "unsynced_ms",
+        "sync_ratio",
+        "replicate_ms",
+        "torch_replicate_ms",
+        "torch_dp_ms",
+        "speedup_vs_torch_dp",
+        "graphed_ms",
+        "graphed_vs_plain",
+        "torch_dp_vs_graphed",
+        "graphed_note",
+        "graphed_error",
+    )
     return {
         "model": name,
         "devices": k,
@@ -474,45 +504,54 @@ def run(
             except RuntimeError as error:  # recorded; main() exits 1 after writing the results
                 graphed_error = f"{type(error).__name__}: {error}".splitlines()[0]
                 print(f"  {name}: cuda_graphs=True FAILED: {graphed_error}")
-        rows.append({
-            "model": name,
-            "devices": k,
-            "batch": batch,
-            "dpcore_ms": t_dp * 1e3,
-            "sequential_split_ms": t_split * 1e3,
-            "ratio": t_dp / t_split,
-            "unsynced_ms": None if t_unsynced is None else t_unsynced * 1e3,
-            "sync_ratio": None if t_unsynced is None else t_dp / t_unsynced,
-            "plain_full_batch_ms": t_plain * 1e3,
-            "replicate_ms": t_replicate * 1e3,
-            "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
-            "torch_dp_ms": None if t_torch_dp is None else t_torch_dp * 1e3,
-            "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
-            "graphed_ms": None if t_graphed is None else t_graphed * 1e3,
-            "graphed_vs_plain": None if t_graphed is None else t_graphed / t_plain,
-            "torch_dp_vs_graphed": None if t_graphed is None or t_torch_dp is None else t_torch_dp / t_graphed,
-            "graphed_note": (
-                "per-replica BatchNorm statistics: cuda_graphs=True cannot capture synchronized BatchNorm"
-                if t_graphed is not None and sync_bn else None
-            ),
-            "graphed_warnings": graphed_warnings,
-            "graphed_error": graphed_error,
-            "compiled": None,
-        })
-        print(f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}")
+        rows.append(
+            {
+                "model": name,
+                "devices": k,
+                "batch": batch,
+                "dpcore_ms": t_dp * 1e3,
+                "sequential_split_ms": t_split * 1e3,
+                "ratio": t_dp / t_split,
+                "unsynced_ms": None if t_unsynced is None else t_unsynced * 1e3,
+                "sync_ratio": None if t_unsynced is None else t_dp / t_unsynced,
+                "plain_full_batch_ms": t_plain * 1e3,
+                "replicate_ms": t_replicate * 1e3,
+                "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
+                "torch_dp_ms": None if t_torch_dp is None else t_torch_dp * 1e3,
+                "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
+                "graphed_ms": None if t_graphed is None else t_graphed * 1e3,
+                "graphed_vs_plain": None if t_graphed is None else t_graphed / t_plain,
+                "torch_dp_vs_graphed": None if t_graphed is None or t_torch_dp is None else t_torch_dp / t_graphed,
+                "graphed_note": (
+                    "per-replica BatchNorm statistics: cuda_graphs=True cannot capture synchronized BatchNorm"
+                    if t_graphed is not None and sync_bn
+                    else None
+                ),
+                "graphed_warnings": graphed_warnings,
+                "graphed_error": graphed_error,
+                "compiled": None,
+            }
+        )
+        print(
+            f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}"
+        )
         if t_unsynced is not None:
             print(f"  {name}: sync_batchnorm=False {t_unsynced * 1e3:.2f} ms, sync/unsynced {t_dp / t_unsynced:.3f}")
         if t_graphed is not None:
-            print(f"  {name}: cuda_graphs=True {t_graphed * 1e3:.2f} ms, x plain step {t_graphed / t_plain:.3f}"
-                  + ("" if t_torch_dp is None else f", torch DP / graphed {t_torch_dp / t_graphed:.2f}"))
+            print(
+                f"  {name}: cuda_graphs=True {t_graphed * 1e3:.2f} ms, x plain step {t_graphed / t_plain:.3f}"
+                + ("" if t_torch_dp is None else f", torch DP / graphed {t_torch_dp / t_graphed:.2f}")
+            )
             for line in graphed_warnings:
                 print(f"  {name}: cuda_graphs warning: {line}")
     if compiled != "off":
         rows.append(_compiled_row(devices, quick, repeats, min_seconds, compiled))
     targets = check_targets(rows)
     for target in targets:
-        print(f"  target {'met' if target['met'] else 'MISSED'}: {target['model']}: {target['column']} "
-              f"{target['value']:.3f} {target['op']} {target['bound']:g}")
+        print(
+            f"  target {'met' if target['met'] else 'MISSED'}: {target['model']}: {target['column']} "
+            f"{target['value']:.3f} {target['op']} {target['bound']:g}"
+        )
     return {
         "benchmark": "step",
         "devices": [str(d) for d in devices],
@@ -549,16 +588,22 @@ COLUMNS = [
 def _add_options(parser: argparse.ArgumentParser) -> None:
     """bench_step's own options: --cuda-graphs, --compiled and --min-seconds."""
     parser.add_argument(
-        "--cuda-graphs", choices=CUDA_GRAPHS_CHOICES, default="auto",
+        "--cuda-graphs",
+        choices=CUDA_GRAPHS_CHOICES,
+        default="auto",
         help="measure dpcore with cuda_graphs=True too: auto (default) on CUDA lists only, "
         "on (a CPU list is an error), off",
     )
     parser.add_argument(
-        "--compiled", default="inductor", metavar="BACKEND",
+        "--compiled",
+        default="inductor",
+        metavar="BACKEND",
         help="torch.compile backend of the compiled row (default inductor; off: no compiled row)",
     )
     parser.add_argument(
-        "--min-seconds", type=float, default=None,
+        "--min-seconds",
+        type=float,
+        default=None,
         help="least time per measurement (default 2 s, 0.5 s with --quick)",
     )
 
@@ -573,8 +618,9 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, de
 
         known = torch._dynamo.list_backends(exclude_tags=())
         if args.compiled not in known:
-            parser.error(f"--compiled: expected off or a torch.compile backend ({', '.join(known)}), "
-                         f"but got {args.compiled!r}")
+            parser.error(
+                f"--compiled: expected off or a torch.compile backend ({', '.join(known)}), but got {args.compiled!r}"
+            )
     try:
         graphs_note(devices, args.cuda_graphs)
     except ValueError as error:

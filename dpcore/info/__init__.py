@@ -58,7 +58,7 @@ def info() -> dict[str, Any]:
 
 
 def self_check() -> str:
-    """"ok" when _C formats numbers into its C++ error messages correctly,
+    """ "ok" when _C formats numbers into its C++ error messages correctly,
     else "failed: " with the message it produced and the likely cause."""
     from dpcore._loader import _C
 

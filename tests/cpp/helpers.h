@@ -59,13 +59,13 @@ inline ::testing::AssertionResult close_values(
     const at::Tensor& a, const at::Tensor& b, double rtol, double atol) {
   if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) {
     return ::testing::AssertionFailure()
-        << "dtype/shape " << a.scalar_type() << a.sizes() << " vs " << b.scalar_type() << b.sizes();
+           << "dtype/shape " << a.scalar_type() << a.sizes() << " vs " << b.scalar_type() << b.sizes();
   }
   const at::Tensor da = (a.is_sparse() ? a.to_dense() : a).to(at::kDouble);
   const at::Tensor db = (b.is_sparse() ? b.to_dense() : b).to(at::kDouble);
   if (!at::allclose(da, db, rtol, atol)) {
-    return ::testing::AssertionFailure() << "values not close: max abs diff "
-                                         << (da - db).abs().max().item<double>();
+    return ::testing::AssertionFailure()
+           << "values not close: max abs diff " << (da - db).abs().max().item<double>();
   }
   return ::testing::AssertionSuccess();
 }
@@ -79,16 +79,16 @@ template <typename F>
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
     if (msg.find(needle) == std::string::npos) {
-      return ::testing::AssertionFailure()
-          << "c10::Error thrown, but its message lacks '" << needle << "':\n" << msg;
+      return ::testing::AssertionFailure() << "c10::Error thrown, but its message lacks '" << needle << "':\n"
+                                           << msg;
     }
     return ::testing::AssertionSuccess();
   } catch (const std::exception& e) {
     return ::testing::AssertionFailure()
-        << "expected c10::Error containing '" << needle << "', got std::exception: " << e.what();
+           << "expected c10::Error containing '" << needle << "', got std::exception: " << e.what();
   }
-  return ::testing::AssertionFailure() << "expected c10::Error containing '" << needle
-                                       << "', but nothing was thrown";
+  return ::testing::AssertionFailure()
+         << "expected c10::Error containing '" << needle << "', but nothing was thrown";
 }
 
 } // namespace dpcore_test

@@ -24,14 +24,13 @@ std::vector<at::Tensor> mixed_list(int64_t seed = 0, bool with_sparse = true) {
   std::vector<at::Tensor> list;
   list.push_back(values({5, 3}, at::kFloat, seed + 1));
   list.push_back(values({4}, at::kDouble, seed + 2));
-  list.push_back(values({3, 6}, at::kFloat, seed + 3).t());                // transposed
+  list.push_back(values({3, 6}, at::kFloat, seed + 3).t()); // transposed
   list.push_back(values({7}, at::kLong, seed + 4));
-  list.push_back(values({6, 8}, at::kFloat, seed + 5).slice(1, 1, 7, 2));  // sliced
-  list.push_back(values({2, 3, 4, 5}, at::kFloat, seed + 6)
-                     .contiguous(at::MemoryFormat::ChannelsLast));
-  list.push_back(values({0, 3}, at::kFloat, seed + 7));                    // empty
+  list.push_back(values({6, 8}, at::kFloat, seed + 5).slice(1, 1, 7, 2)); // sliced
+  list.push_back(values({2, 3, 4, 5}, at::kFloat, seed + 6).contiguous(at::MemoryFormat::ChannelsLast));
+  list.push_back(values({0, 3}, at::kFloat, seed + 7)); // empty
   list.push_back(values({9}, at::kHalf, seed + 8));
-  list.push_back(values({}, at::kDouble, seed + 9));                       // 0-dim
+  list.push_back(values({}, at::kDouble, seed + 9)); // 0-dim
   if (with_sparse) {
     list.push_back(values({4, 5}, at::kFloat, seed + 10).relu_().to_sparse());
   }
@@ -39,7 +38,7 @@ std::vector<at::Tensor> mixed_list(int64_t seed = 0, bool with_sparse = true) {
   if (with_sparse) {
     list.push_back(values({6}, at::kLong, seed + 15).relu_().to_sparse());
   }
-  list.push_back(values({300, 257}, at::kFloat, seed + 12));               // > 256 KiB
+  list.push_back(values({300, 257}, at::kFloat, seed + 12)); // > 256 KiB
   list.push_back(values({0}, at::kHalf, seed + 13));
   list.push_back(values({11}, at::kHalf, seed + 14));
   return list;
@@ -224,8 +223,8 @@ TEST(BroadcastFlatInto, PacksIntoEveryBuffer) {
       values({2, 3, 4, 5}, at::kDouble, 3).contiguous(at::MemoryFormat::ChannelsLast),
       values({6, 4}, at::kDouble, 4).slice(1, 0, 4, 2)};
   const auto layout = dpcore::FlatLayout::of(members);
-  std::vector<at::Tensor> flats = {at::zeros({layout.numel}, at::kDouble),
-                                   at::zeros({layout.numel}, at::kDouble)};
+  std::vector<at::Tensor> flats = {
+      at::zeros({layout.numel}, at::kDouble), at::zeros({layout.numel}, at::kDouble)};
   dpcore::broadcast_flat_into(members, layout, flats);
   for (const at::Tensor& flat : flats) {
     for (size_t i = 0; i < members.size(); ++i) {
@@ -379,8 +378,8 @@ TEST(ReduceAddCoalesced, MixedStridesAcrossLists) {
 TEST(ReduceAddCoalesced, OwnVersionCounters) {
   dpcore::TensorList2D inputs;
   for (int64_t d = 0; d < 3; ++d) {
-    inputs.push_back({values({4}, at::kFloat, d), values({5}, at::kFloat, d + 1),
-                      values({6}, at::kFloat, d + 2)});
+    inputs.push_back(
+        {values({4}, at::kFloat, d), values({5}, at::kFloat, d + 1), values({6}, at::kFloat, d + 2)});
   }
   const auto result = dpcore::reduce_add_coalesced(inputs, c10::Device(c10::kCPU));
   ASSERT_EQ(result.size(), 3u);
@@ -468,7 +467,7 @@ TEST(Scatter, ChunkSizesAndDims) {
 }
 
 TEST(Scatter, NonContiguousAndChannelsLast) {
-  const at::Tensor t = values({5, 8}, at::kFloat).t();  // 8 x 5, transposed
+  const at::Tensor t = values({5, 8}, at::kFloat).t(); // 8 x 5, transposed
   const auto chunks = dpcore::scatter(t, cpus(3));
   EXPECT_TRUE(same_values(at::cat(chunks, 0), t));
   const at::Tensor cl = values({4, 3, 2, 5}, at::kFloat).contiguous(at::MemoryFormat::ChannelsLast);
@@ -494,8 +493,8 @@ TEST(Scatter, WithStreams) {
 
 TEST(Scatter, Out) {
   const at::Tensor t = values({3, 7}, at::kLong);
-  std::vector<at::Tensor> outs = {at::zeros({3, 2}, at::kLong), at::zeros({3, 0}, at::kLong),
-                                  at::zeros({5, 3}, at::kLong).t()};
+  std::vector<at::Tensor> outs = {
+      at::zeros({3, 2}, at::kLong), at::zeros({3, 0}, at::kLong), at::zeros({5, 3}, at::kLong).t()};
   for (const int64_t dim : {1, -1}) {
     for (auto& out : outs) {
       out.zero_();
@@ -519,8 +518,8 @@ TEST(Gather, ValuesAlongDims) {
     const at::Tensor out2 = dpcore::gather(parts, dim, c10::Device(c10::kCPU));
     EXPECT_TRUE(same_values(out2, at::cat(parts, 1)));
   }
-  const std::vector<at::Tensor> rows = {values({1, 3}, at::kHalf, 1), values({0, 3}, at::kHalf),
-                                        values({4, 3}, at::kHalf, 2)};
+  const std::vector<at::Tensor> rows = {
+      values({1, 3}, at::kHalf, 1), values({0, 3}, at::kHalf), values({4, 3}, at::kHalf, 2)};
   EXPECT_TRUE(same_values(dpcore::gather(rows, 0), at::cat(rows, 0)));
   const std::vector<at::Tensor> cols = {values({3, 2}, at::kLong, 1), values({3, 4}, at::kLong, 2)};
   EXPECT_TRUE(same_values(dpcore::gather(cols, -1), at::cat(cols, 1)));

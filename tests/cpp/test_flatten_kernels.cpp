@@ -56,9 +56,9 @@ TEST(Device, DirectAccessAndStreamOrdering) {
 
 TEST(FlatLayout, FlatAlias) {
   // A dense tensor alone in its layout: a 1-D view of its own bytes.
-  for (const at::Tensor& t : {values({3, 4}), values({4, 3}).t(),
-                              values({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast),
-                              values({5, 3}).narrow(0, 1, 3)}) {
+  for (const at::Tensor& t :
+       {values({3, 4}), values({4, 3}).t(), values({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast),
+        values({5, 3}).narrow(0, 1, 3)}) {
     const auto layout = dpcore::FlatLayout::of({t});
     const at::Tensor alias = dpcore::flat_alias(t, layout);
     ASSERT_TRUE(alias.defined());
@@ -77,9 +77,9 @@ TEST(FlatLayout, FlatAlias) {
 TEST(FlatLayout, OffsetsSizesAndStrides) {
   const std::vector<at::Tensor> list = {
       values({2, 3}),
-      values({3, 4}).t(),                                                  // dense, permuted
-      values({4, 6}).slice(1, 0, 6, 2),                                    // not dense
-      values({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast),     // dense
+      values({3, 4}).t(),                                              // dense, permuted
+      values({4, 6}).slice(1, 0, 6, 2),                                // not dense
+      values({2, 3, 4, 5}).contiguous(at::MemoryFormat::ChannelsLast), // dense
       values({0, 5}),
       values({}),
   };
@@ -127,11 +127,9 @@ TEST(FlatLayout, FlattenViewAndUnflatten) {
   // The dense tensors are stored in memory order: the flat slice equals the
   // tensor's own bytes.
   EXPECT_TRUE(same_values(
-      flat.narrow(0, layout.offsets[1], 12),
-      list[1].as_strided({12}, {1}, list[1].storage_offset())));
+      flat.narrow(0, layout.offsets[1], 12), list[1].as_strided({12}, {1}, list[1].storage_offset())));
   EXPECT_TRUE(same_values(
-      flat.narrow(0, layout.offsets[3], 120),
-      list[3].as_strided({120}, {1}, list[3].storage_offset())));
+      flat.narrow(0, layout.offsets[3], 120), list[3].as_strided({120}, {1}, list[3].storage_offset())));
   EXPECT_TRUE(layout.view(flat, 3).is_contiguous(at::MemoryFormat::ChannelsLast));
 
   // view() shares flat's version counter; unflatten() gives each its own.
@@ -158,14 +156,14 @@ TEST(FlatLayout, FlattenViewAndUnflatten) {
 
 TEST(Buckets, GroupByDtypeInOrder) {
   const std::vector<at::Tensor> list = {
-      values({4}, at::kFloat),                  // 0: 16 B
-      values({2}, at::kDouble),                 // 1: 16 B
-      values({3}, at::kFloat),                  // 2: 12 B
-      values({5}, at::kLong),                   // 3: 40 B
-      values({2, 2}).to_sparse(),               // 4: sparse
-      values({6}, at::kHalf),                   // 5: 12 B
-      values({1}, at::kFloat),                  // 6: 4 B
-      values({0}, at::kDouble),                 // 7: 0 B
+      values({4}, at::kFloat),    // 0: 16 B
+      values({2}, at::kDouble),   // 1: 16 B
+      values({3}, at::kFloat),    // 2: 12 B
+      values({5}, at::kLong),     // 3: 40 B
+      values({2, 2}).to_sparse(), // 4: sparse
+      values({6}, at::kHalf),     // 5: 12 B
+      values({1}, at::kFloat),    // 6: 4 B
+      values({0}, at::kDouble),   // 7: 0 B
   };
   const auto big = dpcore::make_buckets(list, dpcore::kDefaultBucketBytes);
   ASSERT_EQ(big.size(), 5u);
@@ -252,10 +250,10 @@ TEST(Pack, MixedStridesRoundTrip) {
         values({2, 3, 4, 5}, dtype, 4).contiguous(at::MemoryFormat::ChannelsLast),
         values({0, 2}, dtype),
         values({}, dtype, 5),
-        values({400, 300}, dtype, 6),                  // >= 256 KiB for float/long
-        values({300, 400}, dtype, 7).t(),              // large, permuted
-        values({300, 800}, dtype, 8).slice(1, 0, 800, 2),  // large, not dense
-        values({1, 7}, dtype, 9).expand({3, 7}),       // overlapping (stride 0)
+        values({400, 300}, dtype, 6),                     // >= 256 KiB for float/long
+        values({300, 400}, dtype, 7).t(),                 // large, permuted
+        values({300, 800}, dtype, 8).slice(1, 0, 800, 2), // large, not dense
+        values({1, 7}, dtype, 9).expand({3, 7}),          // overlapping (stride 0)
     };
     const auto layout = dpcore::FlatLayout::of(list);
     at::Tensor flat = at::full({layout.numel}, -1, dtype);
@@ -265,16 +263,11 @@ TEST(Pack, MixedStridesRoundTrip) {
     }
     // Unpack into targets of the same shapes but other strides.
     std::vector<at::Tensor> targets = {
-        at::zeros({5, 3}, dtype).t(),
-        at::zeros({3, 5}, dtype),
-        at::zeros({6, 3}, dtype),
-        at::zeros({2, 3, 4, 5}, dtype),
-        at::zeros({0, 2}, dtype),
-        at::zeros({}, dtype),
-        at::zeros({300, 400}, dtype).t(),
-        at::zeros({400, 300}, dtype),
-        at::zeros({300, 400}, dtype),
-        at::zeros({3, 14}, dtype).slice(1, 0, 14, 2),
+        at::zeros({5, 3}, dtype).t(),     at::zeros({3, 5}, dtype),
+        at::zeros({6, 3}, dtype),         at::zeros({2, 3, 4, 5}, dtype),
+        at::zeros({0, 2}, dtype),         at::zeros({}, dtype),
+        at::zeros({300, 400}, dtype).t(), at::zeros({400, 300}, dtype),
+        at::zeros({300, 400}, dtype),     at::zeros({3, 14}, dtype).slice(1, 0, 14, 2),
     };
     dpcore::unpack(flat, layout, targets);
     for (size_t i = 0; i < list.size(); ++i) {
@@ -312,13 +305,13 @@ TEST(Pack, MultiEqualsSeparatePacks) {
     const std::vector<at::Tensor> list = {
         values({3, 5}, dtype, 1),
         values({5, 3}, dtype, 2).t(),
-        values({6, 10}, dtype, 3).slice(1, 1, 10, 3),  // not dense: through flats[0]
+        values({6, 10}, dtype, 3).slice(1, 1, 10, 3), // not dense: through flats[0]
         values({2, 3, 4, 5}, dtype, 4).contiguous(at::MemoryFormat::ChannelsLast),
         values({0, 2}, dtype),
         values({}, dtype, 5),
-        values({400, 300}, dtype, 6),                  // several pieces
-        values({1, 7}, dtype, 9).expand({3, 7}),       // overlapping (stride 0)
-        values({100003}, dtype, 10).narrow(0, 1, 100002),  // misaligned, several pieces
+        values({400, 300}, dtype, 6),                     // several pieces
+        values({1, 7}, dtype, 9).expand({3, 7}),          // overlapping (stride 0)
+        values({100003}, dtype, 10).narrow(0, 1, 100002), // misaligned, several pieces
     };
     const auto layout = dpcore::FlatLayout::of(list);
     at::Tensor expected = at::full({layout.numel}, -1, dtype);
@@ -398,10 +391,11 @@ TEST(ReduceAddN, StridedSourcesAndOutputs) {
   const at::Tensor c = values({7, 18}, at::kFloat, 3).slice(1, 0, 18, 2);
   const at::Tensor d = values({9}, at::kFloat, 4).expand({7, 9});
   for (const bool accumulate : {false, true}) {
-    for (const at::Tensor& out_base : {at::ones({7, 9}), at::ones({9, 7}).t(), at::ones({7, 27}).slice(1, 0, 27, 3)}) {
+    for (const at::Tensor& out_base :
+         {at::ones({7, 9}), at::ones({9, 7}).t(), at::ones({7, 27}).slice(1, 0, 27, 3)}) {
       at::Tensor out = out_base.clone(at::MemoryFormat::Preserve);
       if (!out_base.is_non_overlapping_and_dense()) {
-        out = out_base;  // keep the non-dense view
+        out = out_base; // keep the non-dense view
       }
       const at::Tensor before = out.clone();
       dpcore::reduce_add_n({a, b, c, d}, out, accumulate);
@@ -440,7 +434,7 @@ TEST(ReduceAddLists, ManyTensors) {
       std::vector<at::Tensor> outs;
       std::vector<at::Tensor> initial;
       for (int64_t i = 0; i < 400; ++i) {
-        const int64_t n = (i * 37) % 300;  // includes 0
+        const int64_t n = (i * 37) % 300; // includes 0
         for (size_t s = 0; s < k; ++s) {
           sources[s].push_back(values({n}, at::kFloat, i + static_cast<int64_t>(s) * 101));
         }
@@ -517,12 +511,14 @@ TEST(Operators, CallThroughTheDispatcher) {
   const at::Tensor out = at::empty({2, 3});
   reduce_add_n.call({list[0], list[0], list[0]}, out, false);
   EXPECT_TRUE(same_values(out, list[0] * 3));
-  EXPECT_C10_ERROR("reduce_add_n: expected sources[1] of shape [2, 3]",
-                   reduce_add_n.call({list[0], values({3})}, out, false));
+  EXPECT_C10_ERROR(
+      "reduce_add_n: expected sources[1] of shape [2, 3]",
+      reduce_add_n.call({list[0], values({3})}, out, false));
 
   // Meta tensors reach the Meta implementations: checks only.
   const std::vector<at::Tensor> meta = {dpcore_test::meta_tensor({2, 3}), dpcore_test::meta_tensor({4})};
   EXPECT_NO_THROW(pack.call(meta, dpcore_test::meta_tensor({10})));
-  EXPECT_C10_ERROR("pack: expected 'flat' to hold every element of the tensors",
-                   pack.call(meta, dpcore_test::meta_tensor({9})));
+  EXPECT_C10_ERROR(
+      "pack: expected 'flat' to hold every element of the tensors",
+      pack.call(meta, dpcore_test::meta_tensor({9})));
 }

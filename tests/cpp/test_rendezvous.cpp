@@ -84,7 +84,8 @@ TEST(Rendezvous, HandsOverTheSameTensors) {
   at::Tensor a = at::ones({3});
   at::Tensor b = at::zeros({3});
   std::vector<Contribution> got(2);
-  run_ranks(2, [&](size_t rank) { got[rank] = rv.exchange(rank, "k", Contribution{{rank ? b : a}, 1})[1 - rank]; });
+  run_ranks(
+      2, [&](size_t rank) { got[rank] = rv.exchange(rank, "k", Contribution{{rank ? b : a}, 1})[1 - rank]; });
   EXPECT_TRUE(got[0].tensors[0].is_same(b));
   EXPECT_TRUE(got[1].tensors[0].is_same(a));
 }
@@ -105,7 +106,9 @@ TEST(Rendezvous, DifferentKeysBreakItForEveryone) {
   for (const auto& e : errors) {
     EXPECT_EQ(e, rv.reason());
   }
-  EXPECT_TRUE(contains(rv.reason(), "replica 1 reached BatchNorm 'c' (call 1) where replicas 0, 2 reached BatchNorm 'b' (call 1)"))
+  EXPECT_TRUE(contains(
+      rv.reason(),
+      "replica 1 reached BatchNorm 'c' (call 1) where replicas 0, 2 reached BatchNorm 'b' (call 1)"))
       << rv.reason();
   EXPECT_EQ(rv.culprit(), 1);
   EXPECT_EQ(rv.rounds(), 1u);
@@ -118,7 +121,7 @@ TEST(Rendezvous, FinishingWithoutAReachedCallBreaksIt) {
     if (rank != 2) {
       rv.exchange(rank, "BatchNorm 'b' (call 1)", of(0, 1));
     } else {
-      while (rv.waiting() < 2) {  // ranks 0 and 1 wait at 'b'
+      while (rv.waiting() < 2) { // ranks 0 and 1 wait at 'b'
         std::this_thread::sleep_for(1ms);
       }
     }
@@ -152,10 +155,11 @@ TEST(Rendezvous, FinishWhileOthersWaitNamesTheWaiters) {
   for (auto& t : waiters) {
     t.join();
   }
-  EXPECT_EQ(rv.reason(),
-            "replica 2 finished without reaching BatchNorm 'bn' (call 2), which replicas 0, 1 reached (a call "
-            "skipped on replica 2, or an extra one on the others); every replica must make the same calls, in "
-            "the same order");
+  EXPECT_EQ(
+      rv.reason(),
+      "replica 2 finished without reaching BatchNorm 'bn' (call 2), which replicas 0, 1 reached (a call "
+      "skipped on replica 2, or an extra one on the others); every replica must make the same calls, in "
+      "the same order");
   EXPECT_EQ(errors[0], rv.reason());
   EXPECT_EQ(errors[1], rv.reason());
 }
@@ -168,7 +172,8 @@ TEST(Rendezvous, AnExtraCallAfterOthersFinishedBreaksIt) {
     rv.exchange(0, "BatchNorm 'x' (call 3)", of(0, 1));
     FAIL() << "expected RendezvousBroken";
   } catch (const RendezvousBroken& e) {
-    EXPECT_TRUE(contains(e.what(), "replica 0 reached BatchNorm 'x' (call 3) after replica 1 had finished without it"))
+    EXPECT_TRUE(contains(
+        e.what(), "replica 0 reached BatchNorm 'x' (call 3) after replica 1 had finished without it"))
         << e.what();
   }
   EXPECT_EQ(rv.culprit(), 0);
@@ -196,16 +201,17 @@ TEST(Rendezvous, TimeoutBreaksItNamingWhoWasWaitedFor) {
   const auto start = std::chrono::steady_clock::now();
   const auto errors = run_ranks(3, [&](size_t rank) {
     if (rank == 2) {
-      return;  // never arrives, never finishes
+      return; // never arrives, never finishes
     }
     rv.exchange(rank, "BatchNorm 'bn' (call 1)", of(0, 1));
   });
   const auto elapsed = std::chrono::steady_clock::now() - start;
   EXPECT_GE(elapsed, 300ms);
   EXPECT_LT(elapsed, 5s);
-  EXPECT_EQ(rv.reason(),
-            "replica 2 did not reach BatchNorm 'bn' (call 1) within 0.3 s, while replicas 0, 1 waited there (raise "
-            "the limit with DPCORE_SYNC_TIMEOUT_S=<seconds>)");
+  EXPECT_EQ(
+      rv.reason(),
+      "replica 2 did not reach BatchNorm 'bn' (call 1) within 0.3 s, while replicas 0, 1 waited there (raise "
+      "the limit with DPCORE_SYNC_TIMEOUT_S=<seconds>)");
   EXPECT_EQ(errors[0], rv.reason());
   EXPECT_EQ(errors[1], rv.reason());
   EXPECT_EQ(rv.culprit(), 2);
@@ -214,7 +220,7 @@ TEST(Rendezvous, TimeoutBreaksItNamingWhoWasWaitedFor) {
 TEST(Rendezvous, ABrokenRendezvousStaysBroken) {
   Rendezvous rv(2, 10s);
   rv.abort("cancelled by the caller");
-  rv.fail(0, "later failure");  // the first cause stands
+  rv.fail(0, "later failure"); // the first cause stands
   EXPECT_EQ(rv.reason(), "cancelled by the caller");
   EXPECT_EQ(rv.culprit(), -1);
   for (size_t rank = 0; rank < 2; ++rank) {

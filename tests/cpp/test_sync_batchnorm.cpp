@@ -26,7 +26,7 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, const st
 }
 
 struct Case {
-  std::vector<int64_t> shape;  // whole batch
+  std::vector<int64_t> shape; // whole batch
   std::vector<int64_t> chunks;
   bool affine;
 };
@@ -63,7 +63,8 @@ void check_against_whole_batch(const Case& c) {
   for (size_t rank = 0; rank < parts.size(); ++rank) {
     threads.emplace_back([&, rank] {
       outs[rank] = dpcore::sync_batch_norm(
-          rendezvous, rank, "BatchNorm 'bn' (call 1)", parts[rank], c.affine ? std::optional<at::Tensor>(ws) : std::nullopt,
+          rendezvous, rank, "BatchNorm 'bn' (call 1)", parts[rank],
+          c.affine ? std::optional<at::Tensor>(ws) : std::nullopt,
           c.affine ? std::optional<at::Tensor>(bs) : std::nullopt, mean_s, var_s, rank == 0, 0.1, 1e-5);
       rendezvous.finish(rank);
     });
@@ -95,8 +96,8 @@ TEST(SyncBatchNorm, MatchesTheWholeBatchWithUnevenChunks) {
 TEST(SyncBatchNorm, ReducedPrecisionKeepsItsDtype) {
   dpcore::Rendezvous rendezvous(1, 5s);
   const at::Tensor x = at::randn({6, 3}).to(at::kBFloat16);
-  const at::Tensor out =
-      dpcore::sync_batch_norm(rendezvous, 0, "k", x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, 0.1, 1e-5);
+  const at::Tensor out = dpcore::sync_batch_norm(
+      rendezvous, 0, "k", x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, 0.1, 1e-5);
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
   const at::Tensor expected = at::batch_norm(x.to(at::kFloat), {}, {}, {}, {}, true, 0.1, 1e-5, false);
   EXPECT_TRUE(at::allclose(out.to(at::kFloat), expected, 0.02, 0.05));
@@ -106,19 +107,25 @@ TEST(SyncBatchNorm, NamesBadInputs) {
   dpcore::Rendezvous rendezvous(1, 5s);
   try {
     dpcore::sync_batch_norm(
-        rendezvous, 0, "k", at::randn({4}), std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, 0.1, 1e-5);
+        rendezvous, 0, "k", at::randn({4}), std::nullopt, std::nullopt, std::nullopt, std::nullopt, false,
+        0.1, 1e-5);
     FAIL() << "expected c10::ValueError";
   } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("expected an input of shape (N, C, ...), but got shape [4]"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("expected an input of shape (N, C, ...), but got shape [4]"),
+        std::string::npos);
   }
   try {
     dpcore::sync_batch_norm(
-        rendezvous, 0, "k", at::randn({1, 3}), std::nullopt, std::nullopt, std::nullopt, std::nullopt, false, 0.1, 1e-5);
+        rendezvous, 0, "k", at::randn({1, 3}), std::nullopt, std::nullopt, std::nullopt, std::nullopt, false,
+        0.1, 1e-5);
     FAIL() << "expected c10::ValueError";
   } catch (const c10::ValueError& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("Expected more than 1 value per channel when training, got 1"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(e.what_without_backtrace())
+            .find("Expected more than 1 value per channel when training, got 1"),
+        std::string::npos);
   }
 }
 

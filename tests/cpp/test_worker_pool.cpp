@@ -104,9 +104,8 @@ TEST(WorkerPool, CapturesEachTaskError) {
 
 TEST(WorkerPool, NestedAndConcurrentCallsComplete) {
   std::atomic<int> inner{0};
-  auto errors = dpcore::run_tasks(tasks_of(2, [&](size_t) {
-    dpcore::run_tasks(tasks_of(3, [&](size_t) { ++inner; }));
-  }));
+  auto errors = dpcore::run_tasks(
+      tasks_of(2, [&](size_t) { dpcore::run_tasks(tasks_of(3, [&](size_t) { ++inner; })); }));
   EXPECT_EQ(inner.load(), 6);
   std::atomic<int> total{0};
   std::thread other([&] { dpcore::run_tasks(tasks_of(4, [&](size_t) { ++total; })); });
@@ -188,7 +187,7 @@ TEST(WorkerPoolAsync, SubmitReturnsAtOnceAndWaitForTimesOut) {
   }));
   EXPECT_FALSE(run.wait_for(std::chrono::milliseconds(20)));
   EXPECT_FALSE(run.done());
-  EXPECT_THROW(run.errors(), c10::Error);  // not finished yet
+  EXPECT_THROW(run.errors(), c10::Error); // not finished yet
   gate->open();
   EXPECT_TRUE(run.wait_for(std::chrono::seconds(30)));
   EXPECT_TRUE(run.done());
@@ -196,7 +195,7 @@ TEST(WorkerPoolAsync, SubmitReturnsAtOnceAndWaitForTimesOut) {
   ASSERT_EQ(run.errors().size(), 2u);
   EXPECT_FALSE(run.errors()[0]);
   EXPECT_FALSE(run.errors()[1]);
-  run.cancel();  // a no-op once done
+  run.cancel(); // a no-op once done
   EXPECT_EQ(run.wait().size(), 2u);
 }
 
@@ -239,19 +238,20 @@ TEST(WorkerPoolAsync, CancelSkipsTasksNotYetStarted) {
 }
 
 TEST(WorkerPoolAsync, PoolIsNotReusedWhileAnAbandonedRunIsGoing) {
-  dpcore::run_tasks(tasks_of(1, [](size_t) {}));  // at least one pool exists
+  dpcore::run_tasks(tasks_of(1, [](size_t) {})); // at least one pool exists
   auto gate = std::make_shared<Gate>();
   auto first_thread = std::make_shared<std::thread::id>();
   auto first_finished = std::make_shared<std::atomic<bool>>(false);
   std::weak_ptr<Gate> watch = gate;
   {
-    dpcore::TaskRun abandoned = dpcore::submit_tasks(owning_tasks(1, [gate, first_thread, first_finished](size_t) {
-      *first_thread = std::this_thread::get_id();
-      gate->wait();
-      first_finished->store(true);
-    }));
+    dpcore::TaskRun abandoned =
+        dpcore::submit_tasks(owning_tasks(1, [gate, first_thread, first_finished](size_t) {
+          *first_thread = std::this_thread::get_id();
+          gate->wait();
+          first_finished->store(true);
+        }));
     ASSERT_TRUE(eventually([&] { return *first_thread != std::thread::id(); }));
-  }  // every handle dropped: the run goes on, owning its task and gate
+  } // every handle dropped: the run goes on, owning its task and gate
   const size_t pools_before = dpcore::worker_pool_count();
   // Calls made meanwhile get another pool (other threads) and complete.
   for (int step = 0; step < 20; ++step) {
@@ -261,7 +261,7 @@ TEST(WorkerPoolAsync, PoolIsNotReusedWhileAnAbandonedRunIsGoing) {
     EXPECT_NE(id, *first_thread) << "a pool was handed out while its task still ran";
   }
   EXPECT_FALSE(first_finished->load());
-  EXPECT_LE(dpcore::worker_pool_count(), pools_before + 1);  // one more pool at most, reused
+  EXPECT_LE(dpcore::worker_pool_count(), pools_before + 1); // one more pool at most, reused
   gate->open();
   gate.reset();
   // The abandoned run finishes; what it owned is freed (by the worker).

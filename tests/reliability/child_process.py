@@ -21,10 +21,17 @@ def run_child(args: list[str], timeout_s: float = TIMEOUT_S) -> subprocess.Compl
     process is returned for the caller's checks."""
     try:
         result = subprocess.run(
-            [sys.executable, *args], cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, *args],
+            cwd=TESTS_DIR,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as timeout:
-        pytest.fail(f"{args}: no result after {timeout_s} s (a hang or deadlock); output:\n{timeout.stdout}\n{timeout.stderr}")
+        pytest.fail(
+            f"{args}: no result after {timeout_s} s (a hang or deadlock); output:\n{timeout.stdout}\n{timeout.stderr}"
+        )
     if result.returncode < 0:
         name = signal.Signals(-result.returncode).name
         pytest.fail(f"{args}: the child crashed ({name}); output:\n{result.stdout}\n{result.stderr}")

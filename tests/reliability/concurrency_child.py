@@ -357,7 +357,7 @@ def interrupt_data_parallel() -> str:
     assert waited < 1.0, f"KeyboardInterrupt reached the caller after {waited:.2f} s (replicas nap 2 s)"
     seen = list(log)
     time.sleep(0.5)
-    assert log == seen, f"replicas still ran after the KeyboardInterrupt: {log[len(seen):]}"
+    assert log == seen, f"replicas still ran after the KeyboardInterrupt: {log[len(seen) :]}"
     first = [e for e in log if e[0] == "first"]
     assert sorted(e[2] for e in first if e[1] == "start") == [0, 1], f"expected replicas 0, 1 to start: {first}"
     assert not [e for e in first if e[1] == "end"], f"interrupted replicas ran to their end: {first}"

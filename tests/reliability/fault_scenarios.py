@@ -256,7 +256,9 @@ def nested_three_deep() -> None:
     error = expect_raises(InjectedError, lambda: check.dp(x))
     assert error.code == 42 and error.payload is Model.PAYLOAD
     assert len(error.__notes__) == 3, notes(error)
-    assert ["replica 1 on", "replica 1 on", "replica 3 on"] == [n[n.index("replica"):][:12] for n in error.__notes__], notes(error)
+    assert ["replica 1 on", "replica 1 on", "replica 3 on"] == [
+        n[n.index("replica") :][:12] for n in error.__notes__
+    ], notes(error)
     check.pool_usable()
     for _ in range(3):
         check.clean_step(seed=5)
@@ -265,7 +267,14 @@ def nested_three_deep() -> None:
 
 SCENARIOS: dict[str, Callable[[], None]] = {
     f.__name__: f
-    for f in (forward_exception, torch_error_in_replica, criterion_exception, backward_exception, keyboard_interrupt, nested_three_deep)
+    for f in (
+        forward_exception,
+        torch_error_in_replica,
+        criterion_exception,
+        backward_exception,
+        keyboard_interrupt,
+        nested_three_deep,
+    )
 }
 
 

@@ -176,7 +176,9 @@ def test_broadcast_coalesced_equals_per_tensor_broadcast(
 @settings(PROPERTY_SETTINGS, max_examples=100)
 @given(
     shapes=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3).map(tuple), min_size=1, max_size=5),
-    dtypes=st.lists(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.int64, torch.int32]), min_size=5, max_size=5),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.float64, torch.float16, torch.int64, torch.int32]), min_size=5, max_size=5
+    ),
     k=device_counts,
     layout=st.sampled_from(LAYOUTS),
     buffer_size=st.sampled_from([1, 16, 256, 10 * 1024 * 1024]),

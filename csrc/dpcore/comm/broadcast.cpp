@@ -82,13 +82,12 @@ void broadcast_out(const at::Tensor& tensor, at::TensorList outs) {
         " (the type of out[0]), but output tensor at index ", i, " is on ", outs[i].device());
     TORCH_CHECK(
         outs[i].sizes().equals(tensor.sizes()),
-        "broadcast: expected all output tensors to have the shape of the source tensor ",
-        tensor.sizes(), ", but output tensor at index ", i, " has shape ", outs[i].sizes());
+        "broadcast: expected all output tensors to have the shape of the source tensor ", tensor.sizes(),
+        ", but output tensor at index ", i, " has shape ", outs[i].sizes());
     TORCH_CHECK(
         outs[i].scalar_type() == tensor.scalar_type(),
         "broadcast: expected all output tensors to have the dtype of the source tensor (",
-        tensor.scalar_type(), "), but output tensor at index ", i, " has dtype ",
-        outs[i].scalar_type());
+        tensor.scalar_type(), "), but output tensor at index ", i, " has dtype ", outs[i].scalar_type());
   }
   c10::NoGradGuard no_grad;
   for (const at::Tensor& out : outs) {
@@ -137,16 +136,14 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
 }
 
 TensorList2D broadcast_coalesced(
-    at::TensorList tensors,
-    c10::ArrayRef<c10::Device> devices_in,
-    int64_t bucket_bytes) {
+    at::TensorList tensors, c10::ArrayRef<c10::Device> devices_in, int64_t bucket_bytes) {
   const auto devices = check_devices(devices_in, "broadcast_coalesced");
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK(tensors[i].defined(), "broadcast_coalesced: tensors[", i, "] is undefined");
     TORCH_CHECK(
         normalize_device(tensors[i].device()) == devices[0],
-        "broadcast_coalesced: expected all tensors on devices[0] (", devices[0],
-        "), but tensors[", i, "] is on ", tensors[i].device());
+        "broadcast_coalesced: expected all tensors on devices[0] (", devices[0], "), but tensors[", i,
+        "] is on ", tensors[i].device());
   }
   c10::NoGradGuard no_grad;
   TensorList2D outputs(devices.size());

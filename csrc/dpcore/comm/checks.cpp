@@ -38,8 +38,8 @@ bool ranges_intersect(const at::Tensor& a, const at::Tensor& b) {
 
 void check_dense(const at::Tensor& tensor, const char* op, const std::string& what) {
   TORCH_CHECK(
-      tensor.layout() == c10::kStrided, op, ": expected dense (strided) tensors, but ", what,
-      " has layout ", tensor.layout(), ": dpcore's scatter and gather take dense tensors only ",
+      tensor.layout() == c10::kStrided, op, ": expected dense (strided) tensors, but ", what, " has layout ",
+      tensor.layout(), ": dpcore's scatter and gather take dense tensors only ",
       "(broadcast, broadcast_coalesced, reduce_add and reduce_add_coalesced take sparse COO ",
       "tensors too)");
 }
@@ -52,20 +52,16 @@ void check_no_internal_overlap(const at::Tensor& out, const char* op, const std:
 }
 
 bool check_no_overlap(
-    const at::Tensor& written,
-    const std::string& written_name,
-    const at::Tensor& read,
-    const std::string& read_name,
-    const char* op) {
+    const at::Tensor& written, const std::string& written_name, const at::Tensor& read,
+    const std::string& read_name, const char* op) {
   // Tensors without memory (meta) cannot overlap.
   if (!written.has_storage() || !read.has_storage() || written.is_meta() || read.is_meta()) {
     return false;
   }
   const at::MemOverlapStatus status = at::get_overlap_status(written, read);
   TORCH_CHECK(
-      status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ",
-      written_name, " and ", read_name, " overlap in memory (",
-      status == at::MemOverlapStatus::Full ? "fully" : "partly",
+      status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ", written_name,
+      " and ", read_name, " overlap in memory (", status == at::MemOverlapStatus::Full ? "fully" : "partly",
       "): an output must not share memory with the inputs or the other outputs, or writing it ",
       "would change values before they are read; write into a separate tensor");
   return status == at::MemOverlapStatus::TooHard && ranges_intersect(written, read);

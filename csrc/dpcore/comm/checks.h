@@ -28,10 +28,7 @@ void check_no_internal_overlap(const at::Tensor& out, const char* op, const std:
 // from a copy of `read`, so that the result is right either way (torch lets
 // such calls through and may compute wrong values).
 bool check_no_overlap(
-    const at::Tensor& written,
-    const std::string& written_name,
-    const at::Tensor& read,
-    const std::string& read_name,
-    const char* op);
+    const at::Tensor& written, const std::string& written_name, const at::Tensor& read,
+    const std::string& read_name, const char* op);
 
 } // namespace dpcore

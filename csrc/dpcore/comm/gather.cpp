@@ -8,8 +8,8 @@
 #include <string>
 
 #include "dpcore/comm.h"
-#include "dpcore/common.h"
 #include "dpcore/comm/checks.h"
+#include "dpcore/common.h"
 #include "dpcore/device.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
@@ -26,8 +26,7 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
   TORCH_CHECK(first.defined(), "gather: tensors[0] is undefined");
   check_dense(first, "gather", "tensors[0]");
   TORCH_CHECK(
-      first.dim() > 0, "gather: expected tensors with at least one dimension, but tensors[0] ",
-      "is 0-dim");
+      first.dim() > 0, "gather: expected tensors with at least one dimension, but tensors[0] ", "is 0-dim");
   const int64_t wrapped = at::maybe_wrap_dim(dim, first.dim());
   shape.assign(first.sizes().begin(), first.sizes().end());
   shape[wrapped] = 0;
@@ -39,17 +38,17 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
         t.dim() == first.dim(), "gather: expected all tensors to have ", first.dim(),
         " dimensions, as tensors[0] does, but tensors[", i, "] has ", t.dim());
     TORCH_CHECK(
-        t.scalar_type() == first.scalar_type(), "gather: expected all tensors of dtype ",
-        first.scalar_type(), ", as tensors[0] is, but tensors[", i, "] is ", t.scalar_type());
+        t.scalar_type() == first.scalar_type(), "gather: expected all tensors of dtype ", first.scalar_type(),
+        ", as tensors[0] is, but tensors[", i, "] is ", t.scalar_type());
     TORCH_CHECK(
         t.device().type() == first.device().type(),
-        "gather: expected all tensors on devices of one type, but tensors[0] is on ",
-        first.device(), " and tensors[", i, "] is on ", t.device());
+        "gather: expected all tensors on devices of one type, but tensors[0] is on ", first.device(),
+        " and tensors[", i, "] is on ", t.device());
     for (int64_t d = 0; d < first.dim(); ++d) {
       TORCH_CHECK(
           d == wrapped || t.size(d) == first.size(d), "gather: input tensor at index ", i,
-          " has invalid shape ", t.sizes(), ": expected ", first.sizes(),
-          " in every dimension but ", wrapped);
+          " has invalid shape ", t.sizes(), ": expected ", first.sizes(), " in every dimension but ",
+          wrapped);
     }
     shape[wrapped] += t.size(wrapped);
   }
@@ -84,8 +83,8 @@ void copy_slices(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
 at::Tensor gather(at::TensorList tensors, int64_t dim, std::optional<c10::Device> destination) {
   std::vector<int64_t> shape;
   const int64_t wrapped = check_gather(tensors, dim, shape);
-  const c10::Device dest = destination ? normalize_device(*destination)
-                                       : current_device(tensors[0].device().type());
+  const c10::Device dest =
+      destination ? normalize_device(*destination) : current_device(tensors[0].device().type());
   check_devices({dest}, "gather", "destination");
   c10::MemoryFormat format = tensors[0].suggest_memory_format();
   for (const at::Tensor& t : tensors) {

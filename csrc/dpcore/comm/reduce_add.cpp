@@ -21,10 +21,7 @@ namespace {
 // The messages name tensors[k] what[k], or what[k][column] when the tensors
 // are one column of a list of lists (reduce_add_coalesced's inputs[k][i]).
 c10::DeviceType check_summable(
-    at::TensorList tensors,
-    const char* op,
-    const char* what,
-    std::optional<size_t> column = std::nullopt) {
+    at::TensorList tensors, const char* op, const char* what, std::optional<size_t> column = std::nullopt) {
   TORCH_CHECK(!tensors.empty(), op, ": expected at least one tensor to reduce, but got none");
   // Only evaluated for a message, when a check fails.
   const auto name = [&](size_t k) {
@@ -35,21 +32,20 @@ c10::DeviceType check_summable(
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), op, ": ", name(i), " is undefined");
     TORCH_CHECK(
-        t.layout() == c10::kStrided || t.is_sparse(), op,
-        ": expected dense or sparse COO tensors, but ", name(i), " has layout ", t.layout());
+        t.layout() == c10::kStrided || t.is_sparse(), op, ": expected dense or sparse COO tensors, but ",
+        name(i), " has layout ", t.layout());
     TORCH_CHECK(
-        t.sizes().equals(first.sizes()), op, ": expected all tensors to have the shape ",
-        first.sizes(), " of ", name(0), ", but ", name(i), " has shape ", t.sizes());
+        t.sizes().equals(first.sizes()), op, ": expected all tensors to have the shape ", first.sizes(),
+        " of ", name(0), ", but ", name(i), " has shape ", t.sizes());
     TORCH_CHECK(
         t.scalar_type() == first.scalar_type(), op, ": expected all tensors to have the dtype ",
         first.scalar_type(), " of ", name(0), ", but ", name(i), " has dtype ", t.scalar_type());
     TORCH_CHECK(
-        t.layout() == first.layout(), op, ": expected all tensors to have the layout ",
-        first.layout(), " of ", name(0), ", but ", name(i), " has layout ", t.layout());
+        t.layout() == first.layout(), op, ": expected all tensors to have the layout ", first.layout(),
+        " of ", name(0), ", but ", name(i), " has layout ", t.layout());
     TORCH_CHECK(
-        t.device().type() == first.device().type(), op,
-        ": expected all tensors on devices of one type, but ", name(0), " is on ",
-        first.device(), " and ", name(i), " is on ", t.device());
+        t.device().type() == first.device().type(), op, ": expected all tensors on devices of one type, but ",
+        name(0), " is on ", first.device(), " and ", name(i), " is on ", t.device());
   }
   return first.device().type();
 }
@@ -81,10 +77,7 @@ at::Tensor readable_on(const at::Tensor& tensor, c10::Device device) {
 // the whole bucket, else packed on `device`; copied to `dest` when `dest`
 // cannot read `device`'s memory.
 at::Tensor flat_source(
-    const std::vector<at::Tensor>& members,
-    const FlatLayout& layout,
-    c10::Device device,
-    c10::Device dest) {
+    const std::vector<at::Tensor>& members, const FlatLayout& layout, c10::Device device, c10::Device dest) {
   c10::DeviceGuard guard(device);
   at::Tensor flat = flat_alias(members[0], layout);
   if (!flat.defined()) {
@@ -105,8 +98,7 @@ at::Tensor sum_sparse(at::TensorList tensors, c10::Device destination) {
 // one device, all of one length, every column summable) and `bucket_bytes`;
 // returns the device of each list, or nothing when the lists are empty.
 std::vector<c10::Device> check_coalesced_inputs(const TensorList2D& inputs, int64_t bucket_bytes) {
-  TORCH_CHECK(
-      !inputs.empty(), "reduce_add_coalesced: expected at least one list of tensors in 'inputs'");
+  TORCH_CHECK(!inputs.empty(), "reduce_add_coalesced: expected at least one list of tensors in 'inputs'");
   TORCH_CHECK(
       bucket_bytes > 0, "reduce_add_coalesced: expected bucket_bytes (buffer_size) to be positive, but got ",
       bucket_bytes);
@@ -115,14 +107,14 @@ std::vector<c10::Device> check_coalesced_inputs(const TensorList2D& inputs, int6
   list_devices.reserve(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
     TORCH_CHECK(
-        inputs[k].size() == count, "reduce_add_coalesced: expected inputs[", k, "] to hold ",
-        count, " tensors, as inputs[0] does, but it holds ", inputs[k].size());
+        inputs[k].size() == count, "reduce_add_coalesced: expected inputs[", k, "] to hold ", count,
+        " tensors, as inputs[0] does, but it holds ", inputs[k].size());
     for (size_t i = 0; i < count; ++i) {
       TORCH_CHECK(inputs[k][i].defined(), "reduce_add_coalesced: inputs[", k, "][", i, "] is undefined");
       TORCH_CHECK(
-          inputs[k][i].device() == inputs[k][0].device(), "reduce_add_coalesced: expected all of inputs[",
-          k, "] on one device, but inputs[", k, "][0] is on ", inputs[k][0].device(), " and inputs[",
-          k, "][", i, "] is on ", inputs[k][i].device());
+          inputs[k][i].device() == inputs[k][0].device(), "reduce_add_coalesced: expected all of inputs[", k,
+          "] on one device, but inputs[", k, "][0] is on ", inputs[k][0].device(), " and inputs[", k, "][", i,
+          "] is on ", inputs[k][i].device());
     }
     if (count > 0) {
       list_devices.push_back(normalize_device(inputs[k][0].device()));
@@ -144,12 +136,8 @@ std::vector<c10::Device> check_coalesced_inputs(const TensorList2D& inputs, int6
 // reduce_add_n launch reading every device's flat buffer in place (peer
 // access) beat a launch per tensor.
 void reduce_bucket_cuda(
-    const TensorList2D& inputs,
-    const Bucket& bucket,
-    const FlatLayout& layout,
-    c10::ArrayRef<c10::Device> list_devices,
-    c10::Device dest,
-    const at::Tensor& flat) {
+    const TensorList2D& inputs, const Bucket& bucket, const FlatLayout& layout,
+    c10::ArrayRef<c10::Device> list_devices, c10::Device dest, const at::Tensor& flat) {
   std::vector<at::Tensor> flats;
   flats.reserve(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
@@ -163,12 +151,8 @@ void reduce_bucket_cuda(
 // the destination are read in place; the others are flattened on their
 // device and the flat buffer copied over.
 void reduce_bucket_cpu(
-    const TensorList2D& inputs,
-    const Bucket& bucket,
-    const FlatLayout& layout,
-    c10::ArrayRef<c10::Device> list_devices,
-    c10::Device dest,
-    at::TensorList results) {
+    const TensorList2D& inputs, const Bucket& bucket, const FlatLayout& layout,
+    c10::ArrayRef<c10::Device> list_devices, c10::Device dest, at::TensorList results) {
   TensorList2D sources;
   sources.reserve(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
@@ -207,9 +191,7 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
 }
 
 std::vector<at::Tensor> reduce_add_coalesced(
-    const TensorList2D& inputs,
-    std::optional<c10::Device> destination,
-    int64_t bucket_bytes) {
+    const TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes) {
   const std::vector<c10::Device> list_devices = check_coalesced_inputs(inputs, bucket_bytes);
   if (list_devices.empty()) {
     return {};

@@ -23,8 +23,7 @@ int64_t check_scatter_dim(const at::Tensor& tensor, int64_t dim) {
   TORCH_CHECK(tensor.defined(), "scatter: expected a defined 'tensor'");
   check_dense(tensor, "scatter", "'tensor'");
   TORCH_CHECK(
-      tensor.dim() > 0, "scatter: expected a tensor with at least one dimension, but got a ",
-      "0-dim tensor");
+      tensor.dim() > 0, "scatter: expected a tensor with at least one dimension, but got a ", "0-dim tensor");
   return at::maybe_wrap_dim(dim, tensor.dim());
 }
 
@@ -38,20 +37,16 @@ void check_streams(const std::optional<StreamList>& streams, c10::ArrayRef<c10::
   for (size_t i = 0; i < streams->size(); ++i) {
     const auto& stream = (*streams)[i];
     TORCH_CHECK(
-        !stream || normalize_device(stream->device()) == devices[i],
-        "scatter: expected streams[", i, "] on ", devices[i], " (the device at that index), but ",
-        "it is on ", stream ? stream->device() : devices[i]);
+        !stream || normalize_device(stream->device()) == devices[i], "scatter: expected streams[", i, "] on ",
+        devices[i], " (the device at that index), but ", "it is on ", stream ? stream->device() : devices[i]);
   }
 }
 
 // Copies chunk into `out` (or to `device`, when out is undefined) on the
 // stream given for index i, under a guard for the target device.
 at::Tensor move_chunk(
-    const at::Tensor& chunk,
-    c10::Device device,
-    const at::Tensor& out,
-    const std::optional<StreamList>& streams,
-    size_t i) {
+    const at::Tensor& chunk, c10::Device device, const at::Tensor& out,
+    const std::optional<StreamList>& streams, size_t i) {
   c10::DeviceGuard device_guard(device);
   c10::OptionalStreamGuard stream_guard;
   if (streams && (*streams)[i]) {
@@ -62,8 +57,7 @@ at::Tensor move_chunk(
     return out;
   }
   return chunk.to(
-      device, chunk.scalar_type(), may_copy_async(device), /*copy=*/false,
-      c10::MemoryFormat::Preserve);
+      device, chunk.scalar_type(), may_copy_async(device), /*copy=*/false, c10::MemoryFormat::Preserve);
 }
 
 // Consecutive views of `tensor` along `dim` of the given sizes.
@@ -91,10 +85,8 @@ std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts) {
 }
 
 std::vector<at::Tensor> scatter(
-    const at::Tensor& tensor,
-    c10::ArrayRef<c10::Device> devices_in,
-    const std::optional<std::vector<int64_t>>& chunk_sizes,
-    int64_t dim_in,
+    const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices_in,
+    const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim_in,
     const std::optional<StreamList>& streams) {
   const int64_t dim = check_scatter_dim(tensor, dim_in);
   const auto devices = check_devices(devices_in, "scatter");
@@ -102,12 +94,13 @@ std::vector<at::Tensor> scatter(
   std::vector<int64_t> sizes;
   if (chunk_sizes) {
     TORCH_CHECK(
-        chunk_sizes->size() == devices.size(), "scatter: expected one chunk size per device: ",
-        "len(devices) = ", devices.size(), ", but len(chunk_sizes) = ", chunk_sizes->size());
+        chunk_sizes->size() == devices.size(),
+        "scatter: expected one chunk size per device: ", "len(devices) = ", devices.size(),
+        ", but len(chunk_sizes) = ", chunk_sizes->size());
     for (size_t i = 0; i < chunk_sizes->size(); ++i) {
       TORCH_CHECK(
-          (*chunk_sizes)[i] >= 0, "scatter: expected non-negative chunk sizes, but chunk_sizes[",
-          i, "] is ", (*chunk_sizes)[i]);
+          (*chunk_sizes)[i] >= 0, "scatter: expected non-negative chunk sizes, but chunk_sizes[", i, "] is ",
+          (*chunk_sizes)[i]);
     }
     const int64_t sum = std::accumulate(chunk_sizes->begin(), chunk_sizes->end(), int64_t{0});
     TORCH_CHECK(
@@ -132,10 +125,7 @@ std::vector<at::Tensor> scatter(
 }
 
 void scatter_out(
-    const at::Tensor& tensor,
-    at::TensorList outs,
-    int64_t dim_in,
-    const std::optional<StreamList>& streams) {
+    const at::Tensor& tensor, at::TensorList outs, int64_t dim_in, const std::optional<StreamList>& streams) {
   const int64_t dim = check_scatter_dim(tensor, dim_in);
   TORCH_CHECK(!outs.empty(), "scatter: expected at least one tensor in 'out', but it is empty");
   std::vector<c10::Device> devices;
@@ -150,9 +140,8 @@ void scatter_out(
         " dimensions, as the tensor does, but it has ", out.dim());
     for (int64_t d = 0; d < tensor.dim(); ++d) {
       TORCH_CHECK(
-          d == dim || out.size(d) == tensor.size(d), "scatter: output tensor at index ", i,
-          " has shape ", out.sizes(), ", but expected the tensor's shape ", tensor.sizes(),
-          " in every dimension but ", dim);
+          d == dim || out.size(d) == tensor.size(d), "scatter: output tensor at index ", i, " has shape ",
+          out.sizes(), ", but expected the tensor's shape ", tensor.sizes(), " in every dimension but ", dim);
     }
     TORCH_CHECK(
         out.scalar_type() == tensor.scalar_type(), "scatter: expected out[", i, "] of dtype ",
@@ -161,8 +150,8 @@ void scatter_out(
     devices.push_back(out.device());
   }
   TORCH_CHECK(
-      total == tensor.size(dim), "scatter: total size of the output tensors along dim ", dim,
-      " (", total, ") does not match the size of the source tensor (", tensor.size(dim), ")");
+      total == tensor.size(dim), "scatter: total size of the output tensors along dim ", dim, " (", total,
+      ") does not match the size of the source tensor (", tensor.size(dim), ")");
   const auto checked = check_devices(devices, "scatter", "the devices of out");
   check_streams(streams, checked);
   // A tensor that may share memory with an out (non-dense views interleaved

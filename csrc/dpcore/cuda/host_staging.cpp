@@ -56,8 +56,7 @@ class StagingRing {
       : slot_bytes_(env_int("DPCORE_STAGING_SLOT_MB", kDefaultStagingSlotMB, 1) << 20),
         slots_(static_cast<size_t>(env_int("DPCORE_STAGING_SLOTS", kDefaultStagingSlots, 1))) {
     for (Slot& slot : slots_) {
-      slot.buffer = at::empty(
-          {slot_bytes_}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      slot.buffer = at::empty({slot_bytes_}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       slot.data = static_cast<char*>(slot.buffer.mutable_data_ptr());
     }
   }
@@ -93,8 +92,7 @@ class StagingRing {
       Slot& slot = acquire();
       host_copy(slot.data, host + offset, count);
       C10_CUDA_CHECK(cudaMemcpyAsync(
-          device + offset, slot.data, static_cast<size_t>(count), cudaMemcpyHostToDevice,
-          stream.stream()));
+          device + offset, slot.data, static_cast<size_t>(count), cudaMemcpyHostToDevice, stream.stream()));
       slot.record(stream);
     }
   }
@@ -122,16 +120,16 @@ class StagingRing {
       slot.wait();
       host_copy(blocks[b].host, slot.data, blocks[b].nbytes);
       if (issued < blocks.size()) {
-        issue();  // into the slot just emptied: the ring goes round in order
+        issue(); // into the slot just emptied: the ring goes round in order
       }
     }
   }
 
  private:
   struct Slot {
-    at::Tensor buffer;  // pinned, slot_bytes_
+    at::Tensor buffer; // pinned, slot_bytes_
     char* data = nullptr;
-    std::optional<c10::Event> busy;  // the last DMA through this slot
+    std::optional<c10::Event> busy; // the last DMA through this slot
 
     void wait() {
       if (busy) {
@@ -169,8 +167,8 @@ bool staged(const at::Tensor& host, const at::Tensor& device) {
   const auto plain = [](const at::Tensor& t) {
     return t.layout() == c10::kStrided && !t.is_conj() && !t.is_neg();
   };
-  return host.numel() * static_cast<int64_t>(host.element_size()) >= kMinStagedBytes &&
-      plain(host) && plain(device) && !host.is_pinned();
+  return host.numel() * static_cast<int64_t>(host.element_size()) >= kMinStagedBytes && plain(host) &&
+         plain(device) && !host.is_pinned();
 }
 
 // out (on the current stream's device) = chunk (host), on the current stream.
@@ -200,14 +198,12 @@ void copy_host_to_device(StagingRing& ring, const at::Tensor& chunk, const at::T
 } // namespace
 
 std::vector<at::Tensor> host_to_devices(
-    at::TensorList chunks,
-    c10::ArrayRef<c10::Device> devices,
-    at::TensorList outs,
+    at::TensorList chunks, c10::ArrayRef<c10::Device> devices, at::TensorList outs,
     const std::optional<StreamList>& streams) {
   TORCH_CHECK(
       chunks.size() == devices.size() && (outs.empty() || outs.size() == chunks.size()),
-      "host_to_devices: expected one device (and one out, when given) per chunk, but got ",
-      chunks.size(), " chunks, ", devices.size(), " devices and ", outs.size(), " outs");
+      "host_to_devices: expected one device (and one out, when given) per chunk, but got ", chunks.size(),
+      " chunks, ", devices.size(), " devices and ", outs.size(), " outs");
   c10::NoGradGuard no_grad;
   StagingRing& ring = StagingRing::instance();
   const auto lock = ring.lock();
@@ -228,7 +224,7 @@ std::vector<at::Tensor> host_to_devices(
     } else {
       out = outs[i];
       if (!given) {
-        wait_stream(copy, current);  // the caller's stream may still be using out
+        wait_stream(copy, current); // the caller's stream may still be using out
       }
     }
     // The caller's stream waits for the copies, and out's memory outlives
@@ -259,21 +255,21 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
   StagingRing& ring = StagingRing::instance();
   const auto lock = ring.lock();
   std::vector<Block> blocks;
-  std::vector<at::Tensor> device_sources;                  // alive until the DMAs land
-  std::vector<std::pair<at::Tensor, at::Tensor>> finish;  // (dest, host copy) pairs
-  std::vector<c10::DeviceIndex> ordered;                   // side streams already ordered
+  std::vector<at::Tensor> device_sources;                // alive until the DMAs land
+  std::vector<std::pair<at::Tensor, at::Tensor>> finish; // (dest, host copy) pairs
+  std::vector<c10::DeviceIndex> ordered;                 // side streams already ordered
   for (size_t i = 0; i < sources.size(); ++i) {
     const at::Tensor& source = sources[i];
     const at::Tensor& dest = dests[i];
     TORCH_CHECK(
         source.is_cuda() && dest.is_cpu(), "devices_to_host: expected sources[", i,
-        "] on a CUDA device and dests[", i, "] on the CPU, but they are on ", source.device(),
-        " and ", dest.device());
+        "] on a CUDA device and dests[", i, "] on the CPU, but they are on ", source.device(), " and ",
+        dest.device());
     if (dest.numel() == 0) {
       continue;
     }
     if (!staged(dest, source)) {
-      dest.copy_(source);  // synchronous: after the source's current stream
+      dest.copy_(source); // synchronous: after the source's current stream
       continue;
     }
     const c10::DeviceIndex index = source.device().index();
@@ -281,7 +277,8 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
     at::Tensor device_source = is_plain_dense(source) ? source : source.contiguous();
     at::Tensor host = dest;
     if (!is_plain_dense(dest) || !dest.strides().equals(device_source.strides())) {
-      host = empty_like_layout(device_source, c10::Device(c10::kCPU), device_source.sizes(), device_source.strides());
+      host = empty_like_layout(
+          device_source, c10::Device(c10::kCPU), device_source.sizes(), device_source.strides());
       finish.emplace_back(dest, host);
     }
     const CUDAStream side = ring.side_stream(index);
@@ -292,7 +289,8 @@ void devices_to_host(at::TensorList sources, at::TensorList dests) {
     char* host_data = static_cast<char*>(host.mutable_data_ptr());
     const char* device_data = static_cast<const char*>(device_source.const_data_ptr());
     for (int64_t offset = 0; offset < nbytes; offset += ring.slot_bytes()) {
-      blocks.push_back({host_data + offset, device_data + offset, std::min(ring.slot_bytes(), nbytes - offset), side});
+      blocks.push_back(
+          {host_data + offset, device_data + offset, std::min(ring.slot_bytes(), nbytes - offset), side});
     }
     device_sources.push_back(std::move(device_source));
   }

@@ -47,9 +47,7 @@ constexpr int64_t kDefaultStagingSlots = 4;
 // any scatter on explicit streams), else as the header says. Returns the
 // device tensors.
 std::vector<at::Tensor> host_to_devices(
-    at::TensorList chunks,
-    c10::ArrayRef<c10::Device> devices,
-    at::TensorList outs,
+    at::TensorList chunks, c10::ArrayRef<c10::Device> devices, at::TensorList outs,
     const std::optional<StreamList>& streams);
 
 // Copies each sources[i] (on a CUDA device) into dests[i] (a CPU tensor of the

@@ -14,8 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -84,7 +84,8 @@ __device__ __forceinline__ int64_t copy_words(const char* src, char* dst, int64_
 
 // Copies `len` bytes (at most one chunk) to every destination.
 __device__ __forceinline__ void copy_chunk(const char* src, char* dst, int64_t len, const Dests& dests) {
-  const uint64_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | dests.align_bits;
+  const uint64_t bits =
+      reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | dests.align_bits;
   int64_t done = 0;
   if (bits % 16 == 0) {
     done = copy_words<uint4>(src, dst, len, dests);
@@ -104,13 +105,14 @@ __global__ void copy_ranges_kernel(CopyArgs args, Dests dests) {
   const int64_t start = static_cast<int64_t>(args.block_chunk[blockIdx.x]) * kChunkBytes;
   const int64_t remaining = args.nbytes[range] - start;
   copy_chunk(
-      args.src[range] + start, args.dst[range] + start, remaining < kChunkBytes ? remaining : kChunkBytes, dests);
+      args.src[range] + start, args.dst[range] + start, remaining < kChunkBytes ? remaining : kChunkBytes,
+      dests);
 }
 
 // The device-side table of the one-launch path: for range r, its bytes, its
 // pointers, and the index of its first chunk (first_chunk[count] is the total).
 struct CopyTable {
-  const int64_t* first_chunk;  // count + 1 entries
+  const int64_t* first_chunk; // count + 1 entries
   const int64_t* nbytes;
   const char* const* src;
   char* const* dst;
@@ -135,7 +137,8 @@ __global__ void copy_table_kernel(CopyTable table, Dests dests) {
     const int64_t start = (chunk - table.first_chunk[lo]) * kChunkBytes;
     const int64_t remaining = table.nbytes[lo] - start;
     copy_chunk(
-        table.src[lo] + start, table.dst[lo] + start, remaining < kChunkBytes ? remaining : kChunkBytes, dests);
+        table.src[lo] + start, table.dst[lo] + start, remaining < kChunkBytes ? remaining : kChunkBytes,
+        dests);
   }
 }
 
@@ -179,10 +182,7 @@ void copy_ranges_in_args(const std::vector<Range>& ranges, const Dests& dests, c
 // Copies every range (each non-empty) in one launch whatever their number,
 // its table moved to the device by device_table.
 void copy_ranges_by_table(
-    const std::vector<Range>& ranges,
-    const Dests& dests,
-    const at::Device& device,
-    cudaStream_t stream) {
+    const std::vector<Range>& ranges, const Dests& dests, const at::Device& device, cudaStream_t stream) {
   const int64_t count = static_cast<int64_t>(ranges.size());
   TORCH_CHECK(
       count < std::numeric_limits<int>::max(), "pack/unpack: expected fewer than ",
@@ -204,11 +204,8 @@ void copy_ranges_by_table(
   });
   const int64_t* base = table.const_data_ptr<int64_t>();
   CopyTable view{
-      base,
-      base + count + 1,
-      reinterpret_cast<const char* const*>(base + 2 * count + 1),
-      reinterpret_cast<char* const*>(base + 3 * count + 1),
-      static_cast<int>(count)};
+      base, base + count + 1, reinterpret_cast<const char* const*>(base + 2 * count + 1),
+      reinterpret_cast<char* const*>(base + 3 * count + 1), static_cast<int>(count)};
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t grid = std::min<int64_t>(chunks, static_cast<int64_t>(sms) * kTableBlocksPerSM);
   copy_table_kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(view, dests);
@@ -217,10 +214,13 @@ void copy_ranges_by_table(
 
 // Copies every range to every destination of `dests` in one launch (none
 // when there is nothing to copy).
-void copy_ranges(const std::vector<Range>& ranges, const Dests& dests, const at::Device& device, cudaStream_t stream) {
-  if (ranges.empty()) return;
+void copy_ranges(
+    const std::vector<Range>& ranges, const Dests& dests, const at::Device& device, cudaStream_t stream) {
+  if (ranges.empty())
+    return;
   int64_t chunks = 0;
-  for (const Range& r : ranges) chunks += chunks_of(r);
+  for (const Range& r : ranges)
+    chunks += chunks_of(r);
   if (static_cast<int64_t>(ranges.size()) <= kMaxRanges && chunks <= kMaxBlocks) {
     copy_ranges_in_args(ranges, dests, stream);
   } else {
@@ -230,7 +230,8 @@ void copy_ranges(const std::vector<Range>& ranges, const Dests& dests, const at:
 
 template <bool kToFlat>
 void copy_entries(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat) {
-  if (tensors.empty()) return;
+  if (tensors.empty())
+    return;
   c10::cuda::CUDAGuard guard(flat.device());
   c10::NoGradGuard no_grad;
   const int64_t itemsize = static_cast<int64_t>(flat.element_size());
@@ -240,7 +241,8 @@ void copy_entries(at::TensorList tensors, const FlatLayout& layout, const at::Te
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     const int64_t nbytes = t.numel() * itemsize;
-    if (nbytes == 0) continue;
+    if (nbytes == 0)
+      continue;
     if (layout.matches(i, t)) {
       char* slot = base + layout.offsets[i] * itemsize;
       char* data = static_cast<char*>(t.data_ptr());
@@ -257,19 +259,18 @@ void copy_entries(at::TensorList tensors, const FlatLayout& layout, const at::Te
 // Copies every block into every buffer of `bases` from index `first` on:
 // one launch (one read of the blocks) per kMaxDests buffers.
 void copy_blocks(
-    const std::vector<detail::PackBlock>& blocks,
-    const std::vector<char*>& bases,
-    size_t first,
-    const at::Device& device,
-    cudaStream_t stream) {
-  if (blocks.empty()) return;
+    const std::vector<detail::PackBlock>& blocks, const std::vector<char*>& bases, size_t first,
+    const at::Device& device, cudaStream_t stream) {
+  if (blocks.empty())
+    return;
   std::vector<Range> ranges(blocks.size());
   for (size_t begin = first; begin < bases.size(); begin += kMaxDests) {
     const size_t end = std::min(bases.size(), begin + static_cast<size_t>(kMaxDests));
     Dests dests{};
     dests.count = static_cast<int>(end - begin);
     for (size_t k = begin; k < end; ++k) {
-      const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(bases[k]) - reinterpret_cast<uintptr_t>(bases[begin]));
+      const int64_t delta = static_cast<int64_t>(
+          reinterpret_cast<uintptr_t>(bases[k]) - reinterpret_cast<uintptr_t>(bases[begin]));
       dests.delta[k - begin] = delta;
       dests.align_bits |= static_cast<uint64_t>(delta);
     }
@@ -287,7 +288,8 @@ void pack(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& fl
 }
 
 void pack_multi(at::TensorList tensors, const FlatLayout& layout, at::TensorList flats) {
-  if (layout.numel == 0) return;
+  if (layout.numel == 0)
+    return;
   const at::Device device = flats[0].device();
   c10::cuda::CUDAGuard guard(device);
   c10::NoGradGuard no_grad;

@@ -8,8 +8,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -32,7 +32,7 @@ constexpr int kThreads = 256;
 template <typename scalar_t>
 struct Sources {
   const scalar_t* ptr[kInlineSources];
-  const scalar_t* const* table;  // device memory with `count` pointers, or null
+  const scalar_t* const* table; // device memory with `count` pointers, or null
   int count;
 
   __device__ const scalar_t* operator[](int k) const {
@@ -60,31 +60,37 @@ __global__ void reduce_add_n_kernel(Sources<scalar_t> src, scalar_t* out, int64_
       if (accumulate) {
         const V current = reinterpret_cast<const V*>(out)[i];
 #pragma unroll
-        for (int j = 0; j < kSize; ++j) acc[j] = static_cast<acc_t>(current.v[j]);
+        for (int j = 0; j < kSize; ++j)
+          acc[j] = static_cast<acc_t>(current.v[j]);
       } else {
 #pragma unroll
-        for (int j = 0; j < kSize; ++j) acc[j] = acc_t(0);
+        for (int j = 0; j < kSize; ++j)
+          acc[j] = acc_t(0);
       }
       for (int k = 0; k < src.count; ++k) {
         const V value = reinterpret_cast<const V*>(src[k])[i];
 #pragma unroll
-        for (int j = 0; j < kSize; ++j) acc[j] += static_cast<acc_t>(value.v[j]);
+        for (int j = 0; j < kSize; ++j)
+          acc[j] += static_cast<acc_t>(value.v[j]);
       }
       V result;
 #pragma unroll
-      for (int j = 0; j < kSize; ++j) result.v[j] = static_cast<scalar_t>(acc[j]);
+      for (int j = 0; j < kSize; ++j)
+        result.v[j] = static_cast<scalar_t>(acc[j]);
       reinterpret_cast<V*>(out)[i] = result;
     }
     // The tail that does not fill a vector.
     for (int64_t i = vectors * kSize + first; i < n; i += stride) {
       acc_t acc = accumulate ? static_cast<acc_t>(out[i]) : acc_t(0);
-      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src[k][i]);
+      for (int k = 0; k < src.count; ++k)
+        acc += static_cast<acc_t>(src[k][i]);
       out[i] = static_cast<scalar_t>(acc);
     }
   } else {
     for (int64_t i = first; i < n; i += stride) {
       acc_t acc = accumulate ? static_cast<acc_t>(out[i]) : acc_t(0);
-      for (int k = 0; k < src.count; ++k) acc += static_cast<acc_t>(src[k][i]);
+      for (int k = 0; k < src.count; ++k)
+        acc += static_cast<acc_t>(src[k][i]);
       out[i] = static_cast<scalar_t>(acc);
     }
   }
@@ -97,13 +103,15 @@ bool aligned16(const void* p) {
 } // namespace
 
 void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumulate) {
-  if (out.numel() == 0) return;
+  if (out.numel() == 0)
+    return;
   c10::cuda::CUDAGuard guard(out.device());
   std::vector<at::Tensor> sources = sources_in.vec();
   const bool dense = detail::same_dense_layout(sources, out);
   std::vector<c10::Device> ordered;
   for (at::Tensor& source : sources) {
-    if (source.device() == out.device()) continue;
+    if (source.device() == out.device())
+      continue;
     if (!dense) {
       // ATen's fallback needs every operand on out's device.
       source = source.to(out.device(), /*non_blocking=*/true);
@@ -134,28 +142,31 @@ void reduce_add_n(at::TensorList sources_in, const at::Tensor& out, bool accumul
       }
     });
   }
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, out.scalar_type(), "dpcore::reduce_add_n_cuda", [&] {
-    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    Sources<scalar_t> src{};
-    src.count = static_cast<int>(sources.size());
-    src.table = table.defined() ? reinterpret_cast<const scalar_t* const*>(table.const_data_ptr<int64_t>()) : nullptr;
-    bool vectorized = aligned16(dst);
-    for (size_t k = 0; k < sources.size(); ++k) {
-      const scalar_t* pointer = sources[k].const_data_ptr<scalar_t>();
-      if (k < static_cast<size_t>(kInlineSources)) {
-        src.ptr[k] = pointer;
-      }
-      vectorized = vectorized && aligned16(pointer);
-    }
-    const int64_t work = vectorized ? std::max<int64_t>(1, n / Vec<scalar_t>::kSize) : n;
-    const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, sms * 8));
-    if (vectorized) {
-      reduce_add_n_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
-    } else {
-      reduce_add_n_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  AT_DISPATCH_ALL_TYPES_AND3(
+      at::kHalf, at::kBFloat16, at::kBool, out.scalar_type(), "dpcore::reduce_add_n_cuda", [&] {
+        scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+        Sources<scalar_t> src{};
+        src.count = static_cast<int>(sources.size());
+        src.table = table.defined()
+                        ? reinterpret_cast<const scalar_t* const*>(table.const_data_ptr<int64_t>())
+                        : nullptr;
+        bool vectorized = aligned16(dst);
+        for (size_t k = 0; k < sources.size(); ++k) {
+          const scalar_t* pointer = sources[k].const_data_ptr<scalar_t>();
+          if (k < static_cast<size_t>(kInlineSources)) {
+            src.ptr[k] = pointer;
+          }
+          vectorized = vectorized && aligned16(pointer);
+        }
+        const int64_t work = vectorized ? std::max<int64_t>(1, n / Vec<scalar_t>::kSize) : n;
+        const int blocks = static_cast<int>(std::min<int64_t>((work + kThreads - 1) / kThreads, sms * 8));
+        if (vectorized) {
+          reduce_add_n_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
+        } else {
+          reduce_add_n_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(src, dst, n, accumulate);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
   // The peers' streams wait for the reads, so that work queued there next
   // (zeroing a gradient, say) cannot overwrite a source still being read.
   for (const c10::Device& device : ordered) {

@@ -46,20 +46,19 @@ void copy_entries_cpu(at::TensorList tensors, const FlatLayout& layout, const at
       t.copy_(layout.view(flat, i));
     }
   }
-  at::parallel_for(
-      0, static_cast<int64_t>(blocks.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
-          const size_t i = blocks[b];
-          char* slot = base + layout.offsets[i] * itemsize;
-          char* data = static_cast<char*>(tensors[i].data_ptr());
-          const size_t nbytes = static_cast<size_t>(tensors[i].numel() * itemsize);
-          if (kToFlat) {
-            std::memcpy(slot, data, nbytes);
-          } else {
-            std::memcpy(data, slot, nbytes);
-          }
-        }
-      });
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const size_t i = blocks[b];
+      char* slot = base + layout.offsets[i] * itemsize;
+      char* data = static_cast<char*>(tensors[i].data_ptr());
+      const size_t nbytes = static_cast<size_t>(tensors[i].numel() * itemsize);
+      if (kToFlat) {
+        std::memcpy(slot, data, nbytes);
+      } else {
+        std::memcpy(data, slot, nbytes);
+      }
+    }
+  });
 }
 
 // Any device: one ATen copy per tensor.
@@ -106,30 +105,31 @@ void pack_multi_cpu(at::TensorList tensors, const FlatLayout& layout, at::Tensor
     }
     for (const detail::PackBlock& block : blocks) {
       for (int64_t start = 0; start < block.nbytes; start += kMultiPieceBytes) {
-        pieces.push_back(Piece{
-            block.src + start, block.offset + start, std::min(kMultiPieceBytes, block.nbytes - start),
-            first_dest});
+        pieces.push_back(
+            Piece{
+                block.src + start, block.offset + start, std::min(kMultiPieceBytes, block.nbytes - start),
+                first_dest});
       }
     }
   };
   cut(plan.direct, 0);
   cut(plan.staged, 1);
-  at::parallel_for(
-      0, static_cast<int64_t>(pieces.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
-        for (int64_t p = begin; p < end; ++p) {
-          const Piece& piece = pieces[p];
-          for (size_t k = piece.first_dest; k < bases.size(); ++k) {
-            std::memcpy(bases[k] + piece.offset, piece.src, static_cast<size_t>(piece.nbytes));
-          }
-        }
-      });
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), kTensorsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const Piece& piece = pieces[p];
+      for (size_t k = piece.first_dest; k < bases.size(); ++k) {
+        std::memcpy(bases[k] + piece.offset, piece.src, static_cast<size_t>(piece.nbytes));
+      }
+    }
+  });
 }
 
 } // namespace
 
 namespace detail {
 
-void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index) {
+void check_flat(
+    const at::Tensor& flat, const FlatLayout& layout, size_t count, const char* op, int64_t index) {
   // Only evaluated for a message, when a check fails.
   const auto name = [&] { return index < 0 ? std::string("'flat'") : c10::str("flats[", index, "]"); };
   TORCH_CHECK(flat.defined(), op, ": expected ", name(), " to be a defined tensor");
@@ -140,23 +140,25 @@ void check_flat(const at::Tensor& flat, const FlatLayout& layout, size_t count, 
       flat.numel() == layout.numel, op, ": expected ", name(), " to have ", layout.numel,
       " elements, but it has ", flat.numel());
   TORCH_CHECK(
-      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected ", name(), " of dtype ",
-      layout.dtype, ", but it is ", flat.scalar_type());
+      count == 0 || flat.scalar_type() == layout.dtype, op, ": expected ", name(), " of dtype ", layout.dtype,
+      ", but it is ", flat.scalar_type());
 }
 
 namespace {
 
 // The checks of the tensors (as many as the layout's entries) against the
 // layout and the device of `flat` (named by `flat_name`).
-void check_members(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op, const char* flat_name) {
+void check_members(
+    at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op,
+    const char* flat_name) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(
-        t.device() == flat.device(), op, ": expected tensor ", i, " on ", flat.device(),
-        " (the device of ", flat_name, "), but it is on ", t.device());
+        t.device() == flat.device(), op, ": expected tensor ", i, " on ", flat.device(), " (the device of ",
+        flat_name, "), but it is on ", t.device());
     TORCH_CHECK(
-        t.scalar_type() == layout.dtype, op, ": expected tensor ", i, " of dtype ",
-        layout.dtype, ", but it is ", t.scalar_type());
+        t.scalar_type() == layout.dtype, op, ": expected tensor ", i, " of dtype ", layout.dtype,
+        ", but it is ", t.scalar_type());
     TORCH_CHECK(
         t.sizes().equals(layout.sizes[i]), op, ": expected tensor ", i, " of shape ",
         c10::IntArrayRef(layout.sizes[i]), ", but it has shape ", t.sizes());
@@ -165,7 +167,8 @@ void check_members(at::TensorList tensors, const FlatLayout& layout, const at::T
 
 } // namespace
 
-void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
+void check_pack_args(
+    at::TensorList tensors, const FlatLayout& layout, const at::Tensor& flat, const char* op) {
   TORCH_CHECK(
       layout.size() == tensors.size(), op, ": expected ", layout.size(),
       " tensors (the layout's entries), but got ", tensors.size());
@@ -173,7 +176,8 @@ void check_pack_args(at::TensorList tensors, const FlatLayout& layout, const at:
   check_members(tensors, layout, flat, op, "'flat'");
 }
 
-PackMultiPlan plan_pack_multi(at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat) {
+PackMultiPlan plan_pack_multi(
+    at::TensorList tensors, const FlatLayout& layout, const at::Tensor& first_flat) {
   const int64_t itemsize = static_cast<int64_t>(first_flat.element_size());
   const char* base = tensors.empty() ? nullptr : static_cast<const char*>(first_flat.const_data_ptr());
   PackMultiPlan plan;

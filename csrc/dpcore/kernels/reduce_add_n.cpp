@@ -37,7 +37,8 @@ constexpr size_t kMaxFused = 8;
 #endif
 
 template <typename scalar_t, typename out_t, size_t K>
-DPCORE_TARGET_CLONES void reduce_fixed(const scalar_t* const* sources, out_t* out, int64_t n, bool accumulate) {
+DPCORE_TARGET_CLONES void reduce_fixed(
+    const scalar_t* const* sources, out_t* out, int64_t n, bool accumulate) {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* s[K];
   for (size_t k = 0; k < K; ++k) {
@@ -65,14 +66,22 @@ DPCORE_TARGET_CLONES void reduce_fixed(const scalar_t* const* sources, out_t* ou
 template <typename scalar_t, typename out_t>
 void reduce_group(const scalar_t* const* sources, size_t count, out_t* out, int64_t n, bool accumulate) {
   switch (count) {
-    case 1: return reduce_fixed<scalar_t, out_t, 1>(sources, out, n, accumulate);
-    case 2: return reduce_fixed<scalar_t, out_t, 2>(sources, out, n, accumulate);
-    case 3: return reduce_fixed<scalar_t, out_t, 3>(sources, out, n, accumulate);
-    case 4: return reduce_fixed<scalar_t, out_t, 4>(sources, out, n, accumulate);
-    case 5: return reduce_fixed<scalar_t, out_t, 5>(sources, out, n, accumulate);
-    case 6: return reduce_fixed<scalar_t, out_t, 6>(sources, out, n, accumulate);
-    case 7: return reduce_fixed<scalar_t, out_t, 7>(sources, out, n, accumulate);
-    default: return reduce_fixed<scalar_t, out_t, kMaxFused>(sources, out, n, accumulate);
+    case 1:
+      return reduce_fixed<scalar_t, out_t, 1>(sources, out, n, accumulate);
+    case 2:
+      return reduce_fixed<scalar_t, out_t, 2>(sources, out, n, accumulate);
+    case 3:
+      return reduce_fixed<scalar_t, out_t, 3>(sources, out, n, accumulate);
+    case 4:
+      return reduce_fixed<scalar_t, out_t, 4>(sources, out, n, accumulate);
+    case 5:
+      return reduce_fixed<scalar_t, out_t, 5>(sources, out, n, accumulate);
+    case 6:
+      return reduce_fixed<scalar_t, out_t, 6>(sources, out, n, accumulate);
+    case 7:
+      return reduce_fixed<scalar_t, out_t, 7>(sources, out, n, accumulate);
+    default:
+      return reduce_fixed<scalar_t, out_t, kMaxFused>(sources, out, n, accumulate);
   }
 }
 
@@ -102,7 +111,8 @@ void reduce_range(const scalar_t* const* sources, size_t count, scalar_t* out, i
       buffer[j] = accumulate ? static_cast<acc_t>(out[start + j]) : acc_t(0);
     }
     for (size_t first = 0; first < count; first += kMaxFused) {
-      reduce_group<scalar_t, acc_t>(shifted.data() + first, std::min(kMaxFused, count - first), buffer.get(), len, true);
+      reduce_group<scalar_t, acc_t>(
+          shifted.data() + first, std::min(kMaxFused, count - first), buffer.get(), len, true);
     }
     for (int64_t j = 0; j < len; ++j) {
       out[start + j] = static_cast<scalar_t>(buffer[j]);
@@ -112,8 +122,7 @@ void reduce_range(const scalar_t* const* sources, size_t count, scalar_t* out, i
 
 // reduce_range over [0, n), its elements spread over the intra-op threads.
 template <typename scalar_t>
-void reduce_dense(
-    const std::vector<const scalar_t*>& sources, scalar_t* out, int64_t n, bool accumulate) {
+void reduce_dense(const std::vector<const scalar_t*>& sources, scalar_t* out, int64_t n, bool accumulate) {
   const size_t count = sources.size();
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     std::vector<const scalar_t*> shifted(count);
@@ -141,8 +150,7 @@ bool entry_is_dense(const TensorList2D& sources, const at::Tensor& out, size_t i
 namespace detail {
 
 void check_reduce_add_n_args(at::TensorList sources, const at::Tensor& out) {
-  TORCH_CHECK(
-      !sources.empty(), "reduce_add_n: expected at least one source tensor, but got none");
+  TORCH_CHECK(!sources.empty(), "reduce_add_n: expected at least one source tensor, but got none");
   TORCH_CHECK(out.defined(), "reduce_add_n: expected a defined 'out' tensor");
   TORCH_CHECK(
       out.layout() == c10::kStrided, "reduce_add_n: expected a dense 'out', but it has layout ",
@@ -152,17 +160,16 @@ void check_reduce_add_n_args(at::TensorList sources, const at::Tensor& out) {
     TORCH_CHECK(
         s.device() == out.device() || can_access_directly(out.device(), s.device()),
         "reduce_add_n: expected sources[", i, "] on ", out.device(), " (the device of 'out') ",
-        "or on a device whose memory it can read directly (peer access), but it is on ",
-        s.device());
+        "or on a device whose memory it can read directly (peer access), but it is on ", s.device());
     TORCH_CHECK(
-        s.scalar_type() == out.scalar_type(), "reduce_add_n: expected sources[", i,
-        "] of dtype ", out.scalar_type(), " (the dtype of 'out'), but it is ", s.scalar_type());
+        s.scalar_type() == out.scalar_type(), "reduce_add_n: expected sources[", i, "] of dtype ",
+        out.scalar_type(), " (the dtype of 'out'), but it is ", s.scalar_type());
     TORCH_CHECK(
-        s.sizes().equals(out.sizes()), "reduce_add_n: expected sources[", i, "] of shape ",
-        out.sizes(), " (the shape of 'out'), but it has shape ", s.sizes());
+        s.sizes().equals(out.sizes()), "reduce_add_n: expected sources[", i, "] of shape ", out.sizes(),
+        " (the shape of 'out'), but it has shape ", s.sizes());
     TORCH_CHECK(
-        s.layout() == c10::kStrided, "reduce_add_n: expected dense sources, but sources[", i,
-        "] has layout ", s.layout());
+        s.layout() == c10::kStrided, "reduce_add_n: expected dense sources, but sources[", i, "] has layout ",
+        s.layout());
   }
 }
 
@@ -177,8 +184,7 @@ bool same_dense_layout(at::TensorList sources, const at::Tensor& out) {
 
 void reduce_add_n_aten(at::TensorList sources, const at::Tensor& out, bool accumulate) {
   c10::NoGradGuard no_grad;
-  const bool low_precision =
-      out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16;
+  const bool low_precision = out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16;
   if (!low_precision) {
     size_t k = 0;
     if (!accumulate) {
@@ -262,7 +268,8 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
         at::parallel_for(
             0, static_cast<int64_t>(small.size()), detail::kTensorsPerTask, [&](int64_t begin, int64_t end) {
               for (int64_t b = begin; b < end; ++b) {
-                reduce_range<scalar_t>(pointers.data() + b * count, count, targets[b], lengths[b], accumulate);
+                reduce_range<scalar_t>(
+                    pointers.data() + b * count, count, targets[b], lengths[b], accumulate);
               }
             });
       });
@@ -270,12 +277,11 @@ void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool acc
 } // namespace cpu
 
 void reduce_add_lists(const TensorList2D& sources, at::TensorList outs, bool accumulate) {
-  TORCH_CHECK(
-      !sources.empty(), "reduce_add_lists: expected at least one source list, but got none");
+  TORCH_CHECK(!sources.empty(), "reduce_add_lists: expected at least one source list, but got none");
   for (size_t k = 0; k < sources.size(); ++k) {
     TORCH_CHECK(
-        sources[k].size() == outs.size(), "reduce_add_lists: expected sources[", k, "] to hold ",
-        outs.size(), " tensors (one per output), but it holds ", sources[k].size());
+        sources[k].size() == outs.size(), "reduce_add_lists: expected sources[", k, "] to hold ", outs.size(),
+        " tensors (one per output), but it holds ", sources[k].size());
   }
   std::vector<at::Tensor> column;
   bool all_cpu = true;

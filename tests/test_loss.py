@@ -535,9 +535,7 @@ def test_trainer_gpu_branch_by_hand_needs_no_model_loss(n_devices: int) -> None:
         _assert_same_parameters(module, reference)
 
 
-@pytest.mark.parametrize(
-    ("accumulation", "optim"), [(1, "sgd"), (2, "sgd"), (1, "default"), (2, "default")]
-)
+@pytest.mark.parametrize(("accumulation", "optim"), [(1, "sgd"), (2, "sgd"), (1, "default"), (2, "default")])
 def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, optim: str, tmp_path: Any) -> None:
     """The README's recipe: Trainer on a CPU list (it sees no GPU and passes a
     0-dim num_items_in_batch) with model_loss="num_items_in_batch" trains a

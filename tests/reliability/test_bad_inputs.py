@@ -452,10 +452,16 @@ CASES: dict[str, Case] = {
         ValueError,
         r"inputs\[1\] has size 3 along dim 0 but inputs\[0\] has size 8: .* the number of replicas used \(4 for a batch of 8\)",
     ),
-    "DataParallel/replica-count-when-fewer-replicas": (
-        lambda: dp()(torch.zeros(3, 3), torch.zeros(4, 1)),
+    "DataParallel/device-count-rows-that-differ-when-fewer-replicas": (
+        lambda: dp()(torch.zeros(3, 3), torch.arange(4.0).reshape(4, 1)),
         ValueError,
-        r"inputs\[1\] has size 4 along dim 0 but inputs\[0\] has size 3: .* \(3 for a batch of 3\)",
+        r"inputs\[1\] has size 4 along dim 0, one row per device, but the batch runs on 3 replica\(s\), and its "
+        r"rows differ",
+    ),
+    "DataParallel/neither-batch-nor-replicas-nor-devices": (
+        lambda: dp()(torch.zeros(3, 3), torch.zeros(5, 1)),
+        ValueError,
+        r"inputs\[1\] has size 5 along dim 0 but inputs\[0\] has size 3: .* \(3 for a batch of 3\)",
     ),
     "DataParallel/criterion-function-undeclared": (
         lambda: dp(criterion=lambda out, y: (out - y).pow(2).mean()),

@@ -181,39 +181,23 @@ class _Scaled(nn.Module):
         return self.linear(x) / num_items_in_batch.reshape(())
 
 
-@pytest.mark.parametrize(("devices", "batch"), [(CPU2, 8), (CPU3, 7), (CPU3, 2)])
-@pytest.mark.parametrize("form", ["zero_dim", "per_replica"])
+@pytest.mark.parametrize(("devices", "batch"), [(CPU2, 8), (CPU3, 7), (CPU3, 2), (CPU3, 1), (CPU2, 1)])
+@pytest.mark.parametrize("form", ["zero_dim", "per_replica", "per_device"])
 def test_data_parallel_num_items_equals_one_device(devices: list[str], batch: int, form: str) -> None:
+    """num_items_in_batch as a 0-dim tensor (Trainer on a CPU list), one row
+    per replica used, or one row per device (Trainer's [n_gpu, 1], also
+    where a last batch smaller than the device list runs fewer replicas:
+    each replica gets its row, the rows left over repeat the first, so
+    nothing is lost): exact against one device."""
     torch.manual_seed(0)
     module = _Scaled().double()
     reference = copy.deepcopy(module)
     dp = dpcore.DataParallel(module, devices)
     x = torch.randn(batch, 4, dtype=torch.float64)
     count = torch.tensor(11.0, dtype=torch.float64)
-    replicas = min(batch, len(devices))
-    given = count if form == "zero_dim" else count.unsqueeze(0).expand(replicas, -1)
-    out = dp(x, num_items_in_batch=given)
-    expected = reference(x, num_items_in_batch=count)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    for p, q in zip(module.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize(("devices", "batch"), [(CPU3, 2), (CPU3, 1), (CPU2, 1)])
-def test_data_parallel_trainer_last_short_batch_equals_one_device(devices: list[str], batch: int) -> None:
-    """Trainer's [n_gpu, 1] (its count repeated per device) against a last
-    batch smaller than the device list: fewer replicas run, each gets its
-    row, as torch's scatter gives it; the rows left over repeat the first,
-    so nothing is lost. Exact against one device."""
-    torch.manual_seed(0)
-    module = _Scaled().double()
-    reference = copy.deepcopy(module)
-    dp = dpcore.DataParallel(module, devices)
-    x = torch.randn(batch, 4, dtype=torch.float64)
-    count = torch.tensor(11.0, dtype=torch.float64)
-    given = count.unsqueeze(0).expand(len(devices), -1) / 1  # materialized, as Trainer's division leaves it
+    rows = {"zero_dim": 0, "per_replica": min(batch, len(devices)), "per_device": len(devices)}[form]
+    # materialized, as Trainer's division of the expanded count leaves it
+    given = count if form == "zero_dim" else count.unsqueeze(0).expand(rows, -1) / 1
     out = dp(x, num_items_in_batch=given)
     expected = reference(x, num_items_in_batch=count)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

@@ -913,33 +913,24 @@ def test_reentrant_backward_is_a_clear_error(world_of_one: Any) -> None:
     assert head.weight.grad is not None
 
 
-def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
-    """The main job: `torchrun --standalone --nproc-per-node 2 -m dpcore.demo
-    --devices cpu:2` (here shortened with --limit and one epoch)."""
-    checkpoint = tmp_path / "digits.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dpcore.demo",
-        "--devices",
-        "cpu:2",
-        "--epochs",
-        "1",
-        "--limit",
-        "300",
-        "--no-progress",
-        "--checkpoint",
-        str(checkpoint),
-    ]
+def _torchrun_demo(*args: str) -> str:
+    """`torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices
+    cpu:2 --epochs 1 --no-progress ARGS`; its output, after checking it
+    exited 0 and its float64 agreement check passed once (rank 0 only)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--no-progress", *args]
     done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert out.count("agreement check passed") == 1, out
+    return out
+
+
+def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
+    """The main job: `torchrun --standalone --nproc-per-node 2 -m dpcore.demo
+    --devices cpu:2` (here shortened with --limit and one epoch)."""
+    checkpoint = tmp_path / "digits.pt"
+    out = _torchrun_demo("--limit", "300", "--checkpoint", str(checkpoint))
     assert "2 processes x 2 devices" in out
     assert len(re.findall(r"^epoch 1/1", out, flags=re.M)) == 1, out
     assert out.count("checkpoint written") == 1
@@ -952,29 +943,8 @@ def test_torchrun_demo_with_sync_batchnorm_passes_its_float64_check() -> None:
     BatchNorm synchronized across the 2 processes x 2 replicas, and the
     float64 check against one device on the global batch (running
     statistics included) passes."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "dpcore.demo",
-        "--devices",
-        "cpu:2",
-        "--epochs",
-        "1",
-        "--limit",
-        "200",
-        "--no-progress",
-        "--sync-batchnorm",
-    ]
-    done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr
+    out = _torchrun_demo("--limit", "200", "--sync-batchnorm")
     assert "with synchronized BatchNorm on 2 processes x 2 devices" in out, out
-    assert out.count("agreement check passed") == 1, out
 
 
 def test_bench_distributed_runs_hybrid_against_ddp() -> None:

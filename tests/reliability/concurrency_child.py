@@ -577,6 +577,11 @@ SCENARIOS: dict[str, Callable[[], str]] = {
 
 
 def main(argv: list[str]) -> Any:
+    # Python leaves SIGINT ignored where its parent ignored it (a test run
+    # started in the background by a non-interactive shell): these scenarios
+    # are about Ctrl-C, so they install Python's own handler whatever the
+    # parent did.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(2)
     name = argv[1]
     started = time.perf_counter()

@@ -681,19 +681,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             )
         if cuda_graphs:
             _check_not_compiled(module)
+        given = {"criterion=": criterion is not None, "gather=False": not gather, "model_loss=": model_loss is not None}
         _check_overrides(
             type(self),
             cuda_graphs=cuda_graphs,
             sync_batchnorm=sync_batchnorm,
-            bypasses_gather=(
-                "criterion="
-                if criterion is not None
-                else "gather=False"
-                if not gather
-                else "model_loss="
-                if model_loss is not None
-                else None
-            ),
+            bypasses_gather=next((name for name, on in given.items() if on), None),
         )
         self.cuda_graphs = cuda_graphs
         self.sync_batchnorm = sync_batchnorm
@@ -1033,7 +1026,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         """The call's output and this process's rows (the sum of the
         replicas', for the process group's weights): the inputs scattered,
         the replicas run (replayed graphs, or eagerly), their outputs
-        combined by :meth:`_combine`."""
+        combined (:meth:`_run_and_combine`)."""
         criterion = self.criterion
         if criterion is not None:
             if not inputs:

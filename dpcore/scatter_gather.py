@@ -192,7 +192,6 @@ def _split_trees(
     owners = [j for j, size in enumerate(used_sizes) for _ in range(size)]  # the replica of each sample
     split_packs = [_packed.split(p, used_sizes, used_devices) for p in packs]
     memo: dict[tuple[int, bool], tuple[torch.Tensor, Sequence[torch.Tensor]]] = {}
-    paths = {id(t): path for path, t in leaves}
 
     def per_replica(t: torch.Tensor, whole: bool) -> Sequence[torch.Tensor]:
         key = (id(t), whole)
@@ -205,7 +204,8 @@ def _split_trees(
             else:
                 size = t.size(dim)
                 if size != plan.batch and size != count:  # one row per device, fewer replicas (plan_split's 3b)
-                    t = check_repeated_rows(t, dim, count, paths.get(id(t), "a tensor"))
+                    path = next((p for p, leaf in leaves if leaf is t), "a tensor")  # this rare case only
+                    t = check_repeated_rows(t, dim, count, path)
                 rows = used_sizes if size == plan.batch else [1] * count
                 parts = Scatter.apply(used_devices, rows, dim, t)
             hit = memo[key] = (source, parts)  # the source kept alive: its id stays its own
@@ -272,7 +272,8 @@ def scatter_kwargs(
       ``dim`` (the batch), except as :func:`dpcore._split.plan_split` rules:
       a 0-dim tensor goes whole to every replica, and a tensor whose size
       is the number of replicas used (while the batch's is not) is split one
-      row per replica. Any other disagreement is a ValueError naming both
+      row per replica, as is one of the device count where fewer replicas
+      run if its rows all repeat the first (rule 3b). Any other disagreement is a ValueError naming both
       pytree paths and sizes (never a silent truncation).
     * A :class:`Samples` list is split between its samples (each replica
       gets consecutive samples, their tensors moved whole to its device) and

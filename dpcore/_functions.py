@@ -60,15 +60,13 @@ class Scatter(Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        devices: Sequence[DeviceLike],
-        chunk_sizes: Sequence[int],
-        dim: int,
-        input: torch.Tensor,
+        devices: Sequence[DeviceLike], chunk_sizes: Sequence[int], dim: int, input: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.dim = dim
-        ctx.input_device = input.device
         return comm.scatter(input, as_devices(devices, "devices"), chunk_sizes, dim)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dim, ctx.input_device = inputs[2], inputs[3].device
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -93,23 +91,21 @@ class Gather(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        destination: DeviceLike | None,
-        dim: int,
-        *inputs: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(destination: DeviceLike | None, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if not inputs:
             raise ValueError("Gather: expected at least one tensor to gather, but got none")
         tensor_list(inputs, "inputs")
-        ctx.input_devices = [t.device for t in inputs]
-        ctx.unsqueezed_scalars = all(t.dim() == 0 for t in inputs)
-        if ctx.unsqueezed_scalars:
-            inputs = tuple(t.view(1) for t in inputs)
-            dim = 0
-        ctx.dim = dim
-        ctx.input_sizes = [t.size(dim) for t in inputs]
+        if all(t.dim() == 0 for t in inputs):
+            return comm.gather([t.view(1) for t in inputs], 0, destination)
         return comm.gather(inputs, dim, destination)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors = inputs[2:]
+        ctx.input_devices = [t.device for t in tensors]
+        ctx.unsqueezed_scalars = all(t.dim() == 0 for t in tensors)
+        ctx.dim = 0 if ctx.unsqueezed_scalars else inputs[1]
+        ctx.input_sizes = [1 if ctx.unsqueezed_scalars else t.size(ctx.dim) for t in tensors]
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -136,13 +132,12 @@ class BroadcastTensor(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        devices: Sequence[DeviceLike],
-        input: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.input_device = input.device
+    def forward(devices: Sequence[DeviceLike], input: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return tuple(comm.broadcast(input, as_devices(devices, "devices")))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.input_device = inputs[1].device
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -172,12 +167,12 @@ class ReduceAddCoalesced(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, destination: torch.device, num_inputs: int, *grads: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        lists = _split_lists(grads, num_inputs)
-        ctx.source_devices = [group[0].device for group in lists]
-        return tuple(comm.reduce_add_coalesced(lists, destination))
+    def forward(destination: torch.device, num_inputs: int, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(comm.reduce_add_coalesced(_split_lists(grads, num_inputs), destination))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.source_devices = [group[0].device for group in _split_lists(inputs[2:], inputs[1])]
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -196,16 +191,13 @@ class BroadcastCoalesced(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, devices: Sequence[torch.device], *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.num_inputs = len(inputs)
-        ctx.input_device = inputs[0].device
+    def forward(devices: Sequence[torch.device], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         copies = comm.broadcast_coalesced(list(inputs), [inputs[0].device, *devices])[1:]
-        outputs = tuple(t for group in copies for t in group)
-        _mark_frozen(ctx, inputs, outputs)
-        return outputs
+        return tuple(t for group in copies for t in group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _set_up_copies(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -231,15 +223,12 @@ class BroadcastBucket(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, replicas: Any, *params: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.num_inputs = len(params)
-        ctx.input_device = params[0].device
-        outputs = tuple(replicas.refresh(list(params)))
-        _mark_frozen(ctx, params, outputs)
-        return outputs
+    def forward(replicas: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(replicas.refresh(list(params)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _set_up_copies(ctx, inputs[1:], output)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -291,8 +280,13 @@ def reduce_present(
     return tuple(results)
 
 
-def _mark_frozen(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-    """Marks the copies of inputs that do not require grad as non-differentiable."""
+def _set_up_copies(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """The context of a coalesced copy of `inputs`: missing gradients stay
+    None, and the copies of inputs that do not require grad are marked
+    non-differentiable."""
+    ctx.set_materialize_grads(False)
+    ctx.num_inputs = len(inputs)
+    ctx.input_device = inputs[0].device
     frozen = [i for i, t in enumerate(inputs) if not t.requires_grad]
     if frozen:
         n = len(inputs)

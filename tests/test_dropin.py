@@ -370,7 +370,7 @@ def test_not_overridden_keeps_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> 
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the overridden path ran")
 
-    monkeypatch.setattr(dpcore.DataParallel, "_run_overridden", never)
+    monkeypatch.setattr(dpcore.DataParallel, "parallel_apply", never)
     dp = dpcore.DataParallel(_net(), ["cpu"] * 3)
     x, _ = _batch(0)
     dp(x).sum().backward()
@@ -566,15 +566,14 @@ def test_forward_signature_is_the_modules() -> None:
     assert list(inspect.signature(with_loss.forward).parameters) == ["inputs", "kwargs"]
 
 
-def test_state_dict_answers_torch_keys() -> None:
+def test_state_dict_has_the_bare_keys_only() -> None:
     model = _net()
     dp = dpcore.DataParallel(model, ["cpu"] * 2)
     sd = dp.state_dict()
     assert list(sd) == list(model.state_dict())
-    assert sd["module.fc1.weight"] is sd["fc1.weight"]
-    assert "module.fc1.weight" not in sd and sd.get("module.fc1.weight") is None
+    assert "module.fc1.weight" not in sd and sd.get("module.fc1.weight") is None  # keys(), in and [] agree
     with pytest.raises(KeyError):
-        sd["module.nope"]
+        sd["module.fc1.weight"]
     buffer = io.BytesIO()
     torch.save(sd, buffer)
     buffer.seek(0)
@@ -620,9 +619,12 @@ class ModelEmaV1:
 
 @pytest.mark.parametrize("devices", LISTS)
 def test_timm_model_ema_v1_reads_the_wrapper(devices: list[str]) -> None:
+    """timm's ModelEma (v1) built from the wrapper tracks it exactly; one
+    built from the bare model reads torch's prefixed keys from the wrapper's
+    state dict, which holds the bare keys only: a KeyError naming the rule."""
     model, reference = _net(), _net()
-    ema, ema_ref = ModelEmaV1(model), ModelEmaV1(reference)
     dp = dpcore.DataParallel(model, devices)
+    ema, ema_ref = ModelEmaV1(dp), ModelEmaV1(reference)
     for wrapper, bare, e in ((dp, model, ema), (reference, reference, ema_ref)):
         opt = torch.optim.SGD(bare.parameters(), lr=0.1)
         for step in range(STEPS):
@@ -633,7 +635,9 @@ def test_timm_model_ema_v1_reads_the_wrapper(devices: list[str]) -> None:
             e.update(wrapper)
     for p, q in zip(ema.ema.parameters(), ema_ref.ema.parameters()):
         torch.testing.assert_close(p, q, atol=TOL, rtol=0)
-    assert not torch.equal(ema.ema.fc1.weight, _net().fc1.weight)
+    assert not torch.equal(ema.ema.module.fc1.weight, _net().fc1.weight)
+    with pytest.raises(KeyError, match="bare module's keys"):
+        ModelEmaV1(_net()).update(dp)
 
 
 # ---------------------------------------------------------------------------

@@ -177,12 +177,10 @@ def test_kl_div_batchmean_is_a_mean_over_rows() -> None:
 @pytest.mark.parametrize(("reduction", "summed"), [("sum", True), ("mean", False)])
 def test_hybrid_mode_reads_the_declared_reduction(reduction: str, summed: bool) -> None:
     """What the process-group mode is told (whether the loss is summed) is the declared value."""
-    from dpcore.data_parallel import _summed
-
     dp = dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=lambda o, t: o.sum(), criterion_reduction=reduction)
-    assert _summed(dp._reduction) is summed
+    assert dp._loss.summed is summed
     assert (
-        _summed(dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=nn.NLLLoss(reduction=reduction))._reduction)
+        dpcore.DataParallel(_classifier(), ["cpu"] * 2, criterion=nn.NLLLoss(reduction=reduction))._loss.summed
         is summed
     )
 

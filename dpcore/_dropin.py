@@ -1,0 +1,196 @@
+"""What makes dpcore's wrapper stand where torch.nn.DataParallel stood.
+
+The one home of the shims that are about looking like torch's wrapper (the
+opt-in rebinding of torch's names is dpcore._patch): a ``forward`` whose
+signature is the module's, the pair an overridden ``scatter`` returns read
+by torch's rules, attribute errors for DDP-only names, the metaclass that
+keeps ``isinstance`` nominal, and the state dict's bare keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.join import Joinable
+
+from dpcore._pytree import map_tensors
+
+#: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
+#: not have: where the wrapped module lacks them too, the AttributeError
+#: names dpcore's wrapper, not the wrapped module.
+DDP_ONLY = frozenset(
+    {
+        "_register_builtin_comm_hook",
+        "_register_fused_optim",
+        "reducer",
+        "logger",
+        "static_graph",
+        "_set_static_graph",
+        "find_unused_parameters",
+        "gradient_as_bucket_view",
+        "bucket_bytes_cap",
+        "broadcast_bucket_size",
+        "require_backward_grad_sync",
+        "require_forward_param_sync",
+        "will_sync_module_buffers",
+        "_get_ddp_logging_data",
+        "_register_buffer_comm_hook",
+        "mixed_precision",
+        "forward_sync_buffers",
+        "parameters_to_ignore",
+    }
+)
+
+
+def ddp_only_error(name: str, module: nn.Module) -> AttributeError:
+    """The error for a DDP-only attribute `name` that `module` lacks too."""
+    return AttributeError(
+        f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a {type(module).__name__}): it is an "
+        f"attribute of torch.nn.parallel.DistributedDataParallel that dpcore's hybrid mode (process_group=) "
+        f"does not provide"
+    )
+
+
+class NominalMeta(type(Joinable)):  # type: ignore[misc]
+    """The wrapper's metaclass: ABCMeta (it is a Joinable), with plain
+    nominal isinstance/issubclass. ABCMeta would ask the subclasses too, so
+    dpcore.patch_torch's stand-in (whose check accepts torch's own
+    wrappers) would make torch's wrappers instances of dpcore's class."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return type.__instancecheck__(cls, obj)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return type.__subclasscheck__(cls, sub)
+
+
+class SignedForward:
+    """``DataParallel.forward`` as a descriptor: ``dp.forward`` is a bound
+    callable whose ``inspect.signature`` is the wrapped module's forward
+    signature (Hugging Face's Trainer reads it to pick the arguments)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self.fn if obj is None else _BoundForward(self.fn, obj)
+
+
+class _BoundForward:
+    """A DataParallel's bound ``forward`` (see SignedForward)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, fn: Callable[..., Any], obj: Any) -> None:
+        self.__func__ = fn
+        self.__self__ = obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        dp = self.__self__
+        if getattr(dp, "criterion", None) is None:
+            try:
+                return inspect.signature(dp.module.forward)
+            except (TypeError, ValueError):
+                pass
+        return inspect.signature(functools.partial(self.__func__, dp))
+
+    @property
+    def __name__(self) -> str:
+        return self.__func__.__name__
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.__func__.__doc__
+
+    def __repr__(self) -> str:
+        return f"<bound method DataParallel.forward of {type(self.__self__).__name__}>"
+
+
+def has_module_prefix(keys: Sequence[Any], module: nn.Module) -> bool:
+    """Whether state-dict `keys` carry torch.nn.DataParallel's ``module.``
+    prefix, rather than being `module`'s own keys (a module may well have a
+    child named ``module``)."""
+    if not keys or not all(isinstance(k, str) and k.startswith("module.") for k in keys):
+        return False
+    own = module.state_dict(keep_vars=True).keys()
+    return any(k not in own for k in keys)
+
+
+def strip_module_prefix(state_dict: Any, module: nn.Module) -> Any:
+    """`state_dict` without torch.nn.DataParallel's ``module.`` prefix where its keys carry it."""
+    if not has_module_prefix(list(state_dict), module):
+        return state_dict
+    return {k[len("module.") :]: v for k, v in state_dict.items()}
+
+
+class BareStateDict(OrderedDict):  # type: ignore[type-arg]
+    """A DataParallel's state dict: the bare module's keys, on which keys(),
+    ``in`` and ``[]`` agree. Reading torch's ``module.``-prefixed key is a
+    KeyError that names the rule. Pickles, copies and deep-copies as a plain
+    OrderedDict with its ``_metadata`` (a checkpoint never needs dpcore)."""
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, str) and key.startswith("module.") and dict.__contains__(self, key[len("module.") :]):
+            raise KeyError(
+                f"{key!r}: a dpcore.DataParallel's state_dict has the bare module's keys, without torch's "
+                f"'module.' prefix; read {key[len('module.') :]!r}, or build the reader from the wrapper"
+            )
+        raise KeyError(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        metadata = self.__dict__.get("_metadata")
+        state = None if metadata is None else {"_metadata": metadata}
+        return (OrderedDict, (), state, None, iter(self.items()))
+
+
+def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[Any], list[int]]:
+    """(args, kwargs, rows) per replica from the pair ``(inputs, kwargs)`` an
+    overridden ``scatter`` returned, read as torch's forward reads it: the
+    replicas sit on the first devices, in order, and each one's rows are the
+    size along `dim` of the first tensor in its arguments. Raises naming
+    ``scatter`` for anything else."""
+    if not isinstance(result, Sequence) or len(result) != 2:
+        raise TypeError(
+            f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
+            f"DataParallel.scatter returns, but got {type(result).__name__}"
+        )
+    inputs, kwargs = result
+    args = [a if isinstance(a, tuple) else tuple(a) if isinstance(a, list) else (a,) for a in inputs]
+    kws = [dict(k or {}) for k in kwargs] if kwargs is not None else [{} for _ in args]
+    if not args and not kws:  # no arguments at all: one replica, as torch
+        args, kws = [()], [{}]
+    if len(args) != len(kws):
+        raise ValueError(
+            f"scatter: expected as many kwargs entries as inputs entries (one per replica), but got "
+            f"{len(args)} inputs and {len(kws)} kwargs"
+        )
+    if len(args) > device_count:
+        raise ValueError(f"scatter: returned {len(args)} replicas' arguments for {device_count} device(s)")
+    return args, kws, [_rows((a, k), dim) for a, k in zip(args, kws)]
+
+
+def _rows(tree: Any, dim: int) -> int:
+    """The size along `dim` of the first tensor in `tree` (0 where there is
+    none, or it has too few dimensions)."""
+    found: list[torch.Tensor] = []
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        if not found:
+            found.append(t)
+        return t
+
+    map_tensors(visit, tree)
+    if not found or not -found[0].dim() <= dim < found[0].dim():
+        return 0
+    return int(found[0].size(dim))

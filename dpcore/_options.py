@@ -1,0 +1,300 @@
+"""DataParallel's options, checked in one place.
+
+:func:`check_options` takes every argument of ``DataParallel.__init__`` and
+returns :class:`Options`, or raises TypeError/ValueError naming the option
+(and, for lists, the index and the value). Every rule that ties options
+together is here; nothing else in the package re-checks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcore._compiled import has_compiled
+from dpcore._devices import DeviceLike, as_destination, as_devices
+from dpcore._split import as_int, check_split
+from dpcore.parallel_apply import _module_device
+from dpcore.replicate import check_on_device
+
+#: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
+CRITERION_REDUCTIONS = ("mean", "sum")
+#: A loss module's own ``.reduction`` -> the reduction over the batch it means
+#: ("batchmean", KLDivLoss's, is a mean over rows; "none" is refused per call).
+_OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
+#: What ``model_loss=`` takes.
+MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
+#: torch's four extension points, in the order forward calls them.
+EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The checked options of one DataParallel. ``devices`` is empty where
+    the module runs as is (no list and no accelerator); ``reduction`` is how
+    the returned loss is reduced over the batch ("mean", "sum", "none" for a
+    criterion that does not reduce, refused per call; None without a loss)."""
+
+    devices: list[torch.device]
+    output_device: torch.device | None
+    dim: int
+    chunk_sizes: list[int] | None
+    weights: list[float] | None
+    criterion: Callable[..., Any] | None
+    reduction: str | None
+    model_loss: str | None
+    loss_items: Callable[..., Any] | None
+    gather: bool
+    bucket_bytes: int
+    sync_batchnorm: bool
+    cuda_graphs: bool
+
+
+def check_options(
+    cls: type,
+    module: nn.Module,
+    device_ids: Sequence[DeviceLike] | None,
+    output_device: DeviceLike | None,
+    dim: int,
+    *,
+    chunk_sizes: Sequence[int] | None,
+    weights: Sequence[float] | None,
+    criterion: Callable[..., Any] | None,
+    criterion_reduction: str | None,
+    model_loss: str | None,
+    loss_items: Callable[..., Any] | None,
+    gather: bool,
+    bucket_bytes: int,
+    sync_batchnorm: bool,
+    process_group: Any,
+    cuda_graphs: bool,
+    base: type,
+) -> Options:
+    """The checked options of a `cls` wrapper of `module` (`base`: dpcore's
+    own class, against which overridden extension points are found)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
+    for name, value in (("sync_batchnorm", sync_batchnorm), ("cuda_graphs", cuda_graphs), ("gather", gather)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True or False, but got {value!r}")
+    if cuda_graphs and sync_batchnorm:
+        raise ValueError(
+            "cuda_graphs=True cannot be combined with sync_batchnorm=True: synchronized BatchNorm's replicas "
+            "meet on the host inside forward, which a CUDA graph cannot capture"
+        )
+    if cuda_graphs:
+        check_not_compiled(module)
+    bypass = {"criterion=": criterion is not None, "gather=False": not gather, "model_loss=": model_loss is not None}
+    _check_overrides(cls, base, cuda_graphs, sync_batchnorm, next((k for k, on in bypass.items() if on), None))
+    chunks, split_weights = check_split(chunk_sizes, weights)
+    model_loss = _check_model_loss(model_loss, loss_items, criterion, gather, process_group)
+    reduction = _criterion_reduction(criterion, criterion_reduction) or ("sum" if model_loss == "sum" else None)
+    if criterion is not None and loss_items is not None:
+        if reduction != "mean":
+            raise ValueError(
+                f"loss_items: with criterion=, only for a mean criterion (its reduction is {reduction!r}): "
+                f"it counts the items each replica's loss averages over"
+            )
+        if process_group is not None:
+            raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
+    size = as_int(bucket_bytes, "bucket_bytes")
+    if size <= 0:
+        raise ValueError(f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {size}")
+    devices, out = _devices(module, device_ids, output_device, cuda_graphs, process_group)
+    if devices:
+        check_split(chunks, split_weights, len(devices))
+    return Options(
+        devices=devices,
+        output_device=out,
+        dim=dim,
+        chunk_sizes=chunks,
+        weights=split_weights,
+        criterion=criterion,
+        reduction=reduction,
+        model_loss=model_loss,
+        loss_items=loss_items,
+        gather=gather,
+        bucket_bytes=size,
+        sync_batchnorm=sync_batchnorm,
+        cuda_graphs=cuda_graphs,
+    )
+
+
+def _devices(
+    module: nn.Module,
+    device_ids: Sequence[DeviceLike] | None,
+    output_device: DeviceLike | None,
+    cuda_graphs: bool,
+    process_group: Any,
+) -> tuple[list[torch.device], torch.device | None]:
+    """The checked device list and output device. With a process group and
+    no list: the module's device (one per process, as DDP); with neither a
+    list nor a GPU: no devices (the module runs as is)."""
+    if device_ids is None and process_group is not None:
+        device_ids = [_module_device(module)]
+    if device_ids is None:
+        device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        if not device_ids:
+            if cuda_graphs:
+                raise ValueError(
+                    "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
+                )
+            return [], None
+    devices = as_devices(device_ids, "device_ids")
+    if not devices:
+        raise ValueError("device_ids: expected at least one device, but the list is empty")
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"device_ids: expected devices of one type, but got {sorted(kinds)}: {devices}")
+    for i, d in enumerate(devices):
+        check_usable(d, f"device_ids[{i}]")
+    if cuda_graphs and devices[0].type != "cuda":
+        raise ValueError(
+            f"cuda_graphs=True needs a CUDA device list, but device_ids is {[str(d) for d in devices]}: "
+            f"CUDA graphs capture CUDA work only"
+        )
+    out = as_destination(output_device, "output_device") or devices[0]
+    check_usable(out, "output_device")
+    check_on_device(module, devices[0], "device_ids[0]")
+    return devices, out
+
+
+def check_usable(device: torch.device, arg: str) -> None:
+    """Raises ValueError naming `arg` unless `device` is the CPU or a visible CUDA device."""
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index is None or not 0 <= device.index < count:
+            raise ValueError(f"{arg} is {device}, but only {count} CUDA device(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"{arg}: unsupported device type {device.type!r}; expected 'cuda' or 'cpu'")
+
+
+def check_not_compiled(module: nn.Module) -> None:
+    """Raises ValueError where `module` or a submodule is torch.compile'd:
+    cuda_graphs=True captures eager replicas only."""
+    if has_compiled(module):
+        raise ValueError(
+            "cuda_graphs=True does not capture torch.compile'd modules, and the module (or one of its submodules) "
+            "is compiled: pass cuda_graphs=False, where each replica runs its own compiled code, or the "
+            "uncompiled module with cuda_graphs=True"
+        )
+
+
+def overrides(cls: type, base: type, name: str) -> bool:
+    """Whether `cls` replaces the extension point `name` of `base`."""
+    return getattr(cls, name) is not getattr(base, name)
+
+
+def _check_overrides(
+    cls: type, base: type, cuda_graphs: bool, sync_batchnorm: bool, bypasses_gather: str | None
+) -> None:
+    """Raises ValueError where an option would silently skip a method that
+    `cls` overrides; `bypasses_gather` names the option that returns without
+    calling gather, if one was given."""
+    overridden = [name for name in EXTENSION_POINTS if overrides(cls, base, name)]
+    if bypasses_gather is not None and "gather" in overridden:
+        raise ValueError(
+            f"{cls.__name__} overrides gather, but {bypasses_gather} returns a loss or the per-replica "
+            f"outputs without calling gather, so the override would never run: drop {bypasses_gather} or the override"
+        )
+    skipped = [name for name in overridden if name in ("replicate", "parallel_apply")]
+    if cuda_graphs and skipped:
+        raise ValueError(
+            f"cuda_graphs=True replays captured replicas and calls neither replicate nor parallel_apply, "
+            f"but {cls.__name__} overrides {' and '.join(skipped)}: drop cuda_graphs=True or the override"
+        )
+    if sync_batchnorm and "parallel_apply" in overridden:
+        raise ValueError(
+            f"sync_batchnorm=True runs the replicas itself, all at once, since they wait for each other, but "
+            f"{cls.__name__} overrides parallel_apply: drop sync_batchnorm=True or the override"
+        )
+
+
+def _describe(fn: Any) -> str:
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_describe(fn.func)}, ...)"
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{name!r}"
+
+
+def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) -> str | None:
+    """How `criterion` reduces its chunk ("mean", "sum", or "none"); None
+    without a criterion. Never guessed: `declared` or the criterion's own
+    string ``.reduction`` (torch's loss modules); both given must agree."""
+    if declared is not None:
+        if not isinstance(declared, str):
+            raise TypeError(
+                f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}"
+            )
+        if declared not in CRITERION_REDUCTIONS:
+            raise ValueError(f"criterion_reduction: expected 'mean' or 'sum', but got {declared!r}")
+        if criterion is None:
+            raise ValueError("criterion_reduction: given without a criterion; it says how criterion= reduces its chunk")
+    if criterion is None:
+        return None
+    if not callable(criterion):
+        raise TypeError(f"criterion: expected a callable loss_fn(output, target), but got {type(criterion).__name__}")
+    own = getattr(criterion, "reduction", None)
+    if own is not None and not isinstance(own, str):
+        own = None  # not torch's convention: the user declares it
+    if declared is not None:
+        if own is not None and own in _OWN_REDUCTIONS and _OWN_REDUCTIONS[own] != declared:
+            raise ValueError(f"criterion_reduction={declared!r} disagrees with the criterion's own reduction={own!r}")
+        return declared
+    if own is not None and own not in _OWN_REDUCTIONS:
+        raise ValueError(
+            f"criterion: its reduction {own!r} is not one dpcore knows ({sorted(_OWN_REDUCTIONS)}); declare how it "
+            f"reduces its chunk with criterion_reduction='mean' or 'sum'"
+        )
+    if own is None:
+        raise TypeError(
+            f"criterion: dpcore cannot tell whether {_describe(criterion)} averages or sums over its chunk (it has no "
+            f"'reduction' attribute, as torch's loss modules have); declare it: criterion_reduction='mean' (a mean "
+            f"over the chunk's rows, weighted by chunk size) or criterion_reduction='sum' (summed)"
+        )
+    return _OWN_REDUCTIONS[own]
+
+
+def _check_model_loss(model_loss: Any, loss_items: Any, criterion: Any, gather: Any, process_group: Any) -> str | None:
+    """The checked ``model_loss`` (None, or one of MODEL_LOSSES), with its ``loss_items``."""
+    if model_loss is None and loss_items is not None and criterion is None:
+        raise ValueError(
+            "loss_items: given without criterion= or model_loss='items' / 'num_items_in_batch', which use it"
+        )
+    if loss_items is not None and not callable(loss_items):
+        raise TypeError(f"loss_items: expected a callable count(*args, **kwargs), but got {type(loss_items).__name__}")
+    if model_loss is None:
+        return None
+    if not isinstance(model_loss, str):
+        raise TypeError(
+            f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {type(model_loss).__name__} {model_loss!r}"
+        )
+    if model_loss not in MODEL_LOSSES:
+        raise ValueError(f"model_loss: expected one of {list(MODEL_LOSSES)}, but got {model_loss!r}")
+    if criterion is not None:
+        raise ValueError(
+            "model_loss: cannot be combined with criterion=: criterion computes the loss from the outputs, "
+            "model_loss takes the loss that the model returns; give one of them"
+        )
+    if not gather:
+        raise ValueError("model_loss: needs gather=True (it returns the gathered output with one exact loss)")
+    if model_loss == "items" and loss_items is None:
+        raise ValueError(
+            "model_loss='items' needs loss_items=: a callable given each replica's (*args, **kwargs) that returns "
+            "how many items its loss averages over (for example, labels other than -100)"
+        )
+    if loss_items is not None and model_loss not in ("items", "num_items_in_batch"):
+        raise ValueError(
+            f"loss_items: model_loss={model_loss!r} does not use it (only 'items' and 'num_items_in_batch')"
+        )
+    if process_group is not None and model_loss not in ("rows", "sum"):
+        raise ValueError(
+            f"model_loss={model_loss!r} is not supported with process_group= (the processes are weighted by their "
+            f"share of rows): use 'rows' or 'sum'"
+        )
+    return model_loss

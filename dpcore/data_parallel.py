@@ -575,19 +575,19 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             with those of the whole batch across the replicas of the call
             (with a ``process_group``, of every process, in forwards that can
             synchronize gradients), exactly as on one device (the rules:
-            README, "Synchronized BatchNorm"; the mechanism:
+            docs/sync_batchnorm.md; the mechanism:
             dpcore/sync_batchnorm.py).
         process_group: a torch.distributed process group: every process of
             it runs this in-process data parallelism over its own
             ``device_ids`` and together they train one model (hybrid data
-            parallelism; the rules: README, "Several processes (hybrid)"; the
+            parallelism; the rules: docs/hybrid.md; the
             mechanism: dpcore/distributed.py). ``device_ids`` defaults to the
             module's device here.
         broadcast_buffers: with a process group, whether buffers are sent
-            from rank 0 (README, "Several processes (hybrid)").
+            from rank 0 (docs/hybrid.md).
         cuda_graphs: capture each replica's forward and backward into CUDA
             graphs per input signature and replay them (the rules and
-            fallbacks: README, "CUDA graphs"; the mechanism:
+            fallbacks: docs/cuda_graphs.md; the mechanism:
             dpcore/_graphs.py). CUDA device lists only (else ValueError);
             not with ``sync_batchnorm``, nor with a torch.compile'd module
             or submodule (ValueError).
@@ -951,7 +951,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         ``bucket`` is a :class:`dpcore.distributed.GradBucket`. Only one
         hook, registered on every rank before the first synchronizing
         backward. What it composes with (uneven batches, Join, no_sync) is
-        in README.md, "Several processes (hybrid)"."""
+        in docs/hybrid.md, "Communication hooks"."""
         sync = self._require_group("register_comm_hook", "there is no gradient communication to hook")
         sync.register_comm_hook(state, hook)
 

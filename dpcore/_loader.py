@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-#: The in-place build command of a source checkout (README, "Building").
+#: The in-place build command of a source checkout (docs/building.md).
 INPLACE_BUILD = "python setup.py build_ext --inplace"
-#: The install command of a source checkout (README, "Building").
+#: The install command of a source checkout (docs/building.md).
 INSTALL = "pip install --no-build-isolation ."
 
 

@@ -267,7 +267,7 @@ def test_torch_compile_of_dataparallel_runs_the_model_eagerly(backend: str) -> N
     """torch.compile(DataParallel(m)) trains like one device; Dynamo breaks
     its graph at each call into dpcore's C++ and the replicas run in
     dpcore's worker threads, where the compile does not reach: no graph of
-    the model's own layers is compiled (as the README says)."""
+    the model's own layers is compiled (as docs/compiled.md says)."""
     base = _base()
     want_model = copy.deepcopy(base)
     want = _train(want_model, want_model)
@@ -281,8 +281,8 @@ def test_torch_compile_of_dataparallel_runs_the_model_eagerly(backend: str) -> N
 
 
 def test_torch_compile_of_dataparallel_fullgraph_is_an_error() -> None:
-    """fullgraph=True cannot trace dpcore's orchestration (the README says
-    so): Dynamo raises its Unsupported error, and the model is untouched."""
+    """fullgraph=True cannot trace dpcore's orchestration (docs/compiled.md
+    says so): Dynamo raises its Unsupported error, and the model is untouched."""
     model = _base()
     before = _snapshot(model)
     net = torch.compile(dpcore.DataParallel(model, ["cpu"] * 2), backend="eager", fullgraph=True)

@@ -535,7 +535,7 @@ def test_trainer_gpu_branch_by_hand_needs_no_model_loss(n_devices: int) -> None:
 
 @pytest.mark.parametrize(("accumulation", "optim"), [(1, "sgd"), (2, "sgd"), (1, "default"), (2, "default")])
 def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, optim: str, tmp_path: Any) -> None:
-    """The README's recipe: Trainer on a CPU list (it sees no GPU and passes a
+    """docs/libraries.md's recipe: Trainer on a CPU list (it sees no GPU and passes a
     0-dim num_items_in_batch) with model_loss="num_items_in_batch" trains a
     GPT-2 on a padded batch with -100 labels exactly as the bare model; also
     with Trainer's default optimizer (fused AdamW, whose kernels bump no
@@ -584,7 +584,7 @@ def test_trainer_on_cpu_list_equals_bare_model(accumulation: int, optim: str, tm
 
 
 def test_accelerate_recipe_equals_bare_model() -> None:
-    """The README's accelerate recipe (one process, a CPU list): exact against the bare model."""
+    """docs/libraries.md's accelerate recipe (one process, a CPU list): exact against the bare model."""
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
     torch.manual_seed(0)
     base = TinyCausalLM().double()

@@ -62,8 +62,7 @@ missed target is reported, not a failure.
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
     python bench/bench_step.py --devices 0,0,0,0 --repeats 10 --min-seconds 0.25
 
-The README ("The demo and the benchmarks", "Measured figures") says what
-each figure means and quotes recorded runs.
+docs/measured.md says what each figure means and quotes recorded runs.
 """
 
 from __future__ import annotations

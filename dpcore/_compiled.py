@@ -1,33 +1,20 @@
 """Compiled modules (``torch.compile``) inside dpcore's replicas.
 
-A module tree may hold compiled code in two forms:
-
-* ``torch.compile(module)`` returns an ``OptimizedModule`` (torch/_dynamo/
-  eval_frame.py): a wrapper whose ``forward`` (in its ``__dict__``) is the
-  compiled call of its ``_orig_mod``, and whose ``__setattr__`` forwards
-  every attribute it does not own to ``_orig_mod``;
-* ``module.compile()`` stores ``_compiled_call_impl``, the compiled
-  ``module._call_impl`` bound to that module, in the module's ``__dict__``.
-
-torch's ``_replicate_for_data_parallel()`` does not fit either: on an
-``OptimizedModule`` it assigns ``_parameters``, ``_buffers`` and
-``_modules``, which ``__setattr__`` forwards to the master's inner module
-(emptying the user's model), and a replica whose ``__dict__`` is copied
-from its master's runs the master's compiled callable, on the master's
-parameters. This module gives the replica cache (dpcore/replicate.py) what
-it needs instead:
+torch's ``_replicate_for_data_parallel()`` fits neither form of compiled
+code: on an ``OptimizedModule`` its assignments go through ``__setattr__``
+into the master's inner module, and a replica of a ``module.compile()``'d
+module runs the master's compiled callable on the master's parameters.
+This module gives the replica cache what it needs instead:
 
 * :func:`replicate_module`, the replica factory for ``dpcore._C.ReplicaSet``:
-  an ``OptimizedModule`` is replicated by copying its ``__dict__`` directly,
-  never through its ``__setattr__``; the user's modules are not touched;
-* :class:`CompiledReplicas`, which after each refresh of the replicas gives
-  every replica of a compiled module its own compiled callable: compiled
-  from the replica itself, with the master's ``torch.compile`` options
-  (backend, mode, fullgraph, dynamic: the same Dynamo context), made once
-  per replica and kept while the master's compiled callable stays the same.
-  Dynamo's compiled code lives on the code objects, so replicas whose
-  tensors have the same metadata reuse one compiled graph; at most one
-  compilation per replica, never one per step.
+  an ``OptimizedModule``'s ``__dict__`` is copied directly; the user's
+  modules are not touched;
+* :class:`CompiledReplicas`: after each refresh, every replica of a
+  compiled module gets its own callable, compiled from the replica itself
+  with the master's options, made once per replica and kept while the
+  master's compiled callable is the same.
+
+The rule and its details: docs/design.md, "Compiled modules".
 """
 
 from __future__ import annotations

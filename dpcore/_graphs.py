@@ -1,45 +1,18 @@
 """CUDA-graph-captured replicas: ``DataParallel(..., cuda_graphs=True)``.
 
-On a GPU the host, not the device, sets the pace of an eager replicated step:
-every replica's forward and backward is Python code that launches hundreds
-of kernels one at a time, and the replicas take turns under the GIL. Here
-each replica's forward and backward are captured once per input signature
-into CUDA graphs and replayed: one launch per graph, no Python per replica
-operation, and every replica on a stream of its own, so that replicas that
-share a device overlap.
+On a GPU the host sets the pace of an eager replicated step: every replica
+launches hundreds of kernels one at a time, taking turns under the GIL.
+Here each replica's forward and backward are captured once per input
+signature into CUDA graphs and replayed (:class:`GraphRunner`): one launch
+per graph, and every replica on a stream of its own. The first calls of a
+signature run eagerly (lazy initialization happens outside any capture),
+the next captures and replays, later ones copy their inputs into the
+placeholders and replay; replica gradients reach the master through the
+same reductions as in eager mode. What cannot be captured runs eagerly,
+with one warning naming the reason.
 
-How a call of signature S goes (see :class:`GraphRunner`):
-
-* The first ``WARMUP_CALLS`` calls of S run eagerly, each replica in the
-  calling thread on its own stream (the thread and the streams that capture
-  and replay later), so that lazy initialization (cuBLAS handles and
-  workspaces, cuDNN autotuning, the caching allocator's first blocks)
-  happens outside any capture.
-* The next call captures, per replica: its forward on static input
-  placeholders (the module's parameters are the persistent per-device
-  replica buffers, whose addresses never change, and the master's own
-  parameters for replica 0), then its backward with
-  ``torch.autograd.grad`` into static gradient tensors; each replica in a
-  private memory pool, with a private random-number state. It then replays.
-* Later calls of S copy the scattered inputs into the placeholders and
-  replay; an autograd Function per replica replays the backward graph and
-  hands the static gradients on, so replica gradients reach the master
-  through the same reductions as in eager mode. A parameter the captured
-  forward did not use has no static gradient (None, from
-  ``allow_unused=True``) and gets none from the replay, so an unused
-  parameter keeps ``.grad`` None as in eager mode (which branch was taken is
-  the capture's, like every attribute but ``training``).
-
-What cannot be captured runs eagerly, with one warning naming the reason:
-module hooks, a host synchronization or other capture error inside forward
-(that signature then stays eager), an optimizer or other code that replaced
-a parameter's or buffer's storage (ditto), autocast with its weight cache
-on, a non-CUDA or unhashable argument. A forward of S called again before
-the backward of S's previous replay ran (the replay's activations are still
-needed) also runs eagerly for that call.
-
-The module is only imported where ``cuda_graphs=True``; nothing here runs
-on a CPU device list.
+The rule, the fallbacks and their reasons: docs/design.md, "CUDA graphs",
+and docs/cuda_graphs.md. Imported only where ``cuda_graphs=True``.
 """
 
 from __future__ import annotations

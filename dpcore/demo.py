@@ -1,33 +1,13 @@
 """Trains a small CNN on scikit-learn's handwritten digits with dpcore.DataParallel.
 
-The data are the 1,797 8x8 images that ship inside scikit-learn
-(``sklearn.datasets.load_digits``, nothing is downloaded), split 80/20,
-stratified, with a fixed seed. The model runs on every visible GPU or, with
-none, on four CPU "devices" (``["cpu"] * 4``); the loss is computed inside
-each replica (``DataParallel(..., criterion=...)``). torch's thread
-settings are left as they are: on a CPU device list dpcore's worker pool
-runs at most ``torch.get_num_threads()`` replicas at a time, sharing those
-intra-op threads.
-
-Before training, the first steps are run twice in float64 from the same
-initial weights, once with DataParallel and once on a single device, and the
-parameters (and BatchNorm buffers) are compared after each step: the run
-stops with exit status 1 if they disagree.
-
-``--sync-batchnorm`` adds BatchNorm after every hidden layer and synchronizes
-it across the replicas (``DataParallel(..., sync_batchnorm=True)``), so the
-check holds with BatchNorm too, running statistics included. ``--batchnorm``
-alone adds the layers with per-replica statistics, as torch.nn.DataParallel
-has them: a single device cannot reproduce those, so the check is skipped.
-
-``--cuda-graphs`` trains with ``DataParallel(..., cuda_graphs=True)``: after
-a few eager warm-up steps per input signature, each replica's forward and
-backward are replayed from CUDA graphs. The float64 check then runs
-``CHECK_STEPS_GRAPHED`` steps with the same option, so that it also compares
-replayed steps, not only the eager warm-up. CUDA device lists only (a CPU
-list is an option error, exit status 2), and not with ``--sync-batchnorm``;
-the evaluation wrapper stays eager (one call per epoch, at another batch
-size).
+The 1,797 8x8 images ship with scikit-learn (nothing is downloaded), split
+80/20 with a fixed seed. The model runs on every visible GPU, else on
+``["cpu"] * 4``, with the loss computed inside each replica. Before
+training, the first steps run twice in float64 from the same weights, with
+DataParallel and on one device: the run exits with status 1 if parameters
+or BatchNorm buffers disagree (docs/notebooks.md and the options below say
+what each flag adds to that check). Started by torchrun, it trains one
+model over the processes in hybrid mode (docs/hybrid.md).
 
     python -m dpcore.demo                       # every GPU, else cpu:4
     python -m dpcore.demo --devices cpu:2 --epochs 5
@@ -35,30 +15,10 @@ size).
     python -m dpcore.demo --sync-batchnorm      # BatchNorm, synchronized
     python -m dpcore.demo --devices 0,0 --cuda-graphs
     python -m dpcore.demo --compile             # DataParallel(torch.compile(model))
-
-``--compile [BACKEND]`` trains ``DataParallel(torch.compile(model,
-backend=BACKEND))`` (default backend inductor): each replica runs code
-compiled from itself. The float64 check then compares it with the same
-compiled model on one device; the evaluation wrapper stays eager. Not with
-``--cuda-graphs``.
-
-Started by torchrun (RANK and WORLD_SIZE set), it trains one model over
-several processes with hybrid data parallelism (``DataParallel(...,
-process_group=...)``): gloo for CPU devices, NCCL for CUDA ones, each
-process on its own ``--devices`` (CUDA indices are offset by the local rank
-times one more than the largest index, so ``--devices 0,1`` gives local rank 1
-GPUs 2 and 3), its share of each global batch from a DistributedSampler, the
-float64 check against one device on the global batch, logs and the
-checkpoint from rank 0 only. ``--sync-batchnorm`` works there too (BatchNorm
-with the statistics of the global batch, across the processes: the check
-covers it); ``--batchnorm`` alone does not. ``--cuda-graphs`` works there too (CUDA
-devices): the hybrid wrapper is a DataParallel with the same options.
-
     torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
 
-Needs scikit-learn and tqdm: ``pip install scikit-learn tqdm``, or dpcore's
-demo extras (``pip install --no-build-isolation ".[demo]"`` in the source
-folder).
+Needs scikit-learn and tqdm (dpcore's demo extras: ``pip install
+--no-build-isolation ".[demo]"``).
 """
 
 from __future__ import annotations

@@ -4,22 +4,28 @@ The one home of the shims that are about looking like torch's wrapper (the
 opt-in rebinding of torch's names is dpcore._patch): a ``forward`` whose
 signature is the module's, the pair an overridden ``scatter`` returns read
 by torch's rules, attribute errors for DDP-only names, the metaclass that
-keeps ``isinstance`` nominal, and the state dict's bare keys.
+keeps ``isinstance`` nominal, the state dict's bare keys, and
+:func:`functional_call` (``torch.func.functional_call`` refuses torch's
+wrapper, so dpcore's too).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from dpcore._pytree import map_tensors
+
+if TYPE_CHECKING:
+    from dpcore.data_parallel import DataParallel
 
 #: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
 #: not have: where the wrapped module lacks them too, the AttributeError
@@ -194,3 +200,49 @@ def _rows(tree: Any, dim: int) -> int:
     if not found or not -found[0].dim() <= dim < found[0].dim():
         return 0
     return int(found[0].size(dim))
+
+
+def functional_call(
+    dp: DataParallel,
+    parameter_and_buffer_dicts: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    args: Any = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+) -> Any:
+    """``torch.func.functional_call`` for a dpcore wrapper, data parallel
+    (torch refuses its DataParallel instances): ``dp(*args, **kwargs)`` with
+    the module's parameters and buffers replaced by the given tensors, keyed
+    by the wrapper's names (``module.``-prefixed) or the module's. Each
+    replica runs ``torch.func.functional_call`` on its own module with the
+    tensors moved to its device (differentiably), so gradients with respect
+    to them, ``torch.autograd.grad`` or ``torch.func.grad``, are those of the
+    whole batch on one device. Not with a process group (ValueError)."""
+    from dpcore.data_parallel import DataParallel as Wrapper  # the wrapper's module imports this one
+
+    if not isinstance(dp, Wrapper):
+        raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
+    if dp.process_group is not None:
+        raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
+    dicts = (
+        [parameter_and_buffer_dicts] if isinstance(parameter_and_buffer_dicts, Mapping) else parameter_and_buffer_dicts
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for d in dicts:
+        tensors.update(strip_module_prefix(dict(d), dp.module))
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        args = (args,)
+
+    def through(replica: nn.Module) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            first = next(itertools.chain(replica.parameters(), replica.buffers()), None)
+            moved = tensors if first is None else {n: t.to(first.device) for n, t in tensors.items()}
+            return torch.func.functional_call(replica, moved, a, k, tie_weights=tie_weights, strict=strict)
+
+        return call
+
+    with dp._calls:
+        return dp._forward(args, dict(kwargs or {}), through)[0]

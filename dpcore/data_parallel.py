@@ -12,7 +12,6 @@ in dpcore._dropin, the hybrid mode in dpcore.distributed.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,7 +46,7 @@ from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_appl
 if TYPE_CHECKING:
     from dpcore._graphs import GraphRunner
 
-__all__ = ["DataParallel", "data_parallel", "functional_call"]
+__all__ = ["DataParallel", "data_parallel"]
 
 #: torch's own class, bound when dpcore is imported (before dpcore.patch_torch
 #: can rebind torch's public names to dpcore's class).
@@ -485,50 +484,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         else:
             with self._sync.no_sync():
                 yield
-
-
-def functional_call(
-    dp: DataParallel,
-    parameter_and_buffer_dicts: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
-    args: Any = None,
-    kwargs: dict[str, Any] | None = None,
-    *,
-    tie_weights: bool = True,
-    strict: bool = False,
-) -> Any:
-    """``torch.func.functional_call`` for a dpcore wrapper, data parallel
-    (torch refuses its DataParallel instances): ``dp(*args, **kwargs)`` with
-    the module's parameters and buffers replaced by the given tensors, keyed
-    by the wrapper's names (``module.``-prefixed) or the module's. Each
-    replica runs ``torch.func.functional_call`` on its own module with the
-    tensors moved to its device (differentiably), so gradients with respect
-    to them, ``torch.autograd.grad`` or ``torch.func.grad``, are those of the
-    whole batch on one device. Not with a process group (ValueError)."""
-    if not isinstance(dp, DataParallel):
-        raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
-    if dp.process_group is not None:
-        raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
-    dicts = (
-        [parameter_and_buffer_dicts] if isinstance(parameter_and_buffer_dicts, Mapping) else parameter_and_buffer_dicts
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    for d in dicts:
-        tensors.update(strip_module_prefix(dict(d), dp.module))
-    if args is None:
-        args = ()
-    elif not isinstance(args, tuple):
-        args = (args,)
-
-    def through(replica: nn.Module) -> Callable[..., Any]:
-        def call(*a: Any, **k: Any) -> Any:
-            device = next(itertools.chain(replica.parameters(), replica.buffers()), None)
-            moved = tensors if device is None else {n: t.to(device.device) for n, t in tensors.items()}
-            return torch.func.functional_call(replica, moved, a, k, tie_weights=tie_weights, strict=strict)
-
-        return call
-
-    with dp._calls:
-        return dp._forward(args, dict(kwargs or {}), through)[0]
 
 
 class _ScatteredPair(tuple):  # type: ignore[type-arg]

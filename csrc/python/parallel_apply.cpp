@@ -2,7 +2,7 @@
 // GIL handling lives here: the caller releases the GIL while it waits (taking
 // it back every kSignalPoll so that Ctrl-C reaches it), and each worker takes
 // it only to call into Python.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <chrono>

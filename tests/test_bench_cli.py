@@ -442,3 +442,18 @@ def test_check_targets_reports_met_and_missed() -> None:
     ]
     assert checked[0]["value"] == 1.6 and checked[0]["op"] == "<=" and checked[0]["bound"] == 1.5
     assert bench_step.check_targets([]) == []
+
+
+def test_profile_times_every_stage_of_the_current_tree() -> None:
+    """bench_profile finds every stage it names in this tree (a renamed
+    pipeline function must be renamed there too) and reports them per step."""
+    from dpcore.bench import profile as bench_profile
+
+    result = bench_profile.run([], quick=True, repeats=1)
+    assert [row["setup"] for row in result["rows"]] == list(bench_profile.SETUPS)
+    for row in result["rows"]:
+        assert row["absent"] == [], row["setup"]
+        assert row["plain_us"] > 0 and row["step_us"] > 0 and row["own_us"] > 0
+        assert row["stages_us"]["scatter"] > 0 and row["stages_us"]["combine"] > 0
+        hybrid = row["setup"].startswith("hybrid")
+        assert (row["stages_us"]["allreduce"] > 0) == hybrid and (row["stages_us"]["launch"] > 0) == (not hybrid)

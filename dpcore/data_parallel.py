@@ -33,6 +33,7 @@ from dpcore._dropin import (
     strip_module_prefix,
 )
 from dpcore._loss import Call, LossRule
+from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
 from dpcore._pytree import without_markers
 from dpcore._split import check_first_device
@@ -170,11 +171,21 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             if name in ("module", "_join_config", *self._replica_private_attrs):
                 raise
             try:
-                return getattr(self.module, name)
+                found = getattr(self.module, name)
             except AttributeError:
                 if name not in DDP_ONLY:
                     raise
-            raise ddp_only_error(name, self.module) from None
+                raise ddp_only_error(name, self.module) from None
+            return self.parallel(name) if name in PARALLEL_BY_NAME else found
+
+    def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
+        """The module's method `name`, data parallel: its arguments scattered
+        as forward's, each replica's own method run on its chunk, the results
+        gathered (no loss rule), tensors whose sizes differ beyond ``dim``
+        padded with `pad_value` (None: an error naming it). ``dp.generate``
+        is ``dp.parallel("generate")``, with transformers' padding where the
+        module has a ``generation_config`` (docs/generate.md)."""
+        return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix: keys(), ``in``
@@ -282,18 +293,24 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     forward = SignedForward(forward)  # type: ignore[assignment]
 
     def _forward(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], through: Callable[[Any], Any] | None = None
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        through: Callable[[Any], Any] | None = None,
+        method: Method | None = None,
     ) -> tuple[Any, int]:
         """The call's result and this process's rows: scatter, run, combine.
         `through(replica)` gives what runs in place of each replica (the
-        functional call's; it runs eagerly)."""
-        if self.criterion is not None and not inputs:
+        functional call's, a method's; it runs eagerly); a `method` call
+        (dpcore._methods) is combined by its rule, with no loss rule."""
+        if self.criterion is not None and not inputs and method is None:
             raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
         if not self.device_ids:  # the module as is, given the values inside Broadcast and Samples markers
             inputs, kwargs = without_markers((inputs, kwargs))
             module = self.module if through is None else through(self.module)
-            return self._loss.make_call(module)(*inputs, **kwargs), 0
+            return self._loss.make_call(module, method)(*inputs, **kwargs), 0
         call = self._scatter(inputs, kwargs)
+        call.method = method
         outputs = self._run(call, through)
         return self._loss.combine(outputs, call, lambda outs: self._gather(outs, call)), call.rows
 
@@ -323,7 +340,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         replicas all at once; a lone replica in this thread)."""
         make_call = self._loss.make_call
         if through is not None:
-            make_call = lambda m: self._loss.make_call(through(m))  # noqa: E731
+            make_call = lambda m: self._loss.make_call(through(m), call.method)  # noqa: E731
         elif self._graphs is not None:
             outputs = self._graphs.step(
                 self._replica_cache(),

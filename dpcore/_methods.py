@@ -87,8 +87,7 @@ class ParallelMethod:
             raise AttributeError(
                 f"parallel({name!r}): the module, a {type(module).__name__}, has no method {name!r}"
             ) from None
-        own = inspect.ismethod(target) and target.__self__ is module
-        if not own and not isinstance(target, nn.Module):
+        if not isinstance(target, nn.Module) and not _bound_to(target, module):
             raise TypeError(
                 f"parallel({name!r}): {type(module).__name__}.{name} is a {type(target).__name__}, not a method of "
                 f"the module (nor a submodule): each replica must run its own, so define it as a method of the "
@@ -112,6 +111,13 @@ class ParallelMethod:
 
     def __repr__(self) -> str:
         return f"<{self.label} over {len(self.dp.device_ids)} device(s)>"
+
+
+def _bound_to(target: Any, module: nn.Module) -> bool:
+    """Whether `target` is a method bound to `module` or to one of its
+    submodules (a torch.compile wrapper hands out its inner module's)."""
+    owner = getattr(target, "__self__", None) if inspect.ismethod(target) else None
+    return owner is module or (isinstance(owner, nn.Module) and any(owner is m for m in module.modules()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,12 +179,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             return self.parallel(name) if name in PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
-        """The module's method `name`, data parallel: its arguments scattered
-        as forward's, each replica's own method run on its chunk, the results
-        gathered (no loss rule), tensors whose sizes differ beyond ``dim``
-        padded with `pad_value` (None: an error naming it). ``dp.generate``
-        is ``dp.parallel("generate")``, with transformers' padding where the
-        module has a ``generation_config`` (docs/generate.md)."""
+        """The module's method `name`, run data parallel: scattered and gathered
+        as forward (no loss rule), outputs whose sizes differ beyond ``dim``
+        padded with `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
         return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]

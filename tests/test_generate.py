@@ -357,6 +357,9 @@ def test_parallel_method_keeps_gather_false_and_runs_a_submodule() -> None:
     x = _lengths_batch()
     per_replica = dpcore.DataParallel(model, ["cpu"] * 2, gather=False).parallel("encode")(x)
     assert [p["codes"].shape for p in per_replica] == [(3, 5), (2, 3)]
+    # a torch.compile wrapper hands out its inner module's methods: each replica's own
+    compiled = dpcore.DataParallel(torch.compile(model, backend="eager"), ["cpu"] * 2)
+    assert torch.equal(compiled.parallel("encode", pad_value=0)(x)["codes"][:3], model.encode(x[:3])["codes"])
     t5 = _t5()
     ids = torch.randint(2, 50, (5, 6), generator=torch.Generator().manual_seed(2))
     ours = dpcore.DataParallel(t5, ["cpu"] * 3).parallel("encoder")(input_ids=ids)
@@ -376,3 +379,22 @@ def test_the_nan_rule_of_generate_is_the_declared_default() -> None:
     assert torch.isnan(keys[-2:, :, -1]).all() and not torch.isnan(keys[:-2]).any()
     low = dp.parallel("generate", pad_value=-math.inf)(ids, attention_mask=mask, **settings)
     assert torch.equal(low.sequences, nan.sequences) and torch.all(low.scores[-1][-2:] == -math.inf)
+
+
+def test_bench_generate_reports_both_ratios(tmp_path: Any) -> None:
+    _optional("transformers")
+    import json
+
+    from dpcore.bench import generate as bench_generate
+
+    out = tmp_path / "generate.json"
+    result = bench_generate.main(["--devices", "cpu:2", "--quick", "--new-tokens", "2", "--json", str(out)])
+    assert [row["search"] for row in result["rows"]] == ["greedy", "beam 4"]
+    for row in result["rows"]:
+        assert row["new_tokens"] == 2 and row["bare_tokens_per_s"] > 0 and row["dpcore_tokens_per_s"] > 0
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+        assert row["one_thread_ratio_min"] <= row["one_thread_ratio_median"] <= row["one_thread_ratio_max"]
+    assert json.loads(out.read_text())["env"]["load_average"] is not None
+    with pytest.raises(SystemExit) as exit_info:
+        bench_generate.main(["--devices", "cpu:2", "--new-tokens", "0"])
+    assert exit_info.value.code == 2

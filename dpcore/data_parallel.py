@@ -23,7 +23,7 @@ from dpcore._pytree import map_tensors, without_markers
 from dpcore._split import _as_weight, as_int, check_first_device, check_split
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
-from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
+from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device, check_replica_refresh
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import NO_HINTS, GatherHints, Scattered, gather_with_hints, scatter_with_hints
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
@@ -591,6 +591,14 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             dpcore/_graphs.py). CUDA device lists only (else ValueError);
             not with ``sync_batchnorm``, nor with a torch.compile'd module
             or submodule (ValueError).
+        replica_refresh: "auto" (default): the cached replicas are copied
+            where the module's tensors changed, and checked against them at
+            set calls for writes no version counter sees (through ``.data``
+            outside an optimizer step): one is copied within
+            ``dpcore.replicate.CHECK_INTERVAL_MAX`` calls, with a warning.
+            "always": every parameter and buffer is copied to every replica
+            at every call, as torch does (docs/design.md, "Writes no version
+            counter sees").
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a parameter that no replica used
@@ -642,6 +650,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     _call_devices: list[torch.device] | None = None
     # What the scatter of the call in progress told its gather (None outside a call).
     _gather_hints: GatherHints | None = None
+    # Wrappers pickled before the option existed refresh as its default does.
+    replica_refresh = "auto"
 
     def __init__(
         self,
@@ -662,6 +672,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         process_group: Any = None,
         broadcast_buffers: bool = True,
         cuda_graphs: bool = False,
+        replica_refresh: str = "auto",
     ) -> None:
         # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
         # indices, move the module and warn): only nn.Module's.
@@ -712,6 +723,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         # ``gather`` is torch's method name; the option is stored as ``gather_output``.
         self.gather_output = gather
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
+        self.replica_refresh = check_replica_refresh(replica_refresh)
         self._sync: GradientSync | None = None
         if device_ids is None and process_group is not None:
             device_ids = [_module_device(module)]  # one device per process, as DDP
@@ -797,7 +809,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         torch's DataParallel writes them, are accepted too)."""
         if _has_module_prefix(list(state_dict), self.module):
             state_dict = {k[len("module.") :]: v for k, v in state_dict.items()}
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._cache is not None:  # a module may load through .data: copy everything next call
+            self._cache.invalidate()
+        return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Reached only when this wrapper is a submodule of a module whose
@@ -897,7 +912,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             if self.cuda_graphs:
                 _check_not_compiled(self.module)  # compiled after wrapping
-            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes, refresh=self.replica_refresh)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
         return self._cache
@@ -1010,12 +1025,18 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
 
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer of the
-        module to every replica. Needed only after writes that bypass version
-        counters outside any optimizer step: an EMA, clipping or weight
-        surgery written through ``.data`` (or by a custom kernel). In-place
-        updates under ``torch.no_grad()`` and ``step()`` of any
+        module to every replica. Call it after writes that bypass version
+        counters outside any optimizer step: a hand-written update
+        ``p.data.add_(...)``, an EMA, clipping or weight surgery written
+        through ``.data`` in place, numpy or a custom kernel. Without it such
+        a write is still found, by the check at set calls, within
+        ``dpcore.replicate.CHECK_INTERVAL_MAX`` calls, with a warning (the
+        calls before used the old values); ``replica_refresh="always"``
+        copies at every call instead. Seen without it: in-place updates
+        under ``torch.no_grad()``, a new storage (``p.data = t``,
+        ``vector_to_parameters``), ``load_state_dict`` and ``step()`` of any
         ``torch.optim.Optimizer`` (fused ones and those writing ``p.data``
-        included) are seen without it. For a few known tensors,
+        included). For a few known tensors,
         ``torch.autograd.graph.increment_version(tensors)`` does the same at
         a smaller cost."""
         with self._calls:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.parameter import is_lazy
 
 from dpcore._compiled import CompiledReplicas, has_compiled, replicate_module
@@ -127,6 +128,10 @@ class ReplicaCache:
       them (fused kernels and writes through ``.data`` inside ``step()``
       included, see dpcore._step_hook). A bucket none of whose tensors
       changed is not copied.
+    * The running statistics of norm layers (``_NormBase`` with
+      ``track_running_stats``), which batch_norm updates without bumping a
+      version counter, are copied at the call after any call that ran such
+      a layer in training mode.
     * Writes that no version counter saw (``p.data.add_(...)`` outside an
       optimizer step, numpy) are found within ``CHECK_INTERVAL_MAX`` calls:
       at the 2nd, 3rd, 5th, 9th, ... call (the gap doubling up to
@@ -196,6 +201,13 @@ class ReplicaCache:
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
         # Per-replica compiled calls of torch.compile'd modules (None: none compiled).
         self._compiled = CompiledReplicas.of(module, self._set.replica_modules)
+        # Norm layers' running statistics: batch_norm updates them inside its
+        # kernel, bumping no version counter, so after a call with such a
+        # layer in training mode their buckets are marked changed.
+        self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+        running = {id(m.running_mean) for m in self._norms} | {id(m.running_var) for m in self._norms}
+        self._norm_buckets = [b for b, masters, _ in self._bucket_plan if any(id(t) in running for t in masters)]
+        self._norms_trained = False
 
     @property
     def buckets(self) -> list[Any]:
@@ -249,9 +261,16 @@ class ReplicaCache:
             self._check()
 
     def _before_refresh(self) -> None:
-        """Per refresh of the replicas, before it: with refresh="always",
-        every bucket marked changed; else, at a check point (see the class
-        guarantees), the check for writes no version counter saw."""
+        """Per refresh of the replicas, before it: the running statistics
+        marked changed after a call that trained a norm layer; with
+        refresh="always", every bucket marked changed; else, at a check
+        point (see the class guarantees), the check for writes no version
+        counter saw."""
+        if self._norm_buckets:
+            if self._norms_trained:
+                for bucket in self._norm_buckets:
+                    bucket.invalidate()
+            self._norms_trained = any(m.training for m in self._norms)
         if self._always:
             for bucket, _, _ in self._bucket_plan:
                 bucket.invalidate()

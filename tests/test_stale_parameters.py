@@ -219,6 +219,33 @@ def test_buffers_changed_through_data(devices: list[str], how: str) -> None:
         assert "'1.running_mean'" in warned[0]
 
 
+@pytest.mark.parametrize("devices", LISTS)
+@pytest.mark.parametrize("sync_batchnorm", [False, True])
+def test_batchnorm_statistics_reach_the_replicas(devices: list[str], sync_batchnorm: bool) -> None:
+    """batch_norm updates the running statistics without bumping their
+    version counters: after training, evaluation through the wrapper equals
+    the bare module's at once, with no warning (they are copied after every
+    call that trained a norm layer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+    dp = dpcore.DataParallel(model, devices, sync_batchnorm=sync_batchnorm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt.zero_grad()
+            dp(torch.randn(8, 5, generator=g, dtype=torch.float64)).sum().backward()
+            opt.step()
+        model.eval()
+        x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+        with torch.no_grad():
+            assert _close(dp(x), model(x))
+    for row in dp._cache.replica_modules:
+        assert torch.equal(row[2].running_mean, model[1].running_mean)
+        assert torch.equal(row[2].running_var, model[1].running_var)
+
+
 class _LoadsThroughData(nn.Module):
     """A module whose own loader writes its weight through ``.data`` (no
     version counter sees it)."""
@@ -288,10 +315,11 @@ def test_a_write_is_caught_within_the_bound(devices: list[str], written_before: 
     warned = _stale_warnings(caught)
     assert len(warned) == 1
     stale_calls = caught_at - written_before
-    if stale_calls == 0:
-        assert "no call used them" in warned[0]
+    counted = re.search(r"up to (\d+) call\(s\)", warned[0])
+    if counted is None:
+        assert "no call used them" in warned[0] and stale_calls == 0
     else:
-        assert int(re.search(r"up to (\d+) call\(s\)", warned[0]).group(1)) >= stale_calls
+        assert int(counted.group(1)) >= stale_calls
 
 
 class _Tied(nn.Module):
@@ -336,7 +364,7 @@ def test_no_warning_in_normal_training(devices: list[str], monkeypatch: pytest.M
     tokens = torch.randint(0, 10, (12,), generator=g)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for step in range(2 * CHECK_INTERVAL_MAX):
+        for step in range(40):
             tokens = torch.randint(0, 10, (12,), generator=g)
             opt.zero_grad()
             nn.functional.cross_entropy(dp(tokens), tokens).backward()
@@ -351,7 +379,7 @@ def test_no_warning_in_normal_training(devices: list[str], monkeypatch: pytest.M
         with torch.no_grad():
             for _ in range(2 * CHECK_INTERVAL_MAX):
                 assert _close(dp(tokens), model(tokens))
-    assert len(checks) >= 20, checks
+    assert len(checks) >= 10, checks
     with pytest.warns(UserWarning, match="'frozen.weight'"), torch.no_grad():
         model.frozen.weight.data.add_(1.0)
         for _ in range(CHECK_INTERVAL_MAX):

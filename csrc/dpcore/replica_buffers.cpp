@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"

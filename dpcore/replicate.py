@@ -242,10 +242,10 @@ class ReplicaCache:
     def _refresh(self, n: int) -> list[nn.Module]:
         if n < 1 or n > len(self.devices):
             raise ValueError(f"replicas: expected 1 <= n <= {len(self.devices)}, but got {n}")
+        self._before_refresh()  # on a lone master too: it may train a norm layer
         if n == 1:
             return [self.module]
         grad_enabled = torch.is_grad_enabled()
-        self._before_refresh()
         with _normal_mode():
             # None: the bucket needs no autograd and is refreshed in C++.
             outputs = [

@@ -246,6 +246,23 @@ def test_batchnorm_statistics_reach_the_replicas(devices: list[str], sync_batchn
         assert torch.equal(row[2].running_var, model[1].running_var)
 
 
+@pytest.mark.parametrize("devices", LISTS[:1])
+def test_batchnorm_trained_by_the_master_alone(devices: list[str]) -> None:
+    """A batch of one sample runs on the master alone, in training mode: its
+    statistics still reach the replicas before the next call uses them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten()).double()
+    dp = dpcore.DataParallel(model, devices)
+    x = torch.randn(6, 2, 5, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp(x)
+        dp(x[:1])  # one replica: the master
+        model.eval()
+        with torch.no_grad():
+            assert _close(dp(x), model(x))
+
+
 class _LoadsThroughData(nn.Module):
     """A module whose own loader writes its weight through ``.data`` (no
     version counter sees it)."""

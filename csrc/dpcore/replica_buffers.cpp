@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
+#include <cstring>
+
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
 #include "dpcore/kernels.h"
@@ -40,12 +42,18 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
 namespace {
 
 // Whether the bytes of `a` and `b` (same dtype and numel, 1-D, contiguous,
-// on one device) differ: a 0-dim bool tensor on their device. Compared as
-// the widest integers that their byte counts and offsets allow, so that NaN
-// payloads and signed zeros count as bytes, not as values.
+// on one device) differ: a 0-dim bool tensor on their device. On the host a
+// memcmp; on a device a comparison queued on its current stream (read with
+// item() once every device's is queued), as the widest integers that the
+// byte counts and offsets allow, so that NaN payloads and signed zeros
+// count as bytes, not as values.
 at::Tensor bytes_differ(const at::Tensor& a, const at::Tensor& b) {
   const int64_t size = a.element_size();
   const int64_t nbytes = a.numel() * size;
+  if (a.device().is_cpu()) {
+    const bool differ = nbytes > 0 && std::memcmp(a.const_data_ptr(), b.const_data_ptr(), nbytes) != 0;
+    return at::scalar_tensor(differ, at::kBool);
+  }
   int64_t word = 8;
   while (word > 1 && (nbytes % word != 0 || (a.storage_offset() * size) % word != 0 ||
                       (b.storage_offset() * size) % word != 0)) {

@@ -113,6 +113,9 @@ class ReplicaBuffers:
 
     def update(self, tensors: Sequence[torch.Tensor]) -> None: ...
     def invalidate(self) -> None: ...
+    def verify(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of the entries whose replica bytes differ from `tensors` where no refresh would copy."""
+
     @property
     def last_refresh_copied(self) -> bool: ...
 

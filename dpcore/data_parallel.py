@@ -113,6 +113,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         process_group: Any = None,
         broadcast_buffers: bool = True,
         cuda_graphs: bool = False,
+        replica_refresh: str = "auto",
     ) -> None:
         # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
         # indices, move the module and warn): only nn.Module's.
@@ -136,6 +137,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             sync_batchnorm=sync_batchnorm,
             process_group=process_group,
             cuda_graphs=cuda_graphs,
+            replica_refresh=replica_refresh,
             base=DataParallel,
         )
         self.module = module
@@ -148,6 +150,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self.gather_output = gather  # ``gather`` is torch's method name
         self.bucket_bytes = options.bucket_bytes
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
+        self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
         self._sync: GradientSync | None = None
         if self.device_ids:
@@ -197,8 +200,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self.module.state_dict(destination=destination, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Loads a bare module's state dict, or one with torch's ``module.`` keys."""
-        return self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
+        """Loads a bare module's state dict, or one with torch's ``module.``
+        keys; the next call copies every tensor to the replicas."""
+        result = self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
+        if self._cache is not None:  # a module may load through .data
+            self._cache.invalidate()
+        return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Reached when this wrapper is a submodule of a module whose
@@ -408,7 +415,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             if self.cuda_graphs:
                 check_not_compiled(self.module)  # compiled after wrapping
-            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes, refresh=self.replica_refresh)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
         return self._cache
@@ -423,10 +430,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every
-        replica: needed after writes that bypass version counters (``.data``
-        writes, custom kernels) outside any optimizer step. In-place updates
-        under ``torch.no_grad()`` and every ``torch.optim.Optimizer`` step
-        are seen without it."""
+        replica: call it after writes that bypass version counters outside
+        an optimizer step (``p.data.add_(...)``, an EMA copied in through
+        ``.data``, numpy). Without it such a write is still found, at the
+        checks of ``replica_refresh="auto"``, with a warning; in-place
+        updates under ``torch.no_grad()``, new storages, ``load_state_dict``
+        and every ``torch.optim`` step are seen without it."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()

@@ -11,6 +11,13 @@ plain full-batch step, the time of replication alone (dpcore's cached
 refresh after a parameter update versus torch.nn.parallel.replicate, which
 runs only on CUDA), and on CUDA torch.nn.DataParallel on the same list.
 
+The check for writes no version counter sees (docs/design.md): ``infer
+ms`` is dpcore's inference call (eval mode, no grad) and ``check ms`` one
+check of every bucket (``ReplicaCache.check_now``; nothing changed between
+calls, so every bucket is compared: the check's worst case); ``check /
+infer`` is the check's amortized cost, check ms / (CHECK_INTERVAL_MAX x
+infer ms), the gap between checks in steady state (target: at most 1 %).
+
 The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
 ``x unsynced`` column is its step time over the same DataParallel step with
 ``sync_batchnorm=False`` (per-replica statistics), measured alternately
@@ -79,6 +86,7 @@ from torch import nn
 
 import dpcore
 from dpcore.bench._common import bench_command, environment, measure, measure_against, synchronize
+from dpcore.replicate import CHECK_INTERVAL_MAX
 
 #: (row name, model factory, input shape without the batch, batch size, sync_batchnorm).
 ModelSpec = tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]
@@ -287,6 +295,24 @@ def _split_step(
     opt.step()
 
 
+def _check_cost(
+    dp: dpcore.DataParallel, x: torch.Tensor, measure_step: Callable[[Callable[[], Any]], float]
+) -> tuple[float, float]:
+    """(dpcore's inference call, one check of every bucket) in seconds, in
+    eval mode without grad: nothing changes between calls, so each check
+    compares every bucket with the master. The module is back in train mode
+    after."""
+    dp.module.eval()
+    try:
+        with torch.no_grad():
+            t_infer = measure_step(lambda: dp(x))
+            cache = dp._replica_cache()
+            t_check = measure_step(cache.check_now)
+    finally:
+        dp.module.train()
+    return t_infer, t_check
+
+
 def graphs_note(devices: Sequence[torch.device], cuda_graphs: str) -> str | None:
     """Why no graphed rows are measured on `devices` with --cuda-graphs
     `cuda_graphs`, or None when they are (a CUDA list, "auto" or "on").
@@ -371,6 +397,9 @@ def _compiled_row(
         "unsynced_ms",
         "sync_ratio",
         "replicate_ms",
+        "infer_ms",
+        "check_ms",
+        "check_vs_infer",
         "torch_replicate_ms",
         "torch_dp_ms",
         "speedup_vs_torch_dp",
@@ -482,6 +511,7 @@ def run(
             dp._replicas(k)
 
         t_replicate = measure_step(refresh)
+        t_infer, t_check = _check_cost(dp, x, measure_step)
         t_torch_replicate = None
         t_torch_dp = None
         if first.type == "cuda":
@@ -515,6 +545,9 @@ def run(
                 "sync_ratio": None if t_unsynced is None else t_dp / t_unsynced,
                 "plain_full_batch_ms": t_plain * 1e3,
                 "replicate_ms": t_replicate * 1e3,
+                "infer_ms": t_infer * 1e3,
+                "check_ms": t_check * 1e3,
+                "check_vs_infer": t_check / (CHECK_INTERVAL_MAX * t_infer),
                 "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
                 "torch_dp_ms": None if t_torch_dp is None else t_torch_dp * 1e3,
                 "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
@@ -533,6 +566,10 @@ def run(
         )
         print(
             f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}"
+        )
+        print(
+            f"  {name}: inference {t_infer * 1e3:.3f} ms, one check {t_check * 1e3:.3f} ms, amortized "
+            f"{t_check / (CHECK_INTERVAL_MAX * t_infer):.3%} of a call"
         )
         if t_unsynced is not None:
             print(f"  {name}: sync_batchnorm=False {t_unsynced * 1e3:.2f} ms, sync/unsynced {t_dp / t_unsynced:.3f}")
@@ -575,6 +612,9 @@ COLUMNS = [
     ("sync_ratio", "x unsynced", ".3f"),
     ("plain_full_batch_ms", "plain ms", ".2f"),
     ("replicate_ms", "replicate ms", ".3f"),
+    ("infer_ms", "infer ms", ".3f"),
+    ("check_ms", "check ms", ".3f"),
+    ("check_vs_infer", "check / infer", ".2%"),
     ("torch_replicate_ms", "torch replicate ms", ".3f"),
     ("torch_dp_ms", "torch DP ms", ".2f"),
     ("speedup_vs_torch_dp", "x torch DP", ".2f"),

@@ -11,7 +11,7 @@ copies, version counters, what moves where) is in docs/design.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -126,9 +126,10 @@ class _Shard:
                     self.seen[id(master)] = (master.data_ptr(), master._version)
 
 
-class _ShardStates(Mapping):  # type: ignore[type-arg]
-    """``ShardedOptimizer.state``: each master parameter's state, read from
-    (and, as a plain optimizer's defaultdict, created in) its shard's optimizer."""
+class _ShardStates(MutableMapping):  # type: ignore[type-arg]
+    """``ShardedOptimizer.state``: each master parameter's state, kept in its
+    shard's optimizer (read, created on first read as a plain optimizer's
+    defaultdict, written and deleted there; a value is stored as given)."""
 
     def __init__(self, owner: ShardedOptimizer) -> None:
         self._owner = owner
@@ -139,12 +140,23 @@ class _ShardStates(Mapping):  # type: ignore[type-arg]
             return None
         return shard.optimizer.state, shard.working[id(param)]
 
-    def __getitem__(self, param: torch.Tensor) -> Any:
+    def _found(self, param: Any) -> tuple[dict[Any, Any], torch.Tensor]:
         where = self._where(param) if isinstance(param, torch.Tensor) else None
         if where is None:
-            raise KeyError(param)
-        state, work = where
+            raise KeyError("not a parameter of this optimizer")
+        return where
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        state, work = self._found(param)
         return state[work]
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        state, work = self._found(param)
+        state[work] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        state, work = self._found(param)
+        del state[work]
 
     def __contains__(self, param: object) -> bool:
         where = self._where(param) if isinstance(param, torch.Tensor) else None
@@ -337,7 +349,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(self.param_groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
         index_of = dict(
             zip(
                 (id(p) for g in self.param_groups for p in g["params"]),

@@ -10,6 +10,7 @@ the CPU, and on CUDA lists where a GPU is present."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 import threading
@@ -18,7 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import dpcore
@@ -344,7 +347,7 @@ def test_state_bytes_a_quarter_each_on_four_devices() -> None:
 
 
 def test_balance_is_by_bytes_of_trainable_parameters() -> None:
-    assert sharded_optimizer.balance([10, 1, 7, 3, 0], [0, 0]) == [0, 1, 1, 1, 0]
+    assert sharded_optimizer.balance([10, 1, 7, 3, 0], [0, 0]) == [0, 0, 1, 1, 1]
     loads = [5, 0, 0]
     assert sharded_optimizer.balance([4, 4, 4], loads) == [1, 2, 1]
     assert loads == [5, 8, 4]
@@ -459,11 +462,15 @@ def test_bad_arguments_name_the_argument() -> None:
         pickle.dumps(opt)
 
 
-def test_device_list_without_a_wrapper_and_wrapper_without_devices() -> None:
+def test_device_list_without_a_wrapper_and_wrapper_without_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """devices= also takes a plain device list (the parameters on its first
-    device); a wrapper that runs its module as is (no device list) gives
-    one shard, the plain optimizer's step."""
-    for devices in (["cpu"] * 3, dpcore.DataParallel(_model(), device_ids=[])):
+    device); a wrapper that runs its module as is (no GPU and no device
+    list) gives one shard, the plain optimizer's step."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: False)
+        as_is = dpcore.DataParallel(_model())
+    assert as_is.device_ids == []
+    for devices in (["cpu"] * 3, as_is):
         model = devices.module if isinstance(devices, nn.Module) else _model()
         ref = copy.deepcopy(model)
         opt = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=devices, lr=1e-2)
@@ -476,6 +483,51 @@ def test_device_list_without_a_wrapper_and_wrapper_without_devices() -> None:
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, atol=TOL, rtol=0)
         assert len(opt.state_bytes()) == (3 if isinstance(devices, list) else 1)
+
+
+# ---------------------------------------------------------------------------
+# Hybrid mode: each process steps the whole model, its state split over its
+# own devices; torch's ZeroRedundancyOptimizer shards across the processes
+# with a ShardedOptimizer as its local optimizer.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def group_of_one() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hybrid_wrapper_and_zero_redundancy_optimizer(group_of_one: Any) -> None:
+    cls, kwargs = OPTIMIZERS["adamw"]
+    for zero in (False, True):
+        model = _model()
+        ref = copy.deepcopy(model)
+        dp = dpcore.DataParallel(model, ["cpu"] * 3, process_group=group_of_one)
+        if zero:
+            local = functools.partial(dpcore.ShardedOptimizer, optimizer_class=cls, devices=dp)
+            opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=local, **kwargs)
+        else:
+            opt = dpcore.ShardedOptimizer(model.parameters(), cls, devices=dp, **kwargs)
+        ref_opt = cls(ref.parameters(), **kwargs)
+        for x, y in _batches():
+            for net, o in ((dp, opt), (ref, ref_opt)):
+                _loss(net, x, y).backward()
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=TOL, rtol=0)
+        if zero:
+            opt.consolidate_state_dict()  # type: ignore[attr-defined]
+        _assert_state_dicts_equal(opt.state_dict(), ref_opt.state_dict())
+        if zero:  # ZeRO writes each parameter's state into its local optimizer's .state
+            opt.load_state_dict(ref_opt.state_dict())
+            local_opt = opt.optim  # type: ignore[attr-defined]
+            assert isinstance(local_opt, dpcore.ShardedOptimizer) and len(local_opt.state) == 5
+        del dp
 
 
 # ---------------------------------------------------------------------------

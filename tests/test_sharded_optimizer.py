@@ -548,3 +548,15 @@ def test_cuda_each_shards_state_on_its_own_device(devices: list[Any], name: str)
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 assert value.device == listed[position], (key, position)
         assert p.device == listed[0] and p.grad is None
+
+
+def test_bench_reports_both_rows_as_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpcore.bench import optimizer as bench_optimizer
+
+    monkeypatch.setattr(bench_optimizer, "OPTIMIZERS", bench_optimizer.OPTIMIZERS[:1])
+    result = bench_optimizer.run([torch.device("cpu")] * 2, quick=True, repeats=1)
+    assert [row["measured"] for row in result["rows"]] == ["step", "training step"]
+    for row in result["rows"]:
+        assert row["sharded_ms"] > 0 and row["plain_ms"] > 0 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+        assert row["state_bytes"][0] == row["state_bytes"][1] > 0  # 8 equal layers: half each
+    assert result["env"]["load_average"] is not None

@@ -11,7 +11,7 @@ copies, version counters, what moves where) is in docs/design.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -32,9 +32,9 @@ _NOT_SHARDABLE = (torch.optim.LBFGS,)
 _NO_HYPERPARAMETER = ("params", "param_names")
 
 
-def _holds_copies(position: int, device: torch.device, master: torch.device) -> bool:
-    """Whether the shard at `position` steps copies of its parameters on
-    `device` (a device other than the masters'), not the masters themselves."""
+def _holds_copies(device: torch.device, master: torch.device) -> bool:
+    """Whether a shard on `device` steps copies of its parameters there (a
+    device other than the masters'), not the masters themselves."""
     return normalize_device(device) != normalize_device(master)
 
 
@@ -191,11 +191,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params: Any,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        devices: DataParallel | list[DeviceLike],
+        devices: DataParallel | Sequence[DeviceLike],
         **defaults: Any,
     ) -> None:
         self._class = _check_class(optimizer_class)
-        self._kwargs = defaults
         self.devices, self._module = _placement(devices)
         self._shards: list[_Shard] = []
         self._shard_of: dict[int, _Shard] = {}
@@ -210,7 +209,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self.devices:  # a wrapper that runs its module as is: one shard where the module is
             self.devices = [normalize_device(masters[0].device)]
         master = self.devices[0]
-        self._shards = [_Shard(k, d, k > 0 and _holds_copies(k, d, master)) for k, d in enumerate(self.devices)]
+        self._shards = [_Shard(k, d, k > 0 and _holds_copies(d, master)) for k, d in enumerate(self.devices)]
         self._place(masters)
         for shard in self._shards:
             shard.optimizer = self._class([self._shard_group(g, shard) for g in self.param_groups], **defaults)

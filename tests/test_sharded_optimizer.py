@@ -376,7 +376,7 @@ def test_more_devices_than_parameters() -> None:
 
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharded_optimizer, "_holds_copies", lambda position, device, master: True)
+    monkeypatch.setattr(sharded_optimizer, "_holds_copies", lambda device, master: True)
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_fused", "sgd_momentum", "adagrad"])

@@ -15,6 +15,7 @@ they call torch's own functions, as before.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from dpcore._loader import _C
 
 __all__ = ["install_state_functions"]
+
+_install_lock = threading.Lock()
 
 
 def _own(device_type: str) -> torch.Generator | None:
@@ -41,13 +44,19 @@ def install_state_functions() -> None:
     """Rebinds ``torch.get_rng_state``/``set_rng_state`` (and torch.random's
     and torch.cuda's names of them): on a thread running a replica with a
     stream of its own for the device, they read and write the stream's
-    generator; elsewhere they call the functions they replace. Idempotent."""
+    generator; elsewhere they call the functions they replace. Idempotent
+    and thread-safe: they are rebound once."""
     import torch.cuda
     import torch.cuda.random
     import torch.random
 
-    if getattr(torch.random.get_rng_state, "_dpcore_streams", False):
-        return
+    with _install_lock:
+        if not getattr(torch.random.get_rng_state, "_dpcore_streams", False):
+            _rebind()
+
+
+def _rebind() -> None:
+    """install_state_functions' work, under its lock."""
     cpu_get, cpu_set = torch.random.get_rng_state, torch.random.set_rng_state
     cuda_get, cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rng_state
 

@@ -583,8 +583,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             parallelism; the rules: README, "Several processes (hybrid)"; the
             mechanism: dpcore/distributed.py). ``device_ids`` defaults to the
             module's device here.
-        broadcast_buffers: with a process group, whether buffers are sent
-            from rank 0 (README, "Several processes (hybrid)").
+        forward_sync_buffers: with a process group, whether buffers are
+            sent from rank 0 while training (default True; sent at
+            construction in any case), as DDP's option of that name
+            (docs/hybrid.md).
+        broadcast_buffers: DDP's deprecated name (a FutureWarning, as
+            DDP's): False sends buffers neither while training nor at
+            construction; ignored when ``forward_sync_buffers`` is given.
         cuda_graphs: capture each replica's forward and backward into CUDA
             graphs per input signature and replay them (the rules and
             fallbacks: README, "CUDA graphs"; the mechanism:
@@ -660,7 +665,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
         process_group: Any = None,
-        broadcast_buffers: bool = True,
+        forward_sync_buffers: bool | None = None,
+        broadcast_buffers: bool | None = None,
         cuda_graphs: bool = False,
     ) -> None:
         # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
@@ -726,7 +732,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             self.device_ids: list[torch.device] = []
             self.output_device = None
         else:
-            self._set_up_devices(module, device_ids, output_device, cuda_graphs, process_group, broadcast_buffers)
+            buffer_options = {"broadcast_buffers": broadcast_buffers, "forward_sync_buffers": forward_sync_buffers}
+            self._set_up_devices(module, device_ids, output_device, cuda_graphs, process_group, buffer_options)
 
     def _set_up_devices(
         self,
@@ -735,7 +742,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         output_device: DeviceLike | None,
         cuda_graphs: bool,
         process_group: Any,
-        broadcast_buffers: bool,
+        buffer_options: dict[str, bool | None],
     ) -> None:
         """The device list and what hangs on it (checked; see __init__)."""
         self.device_ids = as_devices(device_ids, "device_ids")
@@ -755,7 +762,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                 module,
                 self.device_ids[0],
                 process_group,
-                broadcast_buffers=broadcast_buffers,
+                **buffer_options,
                 bucket_bytes=self.bucket_bytes,
                 sync_batchnorm=self.sync_batchnorm,
             )

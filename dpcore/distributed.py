@@ -8,24 +8,21 @@ processes of a ``torch.distributed`` process group into one training job:
 * At construction every process compares a hash of the module's layout
   (names, shapes, dtypes, requires_grad, gradient buckets) with one
   collective, and a difference is a ValueError on every rank naming the
-  first difference. Then parameters and buffers (buffers only with
-  ``broadcast_buffers=True``) are broadcast from the group's rank 0.
+  first difference. Then parameters and buffers (buffers unless
+  ``broadcast_buffers=False``) are broadcast from the group's rank 0.
 * Which forwards communicate: only those that can start a gradient
   synchronization, i.e. grad mode on (so not ``torch.no_grad()`` nor
   ``torch.inference_mode()``) and a parameter that requires grad. Before
   each of them (``no_sync()`` ones included) buffers are broadcast from rank
-  0 with ``broadcast_buffers=True``. Every other forward makes no collective
-  and uses this process's own buffers, so one rank may evaluate alone
-  (``if rank == 0: evaluate(dp)`` under ``torch.no_grad()``) whether or not
-  the model is in eval mode. DDP broadcasts before a forward that follows a
-  training forward, whatever its grad mode (so its rank-0-only evaluation
-  with buffers waits for the other ranks); after a training step, an
-  evaluation on every rank here sees each rank's own buffers (BatchNorm's
-  running statistics as that rank's last forward left them), where DDP's
-  first evaluation forward would have sent rank 0's. With
-  ``broadcast_buffers=False`` buffers are never sent (as DDP's option of
-  that name; DDP's newer ``forward_sync_buffers=False`` still sends them at
-  construction).
+  0, and again at the end of each synchronizing backward (rank 0's buffers
+  as its forward left them: what DDP's next forward, of any grad mode, would
+  send), both with ``forward_sync_buffers`` (default True). Every other
+  forward makes no collective and uses this process's own buffers, so one
+  rank may evaluate alone (``if rank == 0: evaluate(dp)`` under
+  ``torch.no_grad()``), and an evaluation on every rank after training
+  sees rank 0's buffers, as DDP's. ``forward_sync_buffers=False`` sends
+  buffers at construction only; DDP's deprecated ``broadcast_buffers=False``
+  never (resolved as torch 2.13's DDP resolves them, with its warnings).
 * A structural change after construction (a parameter or buffer added,
   removed, replaced, frozen or unfrozen, converted; a submodule swapped) is
   noted locally, with no collective; the next synchronization still uses
@@ -84,7 +81,7 @@ the same buckets, and its last synchronization's sample count in the
 weights with ``divide_by_initial_world_size=True`` (with equal local
 batches: DDP's division by the initial world size), none with False (DDP:
 division by the ranks still training). When all joined, parameters (and
-buffers with ``broadcast_buffers``) are broadcast from the last joiner.
+buffers with ``forward_sync_buffers``) are broadcast from the last joiner.
 
 Failures never hang: every wait is bounded by the process group's timeout,
 and a failing peer surfaces as the backend's RuntimeError from forward or
@@ -144,6 +141,9 @@ import contextlib
 import datetime
 import hashlib
 import inspect
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -197,6 +197,46 @@ def _twin_group(group: Any, timeout: datetime.timedelta) -> Any:
     return dist.new_group(
         ranks=ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True, **options
     )
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued by the caller of this function
+    that points at the first frame outside dpcore (the user's call)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(forward, init): whether buffers are sent from rank 0 while training,
+    and at construction, resolved as torch 2.13's DistributedDataParallel
+    resolves its options of these names (the same FutureWarnings for the
+    deprecated ``broadcast_buffers``); TypeError naming an option that is
+    neither True, False nor None."""
+    for name, value in (("broadcast_buffers", broadcast_buffers), ("forward_sync_buffers", forward_sync_buffers)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True, False or None, but got {value!r}")
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            message = (
+                "DataParallel: Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated (as in torch's DistributedDataParallel) and its value is "
+                "ignored when `forward_sync_buffers` is provided."
+            )
+        else:
+            message = (
+                "DataParallel: `broadcast_buffers` is deprecated (as in torch's DistributedDataParallel). Use "
+                "`forward_sync_buffers` instead. IMPORTANT: unlike `broadcast_buffers=False`, "
+                "`forward_sync_buffers=False` still syncs buffers at construction; for buffers that must stay "
+                "rank-local from the start, keep `broadcast_buffers=False`."
+            )
+        warnings.warn(message, FutureWarning, stacklevel=_caller_stacklevel())
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
 
 
 def _structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
@@ -400,7 +440,8 @@ class GradientSync:
         device: torch.device,
         process_group: Any,
         *,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        forward_sync_buffers: bool | None = None,
         bucket_bytes: int,
         sync_batchnorm: bool = False,
     ) -> None:
@@ -424,7 +465,8 @@ class GradientSync:
         self.group = process_group
         self.rank: int = dist.get_rank(process_group)
         self.world_size: int = dist.get_world_size(process_group)
-        self.broadcast_buffers = bool(broadcast_buffers)
+        self.forward_sync_buffers, self.init_sync_buffers = buffer_sync_options(broadcast_buffers, forward_sync_buffers)
+        self._buffer_src = 0  # the rank whose buffers the latest training forward's synchronization sends
         self.bucket_bytes = int(bucket_bytes)
         self._no_sync_depth = 0
         self._sync_backward = False  # whether the latest forward's backward synchronizes
@@ -441,7 +483,7 @@ class GradientSync:
         self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
         self._ref: float | None = None  # with a hook: the largest N so far (None before the first)
         self._started = False  # a synchronization (or a joined rank's shadow of one) has begun
-        self._build()
+        self._build(initial=True)
         # Synchronized BatchNorm across processes: a group of its own (see batchnorm_across).
         self.batchnorm_group: Any = None
         self.timeout = _timeout_of(process_group, device)
@@ -451,9 +493,11 @@ class GradientSync:
 
     # -- construction -----------------------------------------------------
 
-    def _build(self) -> None:
+    def _build(self, initial: bool = False) -> None:
         """(Re)builds buckets and hooks for the module's current structure;
-        collective: layout check, then parameters and buffers from rank 0."""
+        collective: layout check, then parameters and buffers from rank 0
+        (buffers: with ``init_sync_buffers`` at construction, else with
+        ``forward_sync_buffers``)."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -465,8 +509,8 @@ class GradientSync:
         indices = _C.make_buckets(self._params, self.bucket_bytes)
         self._check_layout(named_params, named_buffers, indices)
 
-        # As DDP's broadcast_buffers=False: buffers are then never sent, at construction neither.
-        shared = named_params + (named_buffers if self.broadcast_buffers else [])
+        send_buffers = self.init_sync_buffers if initial else self.forward_sync_buffers
+        shared = named_params + (named_buffers if send_buffers else [])
         self._broadcast([t for _, t in shared], fresh=True)
         self._buffers = [b for _, b in named_buffers]
         self._buffer_groups = [
@@ -565,7 +609,7 @@ class GradientSync:
         ]
         lines += [f"buffer {name!r}: shape {tuple(b.shape)}, {b.dtype}" for name, b in named_buffers]
         lines += [f"gradient bucket {k}: parameters {list(group)}" for k, group in enumerate(buckets)]
-        lines.append(f"broadcast_buffers={self.broadcast_buffers}")
+        lines.append(f"forward_sync_buffers={self.forward_sync_buffers}, init_sync_buffers={self.init_sync_buffers}")
         return lines
 
     def _check_layout(
@@ -608,6 +652,17 @@ class GradientSync:
                 dist.broadcast(group.flat, group=self.group, group_src=src)
                 if self.rank != src:
                     torch._foreach_copy_([t.detach() for t in group.params], group.views)
+
+    def _send_buffers(self) -> None:
+        """At the end of a synchronizing backward (every rank, joined ones
+        too, after the gradient collectives): the buffers of the rank that
+        sent them before the forward (rank 0, or the highest rank still
+        training under Join), with ``forward_sync_buffers``. So every rank
+        evaluates after training with the buffers that DDP's next forward
+        would have sent, and no forward that cannot synchronize needs a
+        collective."""
+        if self.forward_sync_buffers and self._buffer_groups:
+            self._broadcast(self._buffers, src=self._buffer_src)
 
     # -- forward ----------------------------------------------------------
 
@@ -653,7 +708,8 @@ class GradientSync:
             src, _ = self._join_state(active=True)
             if work is not None:
                 work.wait()
-        if self.broadcast_buffers and self._buffer_groups:
+        self._buffer_src = src
+        if self.forward_sync_buffers and self._buffer_groups:
             self._broadcast(self._buffers, src=src)
 
     def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
@@ -924,6 +980,7 @@ class GradientSync:
                 factor = self._correction()
                 for _, work in self._launched.values():
                     work.wait()
+            self._send_buffers()
             changed = self._changed_ranks()
             if changed:  # raises unless every rank made the same change (nothing written into .grad then)
                 self._agree_on_change(changed)
@@ -1043,7 +1100,8 @@ class GradientSync:
         batches: DDP's division by the initial world size), else 0 (the mean
         over the samples of the ranks still training)."""
         src, sync = self._join_state(active=False)
-        if self.broadcast_buffers and self._buffer_groups:
+        self._buffer_src = src
+        if self.forward_sync_buffers and self._buffer_groups:
             self._broadcast(self._buffers, src=src)
         if not sync or not self._buckets:
             return
@@ -1077,6 +1135,7 @@ class GradientSync:
             total, counted = carrier.count.real.item(), carrier.counted.real.item()
         if counted != 0:
             self._previous_total = max(float(total), 1.0)  # N_prev stays the same on every rank
+        self._send_buffers()
         changed = self._changed_ranks()
         if changed:
             self._agree_on_change(changed)
@@ -1099,6 +1158,7 @@ class GradientSync:
         if counted:
             n = max(total, 1.0)
             self._ref = n if self._ref is None else max(self._ref, n)
+        self._send_buffers()
         changed = self._changed_ranks()
         if changed:
             self._agree_on_change(changed)
@@ -1106,14 +1166,14 @@ class GradientSync:
 
     def join_finish(self, is_last_joiner: bool) -> None:
         """After every rank joined (the JoinHook's post hook): parameters, and
-        buffers with ``broadcast_buffers``, from the highest of the ranks that
+        buffers with ``forward_sync_buffers``, from the highest of the ranks that
         joined last, as DDP."""
         dist = _dist()
         rank = torch.tensor([float(self.rank) if is_last_joiner else -1.0], device=self.device)
         dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.group)
         src = int(rank.item())
         tensors = list(self.module.parameters())
-        if self.broadcast_buffers:
+        if self.forward_sync_buffers:
             tensors += list(self.module.buffers())
         if tensors:
             self._broadcast(tensors, fresh=True, src=src)

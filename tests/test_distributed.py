@@ -611,6 +611,40 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
     assert "broadcast" in calls and "all_reduce" in calls
 
 
+def test_bucket_readiness_is_counted_in_cpp(world_of_one: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradients' readiness is counted in C++ (csrc/dpcore/grad_ready.h):
+    a synchronizing backward calls the Python side once when it begins and
+    at most once per bucket, never once per parameter; a backward under
+    no_sync not at all. The gradients equal the bare module's."""
+    from dpcore import _buckets
+
+    calls: list[str] = []
+    for name in ("_begin", "_ready"):
+        real = getattr(_buckets.BucketReducer, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _name: str = name) -> None:
+            calls.append(_name)
+            _real(self, *args)
+
+        monkeypatch.setattr(_buckets.BucketReducer, name, counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(10)]).double()
+    reference = copy.deepcopy(model)
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one, bucket_bytes=3 * 8 * 8 * 8)
+    buckets = len(dp._sync._buckets)
+    assert 1 < buckets < len(list(model.parameters())) // 2
+    x = torch.randn(6, 8, dtype=torch.float64)
+    dp(x).square().mean().backward()
+    assert calls.count("_begin") == 1 and 1 <= calls.count("_ready") <= buckets, calls
+    reference(x).square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+    calls.clear()
+    with dp.no_sync():
+        dp(x).sum().backward()
+    assert calls == []
+
+
 @pytest.mark.parametrize("replicas", [1, 3])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
 def test_sync_batchnorm_across_a_group_of_one_equals_one_device(

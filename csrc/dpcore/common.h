@@ -3,7 +3,7 @@
 //
 // The core's headers include only those of the layers below them:
 //   common.h  device.h  env.h  host_allocator.h  worker_pool.h  rendezvous.h
-//                                 (no dpcore header)
+//   grad_ready.h                  (no dpcore header)
 //   sync_batchnorm.h              synchronized BatchNorm (on rendezvous.h)
 //   flatten.h                     layouts and buckets
 //   kernels.h  cuda/host_staging.h  pack / unpack / reduce_add_n; the pinned ring

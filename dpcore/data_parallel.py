@@ -111,7 +111,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
         process_group: Any = None,
-        broadcast_buffers: bool = True,
+        forward_sync_buffers: bool | None = None,
+        broadcast_buffers: bool | None = None,
         cuda_graphs: bool = False,
         replica_refresh: str = "auto",
     ) -> None:
@@ -161,6 +162,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                     self.device_ids[0],
                     process_group,
                     broadcast_buffers=broadcast_buffers,
+                    forward_sync_buffers=forward_sync_buffers,
                     bucket_bytes=self.bucket_bytes,
                     sync_batchnorm=sync_batchnorm,
                 )

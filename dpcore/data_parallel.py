@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
@@ -1146,11 +1147,22 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         that is not its rows: ``loss_items`` where given; for torch's
         CrossEntropyLoss and NLLLoss (reduction "mean", class-index targets)
         the targets other than ``ignore_index``, each counted by its class
-        weight, as those losses divide; else None (weighted by rows)."""
-        if self._reduction != "mean":
-            return None
+        weight, as those losses divide; else None (weighted by rows). A
+        PackedSequence target of a criterion that is not summed is a
+        ValueError without ``loss_items``: a mean over its sequences (the
+        rows) and one over its packed rows weigh the replicas differently."""
         if self.loss_items is not None:
             return [_check_count(self.loss_items(*a, **k), j) for j, (a, k) in enumerate(zip(args, kws))]
+        if not _summed(self._reduction) and isinstance(args[0][-1], PackedSequence):
+            raise ValueError(
+                f"criterion: the target is a PackedSequence and the criterion's reduction is {self._reduction!r}: "
+                f"each replica's loss is weighted by the items it averages over, which for a packed target may be "
+                f"its sequences or its packed rows; declare them with loss_items= (e.g. lambda *args: "
+                f"args[-1].data.size(0) for a mean over packed rows, lambda *args: args[-1].batch_sizes[0] for "
+                f"one over sequences), or use a summed criterion (criterion_reduction='sum')"
+            )
+        if self._reduction != "mean":
+            return None
         criterion = self.criterion
         if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
             return None

@@ -119,12 +119,15 @@ def _broadcast_marks(count: int, ranges: list[tuple[int, int]]) -> list[bool] | 
 class GatherHints(NamedTuple):
     """What the scatter of a call tells the gather of its outputs:
     ``samples``, whether an input was a :class:`Samples` list (then the
-    outputs' lists hold one entry per sample, joined by concatenation), and
-    the :class:`dpcore._packed.Layout` of each PackedSequence input (a
-    PackedSequence output of the same sequences is joined in that order)."""
+    outputs' lists hold one entry per sample, joined by concatenation), the
+    :class:`dpcore._packed.Layout` of each PackedSequence input (a
+    PackedSequence output of the same sequences is joined in that order),
+    and the :class:`dpcore._packed.Rows` of each (a tensor output that is
+    the replicas' packed data is joined in the batch's packed order)."""
 
     samples: bool = False
     packed: tuple[_packed.Layout, ...] = ()
+    rows: tuple[_packed.Rows, ...] = ()
 
 
 NO_HINTS = GatherHints()
@@ -235,7 +238,11 @@ def _split_trees(
                 f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
                 f"every replica"
             ) from e
-    hints = GatherHints(any(noun == "samples" for _, _, noun in units), tuple(s[1] for s in split_packs))
+    hints = GatherHints(
+        any(noun == "samples" for _, _, noun in units),
+        tuple(s[1] for s in split_packs),
+        tuple(s[2] for s in split_packs),
+    )
     return values, used_sizes, used, hints
 
 
@@ -406,6 +413,7 @@ class _Gathering(NamedTuple):
     """What one gather needs at every node besides the replicas' specs."""
 
     destination: DeviceLike | None
+    dim: int
     hints: GatherHints
 
 
@@ -433,6 +441,20 @@ def _merge_packed(
     columns.append(_Joined(lambda: fields, len(fields)))
     kids = tuple(pt._TENSOR if f is not None else pt._NONE for f in joined)
     return pt.Spec(pt.PACKED, type(joined), None, kids, len(fields))
+
+
+def _packed_data(column: list[torch.Tensor], how: _Gathering) -> _Column:
+    """A column of the replicas' tensors in a call with a PackedSequence
+    input: joined in the batch's packed order where they are its packed data
+    (dpcore._packed.data_rows decides, when the gather runs), else as is."""
+
+    def make() -> list[torch.Tensor]:
+        rows = _packed.data_rows(column, how.hints.rows, how.dim)
+        if rows is None:
+            return [Gather.apply(how.destination, how.dim, *column)]
+        return [_packed.join_rows(column, rows, how.destination)]
+
+    return _Joined(make, 1)
 
 
 def _merge_samples(
@@ -471,7 +493,8 @@ def _merge(
         for j, s in enumerate(specs):
             if s.kind is not TENSOR:
                 raise _mismatch(specs, starts, flats, j)
-        columns.append([flat[start] for flat, start in zip(flats, starts)])
+        column = [flat[start] for flat, start in zip(flats, starts)]
+        columns.append(_packed_data(column, how) if how.hints.rows else column)
         return first
 
     if first_kind in _VALUES:
@@ -601,20 +624,26 @@ def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, 
     moved to ``target_device``; other containers are merged as gather merges
     them (a tuple of lists: each list concatenated). A PackedSequence output
     whose sequences have the lengths of a PackedSequence input of the call
-    (``hints.packed``) is joined in that input's order."""
+    (``hints.packed``) is joined in that input's order, and a tensor that
+    is the replicas' packed data of such an input (``hints.rows``) in the
+    batch's packed order (the rule: :func:`dpcore._packed.data_rows`)."""
     if isinstance(outputs, torch.Tensor) or not isinstance(outputs, Sequence):
         raise TypeError(f"outputs: expected a sequence with one output per replica, but got {type(outputs).__name__}")
     values = list(outputs)
     if not values:
         raise ValueError("outputs: expected at least one replica's output, but got none")
     first = values[0]
-    if all(type(v) is torch.Tensor for v in values):
+    if not hints.rows and all(type(v) is torch.Tensor for v in values):
         return _gather_tensors(values, "output", target_device, dim)
     flats = [pt.flatten(v) for v in values]
     columns: list[_Column] = []
     try:
         spec = _merge(
-            [s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns, _Gathering(target_device, hints)
+            [s for _, s in flats],
+            [0] * len(values),
+            [t for t, _ in flats],
+            columns,
+            _Gathering(target_device, dim, hints),
         )
     except _Mismatch as e:
         raise ValueError(

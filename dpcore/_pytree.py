@@ -566,10 +566,12 @@ class Marks:
     * ``packed``: ``(node, start, inside)`` of each PackedSequence, ``inside``
       None, BROADCAST or SAMPLES (the marker around it);
     * ``misplaced``: ``(node, outer)`` of each marker inside another one
-      (``outer`` the kind of the one around it), which scatter refuses.
+      (``outer`` the kind of the one around it), which scatter refuses;
+    * ``lists``: ``(node, start)`` of each ``list`` outside any marker that
+      holds two tensors or more as entries (scatter checks their shapes).
     """
 
-    __slots__ = ("broadcast", "samples", "packed", "misplaced", "any_marker")
+    __slots__ = ("broadcast", "samples", "packed", "misplaced", "lists", "any_marker")
 
     def __init__(self) -> None:
         self.any_marker = False  # whether any Broadcast or Samples was met
@@ -577,6 +579,7 @@ class Marks:
         self.samples: list[tuple[Spec, int]] = []
         self.packed: list[tuple[Spec, int, str | None]] = []
         self.misplaced: list[tuple[Spec, str]] = []
+        self.lists: list[tuple[Spec, int]] = []
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | None = None) -> Spec:
@@ -629,6 +632,8 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
     spec = Spec(node_kind, t, context, specs, len(tensors) - start, template)
     if node_kind is PACKED:
         marks.packed.append((spec, start, inside))
+    elif node_kind is SEQUENCE and inside is None and issubclass(t, list) and specs.count(_TENSOR) > 1:
+        marks.lists.append((spec, start))
     return spec
 
 

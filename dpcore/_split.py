@@ -41,7 +41,13 @@ __all__ = [
     "plan_split",
     "check_first_device",
     "check_repeated_rows",
+    "BatchMismatch",
 ]
+
+
+class BatchMismatch(ValueError):
+    """Tensors of one call whose sizes along the split dim fit no batch
+    (rule 4 of :func:`plan_split`, and rule 0's tensors)."""
 
 
 def _is_bool(value: Any) -> bool:
@@ -312,7 +318,7 @@ def plan_split(
         if replicas is not None
         else ""
     )
-    raise ValueError(
+    raise BatchMismatch(
         f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
         f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
         f"to pass it whole to every replica)"
@@ -364,7 +370,7 @@ def _plan_units(
     replicas = _replicas(sizes)
     for path, size in entries:
         if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
-            raise ValueError(
+            raise BatchMismatch(
                 f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
                 f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one row "
                 f"per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to pass "

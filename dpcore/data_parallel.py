@@ -26,7 +26,15 @@ from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import _module_device, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import NO_HINTS, GatherHints, Scattered, gather_with_hints, scatter_with_hints
+from dpcore.scatter_gather import (
+    NO_HINTS,
+    GatherHints,
+    Scattered,
+    check_image_lists,
+    gather_with_hints,
+    image_list_model,
+    scatter_with_hints,
+)
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -643,6 +651,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
     _call_devices: list[torch.device] | None = None
     # What the scatter of the call in progress told its gather (None outside a call).
     _gather_hints: GatherHints | None = None
+    # The class name of a torchvision detection model (see scatter_gather.image_list_model), else None.
+    _image_lists: str | None = None
 
     def __init__(
         self,
@@ -712,6 +722,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
                 raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
         # ``gather`` is torch's method name; the option is stored as ``gather_output``.
         self.gather_output = gather
+        self._image_lists = image_list_model(module)
         self.bucket_bytes = _check_bucket_bytes(bucket_bytes)
         self._sync: GradientSync | None = None
         if device_ids is None and process_group is not None:
@@ -1037,6 +1048,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
             if criterion is None:
                 return self.module(*inputs, **kwargs), 0
             return criterion(self.module(*inputs[:-1], **kwargs), inputs[-1]), 0
+        if self._image_lists is not None:
+            check_image_lists(self._image_lists, inputs, kwargs)
         args, kws, sizes, used, hints = _split_of(
             self.scatter(inputs, kwargs, self.device_ids), self.device_ids, self.dim
         )

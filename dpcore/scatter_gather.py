@@ -36,7 +36,7 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, as_destination, as_devices, normalize_device
 from dpcore._functions import BroadcastTensor, Gather, Scatter
 from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, SEQUENCE, TENSOR, Broadcast, Samples
-from dpcore._split import check_repeated_rows, check_split, plan_split
+from dpcore._split import BatchMismatch, check_repeated_rows, check_split, plan_split
 
 __all__ = [
     "Broadcast",
@@ -187,7 +187,19 @@ def _split_trees(
         for i, t in enumerate(tensors):
             if i not in tags and (marked is None or not marked[i]):
                 leaves.append((pt.LazyPath(tree, spec, i, path), t))
-    plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim, units)
+    entries = _check_batch(leaves, dim)
+    for (tree, path), (tensors, spec, m) in zip(trees, flats):
+        for node, start in m.lists:
+            _check_list(tree, spec, node, tensors, start, dim, path)
+    try:
+        plan = plan_split(entries, len(devices), chunk_sizes, weights, dim, units)
+    except BatchMismatch as e:
+        if any(_holds_list(spec) for _, spec, _ in flats):
+            raise BatchMismatch(
+                f"{e}; a list with one entry per sample (images of different sizes, their target dicts) goes in "
+                f"dpcore.Samples(list), which splits it between samples"
+            ) from None
+        raise
     used = plan.devices(without_tensors)
     used_sizes = [plan.sizes[i] for i in used] if plan.batch is not None else [0] * len(used)
     used_devices = [devices[i] for i in used]
@@ -244,6 +256,38 @@ def _split_trees(
         tuple(s[2] for s in split_packs),
     )
     return values, used_sizes, used, hints
+
+
+def _check_list(
+    tree: Any, spec: pt.Spec, node: pt.Spec, tensors: list[torch.Tensor], start: int, dim: int, path: str
+) -> None:
+    """ValueError naming dpcore.Samples where two tensor entries of the list
+    `node` (its tensors from `start`) have one rank and one size along `dim`
+    but differ in another dimension (images of different sizes): a list of
+    samples, not of batch tensors."""
+    seen: dict[int, torch.Tensor] = {}  # the first entry of each rank
+    for child in node.children:
+        if child is pt._TENSOR and tensors[start].dim() > 0:
+            t = tensors[start]
+            other = seen.setdefault(t.dim(), t)
+            if -t.dim() <= dim < t.dim() and t.size(dim) == other.size(dim) and t.shape != other.shape:
+                raise ValueError(
+                    f"{pt.NodePath(tree, spec, node, path)} is a list of tensors of one size along dim {dim} whose "
+                    f"shapes differ otherwise ({list(other.shape)} and {list(t.shape)}), so it is not one batch: a "
+                    f"list of samples (images of different sizes) goes in dpcore.Samples(list), which splits it "
+                    f"between samples, while torch.nn.DataParallel's rule would split every tensor of the list along "
+                    f"dim {dim} (an image along its channels); pass batch tensors of different shapes as a tuple"
+                )
+        start += child.num_tensors
+
+
+def _holds_list(spec: pt.Spec) -> bool:
+    """Whether a ``list`` holding tensors sits in the tree of `spec`, outside markers."""
+    if spec.kind is pt.BROADCAST or spec.kind is pt.SAMPLES or not spec.num_tensors:
+        return False
+    if spec.kind is SEQUENCE and issubclass(spec.type, list):
+        return True
+    return any(_holds_list(child) for child in spec.children)
 
 
 def _packed_column(parts: list[PackedSequence], field: int) -> list[torch.Tensor]:
@@ -336,6 +380,35 @@ def scatter_with_hints(
         [(tuple(inputs), "inputs"), (kwargs, "kwargs")], devs, dim, chunk_sizes, weights, [0]
     )
     return Scattered(args, kws, sizes, used), hints
+
+
+def image_list_model(module: torch.nn.Module) -> str | None:
+    """The class name of `module` where it is a torchvision detection model
+    (it holds torchvision's ``GeneralizedRCNNTransform``, which batches a
+    list of per-image ``[C, H, W]`` tensors itself), else None."""
+    for m in module.modules():
+        t = type(m)
+        if t.__name__ == "GeneralizedRCNNTransform" and t.__module__.startswith("torchvision."):
+            return type(module).__name__
+    return None
+
+
+def check_image_lists(model: str, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """ValueError naming dpcore.Samples where the images or the targets of
+    the torchvision detection model `model` (its ``forward(images,
+    targets=None)``) are a plain list or tuple: whatever the images' sizes,
+    torch's rule would split every image along its channels."""
+    for index, name in enumerate(("images", "targets")):
+        path, value = (
+            (f"inputs[{index}]", inputs[index]) if len(inputs) > index else (f"kwargs[{name!r}]", kwargs.get(name))
+        )
+        if isinstance(value, (list, tuple)) and not pt.is_namedtuple(value):
+            raise ValueError(
+                f"{path} is a plain {type(value).__name__} of {name} given to {model}, a torchvision detection model, "
+                f"which takes one [C, H, W] tensor (and one target dict) per image: wrap it in "
+                f"dpcore.Samples({name}) so that each replica gets whole images; a plain list is split inside every "
+                f"image, along its channels, as torch.nn.DataParallel splits it"
+            )
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:

@@ -830,8 +830,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=_WrapperMeta):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if isinstance(state.get("gather"), bool):  # pickled before the option became gather_output
-            state["gather_output"] = state.pop("gather")
         super().__setstate__(state)
         self.__dict__.update(_fresh_private_state(bool(state.get("cuda_graphs"))))
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._options import Options
 from dpcore._split import _as_weight
@@ -125,11 +126,20 @@ class LossRule:
         that is not its rows: ``loss_items`` where given; for torch's
         CrossEntropyLoss and NLLLoss (mean, class-index targets) the targets
         other than ``ignore_index``, each counted by its class weight, as
-        those losses divide (on the devices: no synchronization); else None."""
-        if self.reduction != "mean":
-            return None
+        those losses divide (on the devices: no synchronization); else None.
+        A PackedSequence target of a mean criterion needs ``loss_items``."""
         if self.loss_items is not None:
             return self._counted(call)
+        if not self.summed and isinstance(call.args[0][-1], PackedSequence):
+            raise ValueError(
+                f"criterion: the target is a PackedSequence and the criterion's reduction is {self.reduction!r}: "
+                f"each replica's loss is weighted by the items it averages over, which for a packed target may be "
+                f"its sequences or its packed rows; declare them with loss_items= (e.g. lambda *args: "
+                f"args[-1].data.size(0) for a mean over packed rows, lambda *args: args[-1].batch_sizes[0] for "
+                f"one over sequences), or use a summed criterion (criterion_reduction='sum')"
+            )
+        if self.reduction != "mean":
+            return None
         criterion = self.criterion
         if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
             return None

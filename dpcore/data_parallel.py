@@ -41,7 +41,15 @@ from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import NO_HINTS, GatherHints, Scattered, gather_with_hints, scatter_with_hints
+from dpcore.scatter_gather import (
+    NO_HINTS,
+    GatherHints,
+    Scattered,
+    check_image_lists,
+    gather_with_hints,
+    image_list_model,
+    scatter_with_hints,
+)
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -153,6 +161,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
         self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
+        self._image_lists = image_list_model(module)  # a torchvision detection model's class name, else None
         self._sync: GradientSync | None = None
         if self.device_ids:
             self.__dict__.update(_fresh_private_state(cuda_graphs))
@@ -322,6 +331,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def _scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call's record, from ``scatter`` (dpcore's, or an override's pair)."""
+        if self._image_lists is not None:
+            check_image_lists(self._image_lists, inputs, kwargs)
         result = self.scatter(inputs, kwargs, self.device_ids)
         if isinstance(result, _ScatteredPair):
             call = result.call

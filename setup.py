@@ -153,10 +153,13 @@ def _extension():
     arches = _arch_list() if with_cuda else ""
     _write_build_info()
     # at::parallel_for is an inline OpenMP template: without -fopenmp the
-    # kernels' parallel loops would silently run on one thread.
-    cxx = ["-O3", "-fopenmp"]
+    # kernels' parallel loops would silently run on one thread. -g0: no debug
+    # information, which Python's own CFLAGS (-g) would add to every object.
+    cxx = ["-O3", "-g0", "-fopenmp"]
     link = ["-fopenmp", *link_check.SHARED_LIBSTDCXX_LINK_ARGS]
-    define_macros = []
+    # The ATen/ops/<op>.h headers of torch's wheel: csrc/dpcore's sources
+    # (TORCH_ASSERT_ONLY_METHOD_OPERATORS) include only the operators they call.
+    define_macros = [("AT_PER_OPERATOR_HEADERS", None)]
     include_dirs = [str(CSRC)]
     if with_cuda:
         define_macros += [("DPCORE_WITH_CUDA", None), ("DPCORE_CUDA_ARCH_LIST", f'"{arches}"')]

@@ -1,8 +1,12 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/common.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 
 #include "dpcore/host_allocator.h"
 

@@ -1,3 +1,5 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/device.h"
 
 #include <c10/core/Event.h>

@@ -1,8 +1,11 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/flatten.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include <map>
 #include <utility>

@@ -1,9 +1,11 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/host_allocator.h"
 
 #include "dpcore/env.h"
 
-#include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 

@@ -5,7 +5,9 @@
 // their implementations at the bottom of their own files: CPU in
 // kernels/pack.cpp and kernels/reduce_add_n.cpp, CUDA in cuda/pack.cu and
 // cuda/reduce_add_n.cu. No Python here: torch/library.h is libtorch.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 namespace dpcore {

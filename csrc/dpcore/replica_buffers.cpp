@@ -1,6 +1,9 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/replica_buffers.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>

@@ -1,6 +1,16 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/sync_batchnorm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/batch_norm.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/native_batch_norm_backward.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 

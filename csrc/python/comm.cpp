@@ -4,7 +4,7 @@
 // scatter, scatter_out, gather, gather_out, balanced_chunk_sizes, make_buckets,
 // unflatten. Every
 // collective releases the GIL while it runs.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <vector>

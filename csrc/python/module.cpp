@@ -3,7 +3,8 @@
 // host cache and peer access; then every binding translation unit of
 // csrc/python/ (bindings.h). csrc/python/ is the only folder that includes
 // pybind11 and the Python headers.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
 
 #include <optional>
 #include <string>

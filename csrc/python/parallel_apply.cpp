@@ -3,7 +3,7 @@
 // it back every kSignalPoll so that Ctrl-C reaches it), and each worker takes
 // it only to call into Python. Each call that shares a generator with
 // another runs in a random stream of its own (dpcore/replica_rng.h).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <chrono>

@@ -4,7 +4,7 @@
 // master's parameters and buffers, and the per-step refresh that re-syncs
 // each replica's attribute dicts from its master's and points its parameter
 // and buffer slots at fresh views of the buffers.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>

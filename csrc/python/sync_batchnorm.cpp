@@ -3,7 +3,7 @@
 // The methods that can block release the GIL. The rendezvous never destroys
 // a tensor (which may take the GIL) under its lock, so the properties, which
 // keep the GIL, only ever wait for short critical sections.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <cmath>

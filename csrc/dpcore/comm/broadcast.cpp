@@ -1,5 +1,7 @@
 // broadcast, broadcast_out, broadcast_coalesced.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>

@@ -1,3 +1,5 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/comm/checks.h"
 
 #include <ATen/MemoryOverlap.h>

@@ -4,7 +4,8 @@
 // (reduce_add_n.cu). CUDA builds only.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>

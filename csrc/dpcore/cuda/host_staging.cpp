@@ -1,6 +1,10 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/cuda/host_staging.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAException.h>

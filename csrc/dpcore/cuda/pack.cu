@@ -11,7 +11,9 @@
 // the source is read once and written to all of them.
 // Registers the CUDA implementations of torch.ops.dpcore.pack / .pack_multi /
 // .unpack.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAException.h>

@@ -1,5 +1,7 @@
 // Peer access between CUDA devices (CUDA builds only): cuda::peer_access,
 // declared in device.h, behind dpcore::can_access_directly.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/device.h"
 
 #include <ATen/cuda/PeerToPeerAccess.h>

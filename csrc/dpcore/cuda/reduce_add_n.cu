@@ -4,9 +4,11 @@
 // float across all of them and are rounded once, as the CPU kernel does (the
 // same float additions in the same order).
 // Registers the CUDA implementation of torch.ops.dpcore.reduce_add_n.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,5 +1,7 @@
 // detail::backend_for: the one place where a kernel's entry point picks the
 // implementation for a device (kernels.h).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/kernels.h"
 
 namespace dpcore {

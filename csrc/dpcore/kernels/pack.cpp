@@ -2,8 +2,10 @@
 // CPU implementation (the reference), the ATen-generic one for other
 // devices, the checked entry points, and the CPU registration of the
 // operators torch.ops.dpcore.pack / .pack_multi / .unpack.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>

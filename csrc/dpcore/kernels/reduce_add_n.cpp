@@ -1,10 +1,12 @@
 // reduce_add_n: out (+)= the sum of K equally shaped tensors, in one pass.
 // CPU implementation (the reference), the device dispatch, and the CPU
 // registration of the operator torch.ops.dpcore.reduce_add_n.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>

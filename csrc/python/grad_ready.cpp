@@ -2,7 +2,7 @@
 // call the front end's Python callables with the GIL (the autograd engine
 // runs hooks without it); a Python exception they raise reaches the caller
 // of backward() as itself.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <memory>

@@ -43,10 +43,11 @@ struct GradReadiness::State {
         prefix = 0;
         begin = true;
       } else {
-        TORCH_CHECK(current == task,
-                    "DataParallel(process_group=...): a backward pass reached the parameters while another one that "
-                    "synchronizes them has not finished (a reentrant backward, such as "
-                    "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)");
+        TORCH_CHECK(
+            current == task,
+            "DataParallel(process_group=...): a backward pass reached the parameters while another one that "
+            "synchronizes them has not finished (a reentrant backward, such as "
+            "torch.utils.checkpoint(..., use_reentrant=True), is not supported: use use_reentrant=False)");
       }
       remaining[static_cast<size_t>(bucket_of[index])] -= 1;
       if (!deferred) {
@@ -69,22 +70,26 @@ struct GradReadiness::State {
   }
 };
 
-GradReadiness::GradReadiness(const std::vector<at::Tensor>& params, std::vector<int64_t> bucket_of,
-                             std::vector<int64_t> order, Begin on_begin, Ready on_ready)
+GradReadiness::GradReadiness(
+    const std::vector<at::Tensor>& params, std::vector<int64_t> bucket_of, std::vector<int64_t> order,
+    Begin on_begin, Ready on_ready)
     : state_(std::make_shared<State>()) {
-  TORCH_CHECK(bucket_of.size() == params.size(), "GradReadiness: expected one bucket index per parameter (",
-              params.size(), "), but got ", bucket_of.size());
+  TORCH_CHECK(
+      bucket_of.size() == params.size(), "GradReadiness: expected one bucket index per parameter (",
+      params.size(), "), but got ", bucket_of.size());
   const int64_t buckets = static_cast<int64_t>(order.size());
   std::vector<int64_t> sizes(order.size(), 0);
   for (const int64_t b : bucket_of) {
-    TORCH_CHECK(b >= 0 && b < buckets, "GradReadiness: expected bucket indices in [0, ", buckets, "), but got ", b);
+    TORCH_CHECK(
+        b >= 0 && b < buckets, "GradReadiness: expected bucket indices in [0, ", buckets, "), but got ", b);
     sizes[static_cast<size_t>(b)] += 1;
   }
   std::vector<int64_t> sorted = order;
   std::sort(sorted.begin(), sorted.end());
   for (int64_t b = 0; b < buckets; ++b) {
-    TORCH_CHECK(sorted[static_cast<size_t>(b)] == b, "GradReadiness: expected the launch order to hold every bucket of [0, ",
-                buckets, ") once");
+    TORCH_CHECK(
+        sorted[static_cast<size_t>(b)] == b,
+        "GradReadiness: expected the launch order to hold every bucket of [0, ", buckets, ") once");
   }
   state_->bucket_of = std::move(bucket_of);
   state_->order = std::move(order);
@@ -97,17 +102,21 @@ GradReadiness::GradReadiness(const std::vector<at::Tensor>& params, std::vector<
   const std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.requires_grad() && p.is_leaf(),
-                "GradReadiness: expected parameters that are leaves requiring grad, but parameter ", i, " is not");
+    TORCH_CHECK(
+        p.requires_grad() && p.is_leaf(),
+        "GradReadiness: expected parameters that are leaves requiring grad, but parameter ", i, " is not");
     c10::intrusive_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(p);
     TORCH_CHECK(accumulator, "GradReadiness: parameter ", i, " has no gradient accumulator");
-    keys_.push_back(accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list& /*inputs*/) {
-          if (const std::shared_ptr<State> state = weak.lock()) {
-            state->on_grad(i);
-          }
-          return outputs;
-        })));
+    keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [weak, i](
+                const torch::autograd::variable_list& outputs,
+                const torch::autograd::variable_list& /*inputs*/) {
+              if (const std::shared_ptr<State> state = weak.lock()) {
+                state->on_grad(i);
+              }
+              return outputs;
+            })));
     accumulators_.push_back(std::move(accumulator));
   }
 }

@@ -32,8 +32,9 @@ class GradReadiness {
   // params[i], in [0, buckets); `order`: every bucket once, in launch order.
   // Keeps each parameter's AccumulateGrad node alive (so every graph uses the
   // hooked one) and hooks it.
-  GradReadiness(const std::vector<at::Tensor>& params, std::vector<int64_t> bucket_of,
-                std::vector<int64_t> order, Begin on_begin, Ready on_ready);
+  GradReadiness(
+      const std::vector<at::Tensor>& params, std::vector<int64_t> bucket_of, std::vector<int64_t> order,
+      Begin on_begin, Ready on_ready);
   ~GradReadiness(); // remove()
   GradReadiness(const GradReadiness&) = delete;
   GradReadiness& operator=(const GradReadiness&) = delete;

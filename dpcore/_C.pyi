@@ -68,6 +68,33 @@ def peer_access(devices: Sequence[torch.device]) -> dict[tuple[int, int], bool]:
 
 # -- parallel_apply on the worker pool (csrc/python/parallel_apply.cpp) --------
 
+class GradReadiness:
+    """Counts, in C++, the parameters of each gradient bucket whose gradient a
+    backward accumulated (csrc/dpcore/grad_ready.h): calls `on_begin()` once
+    per synchronizing backward and `on_ready(prefix)` when the buckets
+    `order[:prefix]` are complete."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_of: Sequence[int],
+        order: Sequence[int],
+        on_begin: Callable[[], None],
+        on_ready: Callable[[int], None],
+    ) -> None: ...
+    def arm(self, armed: bool, deferred: bool) -> None:
+        """Whether the next backward synchronizes; whether launches wait for the final callback."""
+
+    def reset(self) -> None:
+        """No synchronizing backward in progress."""
+
+    @property
+    def task(self) -> int:
+        """The graph task of the synchronizing backward in progress, -1 if none."""
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+
 class ParallelRun:
     """The calls started by start_parallel_apply."""
 
@@ -99,6 +126,9 @@ def start_parallel_apply(
     *,
     all_at_once: bool = False,
 ) -> ParallelRun: ...
+def replica_generator(device: torch.device) -> torch.Generator | None:
+    """This thread's stream generator for `device` inside a replica that has one, else None."""
+
 def worker_thread_count() -> int: ...
 def worker_pool_count() -> int: ...
 
@@ -113,6 +143,9 @@ class ReplicaBuffers:
 
     def update(self, tensors: Sequence[torch.Tensor]) -> None: ...
     def invalidate(self) -> None: ...
+    def verify(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of the entries whose replica bytes differ from `tensors` where no refresh would copy."""
+
     @property
     def last_refresh_copied(self) -> bool: ...
 

@@ -17,12 +17,14 @@ from dpcore.info import info
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import replicate
 from dpcore.scatter_gather import Broadcast, Samples, gather, scatter
+from dpcore.sharded_optimizer import ShardedOptimizer
 from dpcore.sync_batchnorm import SyncBatchNormError
 
 __all__ = [
     "Broadcast",
     "DataParallel",
     "Samples",
+    "ShardedOptimizer",
     "SyncBatchNormError",
     "TorchPatch",
     "comm",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._options import Options
 from dpcore._split import _as_weight
@@ -26,7 +27,9 @@ from dpcore._split import _as_weight
 class Call:
     """One call's record, from its scatter to its result: each replica's
     arguments, rows, and device (``used``: indices into the device list),
-    and what the gather needs to know of the inputs (``hints``)."""
+    what the gather needs to know of the inputs (``hints``), and for a call
+    of another method than forward, its rule (``method``: a
+    :class:`dpcore._methods.Method`)."""
 
     args: list[Any]
     kws: list[Any]
@@ -34,6 +37,7 @@ class Call:
     used: list[int]
     devices: list[torch.device]
     hints: Any
+    method: Any = None
 
     @property
     def rows(self) -> int:
@@ -58,11 +62,12 @@ class LossRule:
         (the process group weighs its processes by it)."""
         return self.reduction == "sum"
 
-    def make_call(self, module: Callable[..., Any]) -> Callable[..., Any]:
-        """What a replica runs: `module`, or with a criterion, `module` on all
-        but the last argument followed by ``criterion(output, last argument)``."""
+    def make_call(self, module: Callable[..., Any], method: Any = None) -> Callable[..., Any]:
+        """What a replica runs: `module`, or with a criterion (and no
+        `method`: a method's call has no loss), `module` on all but the last
+        argument followed by ``criterion(output, last argument)``."""
         criterion = self.criterion
-        if criterion is None:
+        if criterion is None or method is not None:
             return module
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -72,7 +77,10 @@ class LossRule:
 
     def combine(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
         """What the call returns from the replicas' `outputs`; `gather` joins
-        a list of per-replica outputs on the output device."""
+        a list of per-replica outputs on the output device. A method's call
+        is gathered by its own rule (or not, with ``gather=False``)."""
+        if call.method is not None:
+            return call.method.combine(outputs, call, gather) if self.gather_output else outputs
         if self.criterion is not None:
             return self._criterion_loss(outputs, call)
         if not self.gather_output:
@@ -118,11 +126,20 @@ class LossRule:
         that is not its rows: ``loss_items`` where given; for torch's
         CrossEntropyLoss and NLLLoss (mean, class-index targets) the targets
         other than ``ignore_index``, each counted by its class weight, as
-        those losses divide (on the devices: no synchronization); else None."""
-        if self.reduction != "mean":
-            return None
+        those losses divide (on the devices: no synchronization); else None.
+        A PackedSequence target of a mean criterion needs ``loss_items``."""
         if self.loss_items is not None:
             return self._counted(call)
+        if not self.summed and isinstance(call.args[0][-1], PackedSequence):
+            raise ValueError(
+                f"criterion: the target is a PackedSequence and the criterion's reduction is {self.reduction!r}: "
+                f"each replica's loss is weighted by the items it averages over, which for a packed target may be "
+                f"its sequences or its packed rows; declare them with loss_items= (e.g. lambda *args: "
+                f"args[-1].data.size(0) for a mean over packed rows, lambda *args: args[-1].batch_sizes[0] for "
+                f"one over sequences), or use a summed criterion (criterion_reduction='sum')"
+            )
+        if self.reduction != "mean":
+            return None
         criterion = self.criterion
         if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
             return None

@@ -20,7 +20,7 @@ from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._split import as_int, check_split
 from dpcore.parallel_apply import _module_device
-from dpcore.replicate import check_on_device
+from dpcore.replicate import check_on_device, check_replica_refresh
 
 #: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
 CRITERION_REDUCTIONS = ("mean", "sum")
@@ -53,6 +53,7 @@ class Options:
     bucket_bytes: int
     sync_batchnorm: bool
     cuda_graphs: bool
+    replica_refresh: str
 
 
 def check_options(
@@ -73,6 +74,7 @@ def check_options(
     sync_batchnorm: bool,
     process_group: Any,
     cuda_graphs: bool,
+    replica_refresh: str,
     base: type,
 ) -> Options:
     """The checked options of a `cls` wrapper of `module` (`base`: dpcore's
@@ -122,6 +124,7 @@ def check_options(
         bucket_bytes=size,
         sync_batchnorm=sync_batchnorm,
         cuda_graphs=cuda_graphs,
+        replica_refresh=check_replica_refresh(replica_refresh),
     )
 
 

@@ -22,6 +22,10 @@ inverse). The one place for the index arithmetic of both directions:
   output of an RNN is the one-device output, field by field), else the
   stable longest-first order; rows are concatenated with the differentiable
   Gather and put in place with one ``index_select``.
+* :func:`data_rows` and :func:`join_rows`: a tensor output that is each
+  replica's packed data (``out.data`` of an RNN: one row per packed row of
+  its PackedSequence input) is put back in the whole batch's packed order
+  (the rule and its one ambiguity: :func:`data_rows`).
 
 Index work runs on the host, on CPU int64 tensors (``batch_sizes`` is on
 the CPU already; ``sorted_indices`` on an accelerator is read once, as
@@ -39,7 +43,7 @@ from torch.nn.utils.rnn import PackedSequence
 from dpcore._devices import DeviceLike
 from dpcore._functions import Gather, Scatter
 
-__all__ = ["Layout", "layout", "count", "split", "join"]
+__all__ = ["Layout", "Rows", "layout", "count", "split", "join", "data_rows", "join_rows"]
 
 
 class Layout(NamedTuple):
@@ -51,6 +55,18 @@ class Layout(NamedTuple):
     lengths: torch.Tensor
     sorted_indices: torch.Tensor
     given_sorted: bool
+
+
+class Rows(NamedTuple):
+    """Where the replicas' packed rows of one split PackedSequence go:
+    replica j holds ``rows[j]`` packed rows of ``sequences[j]`` sequences;
+    ``order`` is the whole batch's packed row of each row of the replicas'
+    rows concatenated in replica order (CPU int64), None where that is the
+    identity (then the concatenation is the batch's packed order)."""
+
+    rows: tuple[int, ...]
+    sequences: tuple[int, ...]
+    order: torch.Tensor | None
 
 
 def _cpu_long(t: torch.Tensor) -> torch.Tensor:
@@ -96,12 +112,12 @@ def count(packed: PackedSequence) -> int:
 
 def split(
     packed: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]
-) -> tuple[list[PackedSequence], Layout]:
+) -> tuple[list[PackedSequence], Layout, Rows]:
     """``packed`` cut into ``len(sizes)`` PackedSequences on ``devices``:
     the i-th gets the next ``sizes[i]`` sequences of the original order (see
-    the module doc), and ``packed``'s :class:`Layout`. ``sizes`` sum to the
-    number of sequences; every entry is positive unless there is one
-    replica."""
+    the module doc), ``packed``'s :class:`Layout` and the :class:`Rows` of
+    the parts. ``sizes`` sum to the number of sequences; every entry is
+    positive unless there is one replica."""
     info = layout(packed)
     batch_sizes = _cpu_long(packed.batch_sizes)
     times, positions = _row_times(batch_sizes)
@@ -127,7 +143,51 @@ def split(
             sorted_indices = mine.to(device)
             unsorted_indices = _inverse(mine).to(device)
         out.append(PackedSequence(parts[j], local_sizes, sorted_indices, unsorted_indices))
-    return out, info
+    identity = torch.equal(order, torch.arange(order.numel(), dtype=torch.int64))
+    return out, info, Rows(tuple(rows), tuple(sizes), None if identity else order)
+
+
+def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -> Rows | None:
+    """The :class:`Rows` of the split whose packed data the replicas' output
+    tensors `parts` are, or None where they are gathered as any output is
+    (concatenated along `dim`). The rule, for each split in turn:
+
+    * `parts` are its packed data when, on every replica, their size along
+      dim 0 is the replica's packed rows, unless their size along `dim` is
+      also the replica's sequences on every replica (one row per sequence:
+      the gather's own reading);
+    * both at once along dim 0 means every sequence has length 1: where the
+      concatenation is the batch's packed order (``order`` None) the two
+      readings agree; otherwise ValueError (the two orders differ and
+      nothing tells them apart), never a guess.
+    """
+    for split in splits:
+        if len(parts) != len(split.rows) or not all(t.dim() > 0 and t.size(0) == r for t, r in zip(parts, split.rows)):
+            continue
+        along_rows = dim in (0, -parts[0].dim())  # the gather concatenates along dim 0 too
+        if not all(-t.dim() <= dim < t.dim() and t.size(dim) == n for t, n in zip(parts, split.sequences)):
+            return None if split.order is None and along_rows else split
+        if not along_rows or split.order is None:
+            return None
+        raise ValueError(
+            "on every replica it has one row per sequence, which is also one row per packed row of the "
+            "PackedSequence input: every sequence of this batch has length 1 and the batch's packed order "
+            "(its sorted_indices) is not the order of its sequences, so packed data (put back in the packed "
+            "order) cannot be told from one row per sequence (kept in order). Return packed data as a "
+            "PackedSequence (with the input's batch_sizes, sorted_indices and unsorted_indices), or pass "
+            "gather=False to get each replica's output"
+        )
+    return None
+
+
+def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike | None) -> torch.Tensor:
+    """The replicas' packed data `parts` (see :func:`data_rows`) as one
+    tensor in the whole batch's packed order, on `destination`,
+    differentiably (one Gather and one ``index_select``)."""
+    gathered = Gather.apply(destination, 0, *parts)
+    if rows.order is None:
+        return gathered
+    return gathered.index_select(0, _inverse(rows.order).to(gathered.device))
 
 
 def join(

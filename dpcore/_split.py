@@ -181,15 +181,20 @@ def split_sizes(
         raise ValueError(f"batch: expected a non-negative size, but got {batch}")
     if n_devices < 1:
         raise ValueError(f"n_devices: expected at least one device, but got {n_devices}")
-    sizes, ws = check_split(chunk_sizes, weights, n_devices)
-    if sizes is not None:
-        if sum(sizes) != batch:
+    return _sizes(batch, n_devices, *check_split(chunk_sizes, weights, n_devices))
+
+
+def _sizes(batch: int, n_devices: int, chunk_sizes: list[int] | None, weights: list[float] | None) -> list[int]:
+    """split_sizes of arguments checked already (as check_split returns them)."""
+    if chunk_sizes is not None:
+        if sum(chunk_sizes) != batch:
             raise ValueError(
-                f"chunk_sizes: expected sizes summing to the batch size {batch}, but {sizes} sum to {sum(sizes)}"
+                f"chunk_sizes: expected sizes summing to the batch size {batch}, but {chunk_sizes} sum to "
+                f"{sum(chunk_sizes)}"
             )
-        return sizes
-    if ws is not None:
-        return _proportional(batch, ws)
+        return chunk_sizes
+    if weights is not None:
+        return _proportional(batch, weights)
     return balanced(batch, n_devices)
 
 
@@ -228,6 +233,7 @@ def plan_split(
     weights: Sequence[float] | None = None,
     dim: int = 0,
     units: Sequence[tuple[Any, int, str]] = (),
+    hint: Any = "",
 ) -> SplitPlan:
     """The scatter rules, for the tensors of one call: ``entries`` holds one
      ``(path, size)`` per tensor to scatter, ``size`` its size along the split
@@ -267,23 +273,25 @@ def plan_split(
      4. Every other disagreement is a ValueError naming two paths and their
         sizes and the replica count: nothing is truncated.
 
-     Errors of ``chunk_sizes`` / ``weights`` against the batch are those of
-     :func:`split_sizes`.
+     ``hint`` (formatted only then) ends the messages of 0. and 4.
+     ``chunk_sizes`` / ``weights`` are taken as :func:`check_split` returns
+     them (checked once per call, by the caller); their errors against the
+     batch are those of :func:`split_sizes`.
     """
     if units:
-        return _plan_units(entries, n_devices, chunk_sizes, weights, dim, units)
+        return _plan_units(entries, n_devices, chunk_sizes, weights, dim, units, hint)
     sized = [(path, size) for path, size in entries if size is not None]
     if not sized:
         return SplitPlan(None, [], 1)
     first_path, first = sized[0]
     distinct = list(dict.fromkeys(size for _, size in sized))
     if len(distinct) == 1:
-        sizes = split_sizes(first, n_devices, chunk_sizes, weights)
+        sizes = _sizes(first, n_devices, chunk_sizes, weights)
         return SplitPlan(first, sizes, _replicas(sizes))
     if len(distinct) == 2:
         for batch, other in (distinct, distinct[::-1]):
             try:
-                sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+                sizes = _sizes(batch, n_devices, chunk_sizes, weights)
             except (TypeError, ValueError):
                 continue  # this size cannot be the batch under the split given
             if _replicas(sizes) == other:
@@ -292,7 +300,7 @@ def plan_split(
             if other != n_devices:
                 continue
             try:
-                sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+                sizes = _sizes(batch, n_devices, chunk_sizes, weights)
             except (TypeError, ValueError):
                 continue
             if _replicas(sizes) < n_devices:
@@ -300,7 +308,7 @@ def plan_split(
     # No size is the batch: name the first tensor whose size is neither the
     # first tensor's nor (as one row per replica) the replica count that size gives.
     try:
-        replicas: int | None = _replicas(split_sizes(first, n_devices, chunk_sizes, weights))
+        replicas: int | None = _replicas(_sizes(first, n_devices, chunk_sizes, weights))
     except (TypeError, ValueError):
         replicas = None
     path, size = next(
@@ -315,7 +323,7 @@ def plan_split(
     raise ValueError(
         f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
         f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
-        f"to pass it whole to every replica)"
+        f"to pass it whole to every replica){hint}"
     )
 
 
@@ -351,6 +359,7 @@ def _plan_units(
     weights: Sequence[float] | None,
     dim: int,
     units: Sequence[tuple[Any, int, str]],
+    hint: Any,
 ) -> SplitPlan:
     """plan_split's rule 0 (see there)."""
     first_path, batch, noun = units[0]
@@ -360,7 +369,7 @@ def _plan_units(
                 f"{path} has {count} {what} but {first_path} has {batch} {noun}: every input that is split between "
                 f"samples (dpcore.Samples lists, PackedSequences) in one call must hold the batch's number of them"
             )
-    sizes = split_sizes(batch, n_devices, chunk_sizes, weights)
+    sizes = _sizes(batch, n_devices, chunk_sizes, weights)
     replicas = _replicas(sizes)
     for path, size in entries:
         if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
@@ -368,7 +377,7 @@ def _plan_units(
                 f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
                 f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one row "
                 f"per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to pass "
-                f"it whole to every replica)"
+                f"it whole to every replica){hint}"
             )
     return SplitPlan(batch, sizes, replicas)
 

@@ -14,13 +14,14 @@ This module closes that gap with one process-wide optimizer step post-hook
 wrapper, fused or not), the parameters of its ``param_groups`` that a live
 replica cache tracks get their version counters bumped
 (``torch.autograd.graph.increment_version``), exactly as a non-fused step
-would have done. Nothing happens where no optimizer stepped, so a forward
-that follows no step copies nothing; parameters of other models, and
-parameters no optimizer holds (frozen ones), are never touched.
+would have done. A forward that follows no step copies nothing; other
+models' parameters and frozen ones are never touched.
 
 The hook is registered the first time a replica cache with replicas is
 built (never at import), and stays registered; with no cache alive it only
-walks the stepping optimizer's parameter list.
+walks the stepping optimizer's parameter list. It skips an optimizer whose
+class sets ``_marks_own_changes`` (dpcore.ShardedOptimizer: its shards'
+steps and its in-place copies into the masters mark them already).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _handle: Any = None
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The post-hook: bumps the version counters of the stepped optimizer's
     tracked parameters."""
-    if not _tracked:
+    if not _tracked or getattr(optimizer, "_marks_own_changes", False):
         return
     changed = [p for group in optimizer.param_groups for p in group["params"] if id(p) in _tracked]
     if changed:

@@ -33,6 +33,7 @@ from dpcore._dropin import (
     strip_module_prefix,
 )
 from dpcore._loss import Call, LossRule
+from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
 from dpcore._pytree import without_markers
 from dpcore._split import check_first_device
@@ -40,7 +41,15 @@ from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import NO_HINTS, GatherHints, Scattered, gather_with_hints, scatter_with_hints
+from dpcore.scatter_gather import (
+    NO_HINTS,
+    GatherHints,
+    Scattered,
+    check_image_lists,
+    gather_with_hints,
+    image_list_model,
+    scatter_with_hints,
+)
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -110,8 +119,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_batchnorm: bool = False,
         process_group: Any = None,
-        broadcast_buffers: bool = True,
+        forward_sync_buffers: bool | None = None,
+        broadcast_buffers: bool | None = None,
         cuda_graphs: bool = False,
+        replica_refresh: str = "auto",
     ) -> None:
         # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
         # indices, move the module and warn): only nn.Module's.
@@ -135,6 +146,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             sync_batchnorm=sync_batchnorm,
             process_group=process_group,
             cuda_graphs=cuda_graphs,
+            replica_refresh=replica_refresh,
             base=DataParallel,
         )
         self.module = module
@@ -147,7 +159,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self.gather_output = gather  # ``gather`` is torch's method name
         self.bucket_bytes = options.bucket_bytes
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
+        self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
+        self._image_lists = image_list_model(module)  # a torchvision detection model's class name, else None
         self._sync: GradientSync | None = None
         if self.device_ids:
             self.__dict__.update(_fresh_private_state(cuda_graphs))
@@ -157,6 +171,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                     self.device_ids[0],
                     process_group,
                     broadcast_buffers=broadcast_buffers,
+                    forward_sync_buffers=forward_sync_buffers,
                     bucket_bytes=self.bucket_bytes,
                     sync_batchnorm=sync_batchnorm,
                 )
@@ -170,11 +185,18 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             if name in ("module", "_join_config", *self._replica_private_attrs):
                 raise
             try:
-                return getattr(self.module, name)
+                found = getattr(self.module, name)
             except AttributeError:
                 if name not in DDP_ONLY:
                     raise
-            raise ddp_only_error(name, self.module) from None
+                raise ddp_only_error(name, self.module) from None
+            return self.parallel(name) if name in PARALLEL_BY_NAME else found
+
+    def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
+        """The module's method `name`, run data parallel: scattered and gathered
+        as forward (no loss rule), outputs whose sizes differ beyond ``dim``
+        padded with `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
+        return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix: keys(), ``in``
@@ -189,8 +211,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self.module.state_dict(destination=destination, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Loads a bare module's state dict, or one with torch's ``module.`` keys."""
-        return self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
+        """Loads a bare module's state dict, or one with torch's ``module.``
+        keys; the next call copies every tensor to the replicas."""
+        result = self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
+        if self._cache is not None:  # a module may load through .data
+            self._cache.invalidate()
+        return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Reached when this wrapper is a submodule of a module whose
@@ -282,23 +308,31 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     forward = SignedForward(forward)  # type: ignore[assignment]
 
     def _forward(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], through: Callable[[Any], Any] | None = None
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        through: Callable[[Any], Any] | None = None,
+        method: Method | None = None,
     ) -> tuple[Any, int]:
         """The call's result and this process's rows: scatter, run, combine.
         `through(replica)` gives what runs in place of each replica (the
-        functional call's; it runs eagerly)."""
-        if self.criterion is not None and not inputs:
+        functional call's, a method's; it runs eagerly); a `method` call
+        (dpcore._methods) is combined by its rule, with no loss rule."""
+        if self.criterion is not None and not inputs and method is None:
             raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
         if not self.device_ids:  # the module as is, given the values inside Broadcast and Samples markers
             inputs, kwargs = without_markers((inputs, kwargs))
             module = self.module if through is None else through(self.module)
-            return self._loss.make_call(module)(*inputs, **kwargs), 0
+            return self._loss.make_call(module, method)(*inputs, **kwargs), 0
         call = self._scatter(inputs, kwargs)
+        call.method = method
         outputs = self._run(call, through)
         return self._loss.combine(outputs, call, lambda outs: self._gather(outs, call)), call.rows
 
     def _scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         """The call's record, from ``scatter`` (dpcore's, or an override's pair)."""
+        if self._image_lists is not None:
+            check_image_lists(self._image_lists, inputs, kwargs)
         result = self.scatter(inputs, kwargs, self.device_ids)
         if isinstance(result, _ScatteredPair):
             call = result.call
@@ -323,7 +357,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         replicas all at once; a lone replica in this thread)."""
         make_call = self._loss.make_call
         if through is not None:
-            make_call = lambda m: self._loss.make_call(through(m))  # noqa: E731
+            make_call = lambda m: self._loss.make_call(through(m), call.method)  # noqa: E731
         elif self._graphs is not None:
             outputs = self._graphs.step(
                 self._replica_cache(),
@@ -394,7 +428,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             check_on_device(self.module, self.device_ids[0], "device_ids[0]")
             if self.cuda_graphs:
                 check_not_compiled(self.module)  # compiled after wrapping
-            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes)
+            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes, refresh=self.replica_refresh)
             if self._sync is not None:  # the gradient buckets follow a structural change (collective)
                 self._sync.check_structure()
         return self._cache
@@ -409,10 +443,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every
-        replica: needed after writes that bypass version counters (``.data``
-        writes, custom kernels) outside any optimizer step. In-place updates
-        under ``torch.no_grad()`` and every ``torch.optim.Optimizer`` step
-        are seen without it."""
+        replica: call it after writes that bypass version counters outside
+        an optimizer step (``p.data.add_(...)``, an EMA copied in through
+        ``.data``, numpy). Without it such a write is still found, at the
+        checks of ``replica_refresh="auto"``, with a warning; in-place
+        updates under ``torch.no_grad()``, new storages, ``load_state_dict``
+        and every ``torch.optim`` step are seen without it."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()

@@ -10,7 +10,6 @@ import torch
 
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_device, normalize_device
-from dpcore._rng import with_own_streams
 
 __all__ = ["parallel_apply", "start_parallel_apply"]
 
@@ -39,7 +38,9 @@ def parallel_apply(
     argument; each call runs under the caller's grad mode, inference mode and
     autocast state (enabled, dtype, cache flag), with ``devices[i]`` (default:
     the module's parameter device) as current device and the caller's current
-    stream on it; the GIL is released while waiting. If calls raise, the
+    stream on it; calls that share a device's default generator with another
+    call each draw from a random stream of their own (docs/design.md,
+    "Randomness"); the GIL is released while waiting. If calls raise, the
     exception of the lowest index is raised as the same object, with a note
     "raised in replica i on device d" and its original traceback (also
     KeyboardInterrupt and other BaseExceptions); the pool stays usable.
@@ -99,7 +100,7 @@ def start_parallel_apply(
     ]
     args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
     return _C.start_parallel_apply(
-        with_own_streams(modules, resolved),
+        modules,
         args,
         [dict(k or {}) for k in kwargs_tup],
         resolved,

@@ -1,22 +1,18 @@
 """Scatter of inputs and gather of outputs for data parallelism, over pytrees.
 
-Pytrees (see :mod:`dpcore._pytree`, which flattens them) are walked through
-tensors, tuples, lists, dicts (any Mapping subclass), namedtuples
-(collections and typing), dataclass instances, types registered with
-``torch.utils._pytree`` (through their registered flatten and unflatten),
-other sized iterables holding tensors (rebuilt from their elements, as
-torch.nn.DataParallel's gather does) and :class:`Broadcast` wrappers; every
-container is rebuilt with its own type for every replica, every other value
-is a leaf. ``torch.Size`` is a leaf. How many rows each device gets is
-:func:`dpcore._split.split_sizes`.
+Pytrees are walked by :mod:`dpcore._pytree` (which containers it enters:
+:mod:`dpcore._nodes`): every container is rebuilt with its own type for
+every replica, every other value is a leaf. How many rows each device gets
+is :func:`dpcore._split.plan_split`.
 
 * :func:`scatter_kwargs`: splits positional and keyword arguments into one
   ``(args, kwargs)`` pair per replica; tensors through the differentiable
   :class:`dpcore._functions.Scatter`, so gradients reach the inputs.
 * :func:`scatter` and :func:`gather`: torch.nn.parallel's top-level
   functions, with their arguments (``dpcore.scatter``, ``dpcore.gather``);
-  gather merges per-replica outputs of one structure into one output,
-  tensors through the differentiable :class:`dpcore._functions.Gather`.
+  gather merges per-replica outputs of one structure into one output
+  (:mod:`dpcore._gather`), tensors through the differentiable
+  :class:`dpcore._functions.Gather`.
 
 Errors name the pytree path of the offending value, e.g.
 ``inputs[1]['mask']``, ``kwargs['x'].field`` or ``output['logits'][0]``.
@@ -24,8 +20,8 @@ Errors name the pytree path of the offending value, e.g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -33,9 +29,11 @@ from torch.nn.utils.rnn import PackedSequence
 from dpcore import _packed
 from dpcore import _pytree as pt
 from dpcore import comm
-from dpcore._devices import DeviceLike, as_destination, as_devices, normalize_device
-from dpcore._functions import BroadcastTensor, Gather, Scatter
-from dpcore._pytree import BROADCAST, DATACLASS, LEAF, MAPPING, NONE, REGISTERED, SEQUENCE, TENSOR, Broadcast, Samples
+from dpcore._devices import DeviceLike, as_devices, normalize_device
+from dpcore._functions import BroadcastTensor, Scatter
+from dpcore._gather import NO_HINTS, GatherHints, gather_outputs
+from dpcore._markers import Broadcast, Samples, is_namedtuple
+from dpcore._pytree import NODE
 from dpcore._split import check_repeated_rows, check_split, plan_split
 
 __all__ = [
@@ -116,25 +114,11 @@ def _broadcast_marks(count: int, ranges: list[tuple[int, int]]) -> list[bool] | 
     return marks
 
 
-class GatherHints(NamedTuple):
-    """What the scatter of a call tells the gather of its outputs:
-    ``samples``, whether an input was a :class:`Samples` list (then the
-    outputs' lists hold one entry per sample, joined by concatenation), and
-    the :class:`dpcore._packed.Layout` of each PackedSequence input (a
-    PackedSequence output of the same sequences is joined in that order)."""
-
-    samples: bool = False
-    packed: tuple[_packed.Layout, ...] = ()
-
-
-NO_HINTS = GatherHints()
-
-
 def _misplaced(tree: Any, spec: pt.Spec, node: pt.Spec, outer: str, path: str) -> TypeError:
     what = "dpcore.Samples" if node.kind is pt.SAMPLES else "dpcore.Broadcast"
     around = "a dpcore.Samples list (a sample goes whole to one replica)" if outer is pt.SAMPLES else "dpcore.Broadcast"
     return TypeError(
-        f"{pt.NodePath(tree, spec, node, path)} is a {what} inside {around}: a marker says how a whole "
+        f"{pt.LazyPath(tree, spec, node, path)} is a {what} inside {around}: a marker says how a whole "
         f"argument is passed, so markers cannot be nested"
     )
 
@@ -166,7 +150,7 @@ def _split_trees(
             raise _misplaced(tree, spec, node, outer, path)
         tags: dict[int, tuple[str, int, int]] = {}
         for node, start in m.samples:
-            units.append((pt.NodePath(tree, spec, node, path), len(node.children), "samples"))
+            units.append((pt.LazyPath(tree, spec, node, path), len(node.children), "samples"))
             for number, child in enumerate(node.children):  # every Samples list of the call numbered from 0
                 for i in range(start, start + child.num_tensors):
                     tags[i] = ("sample", number, 0)
@@ -174,7 +158,7 @@ def _split_trees(
         for node, start, inside in m.packed:
             if inside is None:
                 packed = node.unflatten(tensors[start : start + node.num_tensors])
-                units.append((pt.NodePath(tree, spec, node, path), _packed.count(packed), "sequences"))
+                units.append((pt.LazyPath(tree, spec, node, path), _packed.count(packed), "sequences"))
                 for field in range(node.num_tensors):
                     tags[start + field] = ("packed", len(packs), field)
                 packs.append(packed)
@@ -184,7 +168,11 @@ def _split_trees(
         for i, t in enumerate(tensors):
             if i not in tags and (marked is None or not marked[i]):
                 leaves.append((pt.LazyPath(tree, spec, i, path), t))
-    plan = plan_split(_check_batch(leaves, dim), len(devices), chunk_sizes, weights, dim, units)
+    entries = _check_batch(leaves, dim)
+    for (tree, path), (tensors, spec, m) in zip(trees, flats):
+        for node, start in m.lists:
+            _check_list(tree, spec, node, tensors, start, dim, path)
+    plan = plan_split(entries, len(devices), chunk_sizes, weights, dim, units, _SamplesHint(flats))
     used = plan.devices(without_tensors)
     used_sizes = [plan.sizes[i] for i in used] if plan.batch is not None else [0] * len(used)
     used_devices = [devices[i] for i in used]
@@ -235,8 +223,60 @@ def _split_trees(
                 f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole to "
                 f"every replica"
             ) from e
-    hints = GatherHints(any(noun == "samples" for _, _, noun in units), tuple(s[1] for s in split_packs))
+    hints = GatherHints(
+        any(noun == "samples" for _, _, noun in units),
+        tuple(s[1] for s in split_packs),
+        tuple(s[2] for s in split_packs),
+    )
     return values, used_sizes, used, hints
+
+
+def _check_list(
+    tree: Any, spec: pt.Spec, node: pt.Spec, tensors: list[torch.Tensor], start: int, dim: int, path: str
+) -> None:
+    """ValueError naming dpcore.Samples where two tensor entries of the list
+    `node` (its tensors from `start`) have one rank and one size along `dim`
+    but differ in another dimension (images of different sizes): a list of
+    samples, not of batch tensors."""
+    seen: dict[int, torch.Tensor] = {}  # the first entry of each rank
+    for child in node.children:
+        if child is pt._TENSOR and tensors[start].dim() > 0:
+            t = tensors[start]
+            other = seen.setdefault(t.dim(), t)
+            if -t.dim() <= dim < t.dim() and t.size(dim) == other.size(dim) and t.shape != other.shape:
+                raise ValueError(
+                    f"{pt.LazyPath(tree, spec, node, path)} is a list of tensors of one size along dim {dim} whose "
+                    f"shapes differ otherwise ({list(other.shape)} and {list(t.shape)}), so it is not one batch: a "
+                    f"list of samples (images of different sizes) goes in dpcore.Samples(list), which splits it "
+                    f"between samples, while torch.nn.DataParallel's rule would split every tensor of the list along "
+                    f"dim {dim} (an image along its channels); pass batch tensors of different shapes as a tuple"
+                )
+        start += child.num_tensors
+
+
+class _SamplesHint:
+    """The end of a batch-size error where a tensor sits in a plain list
+    (formatted, and the trees walked, only when an error is raised)."""
+
+    def __init__(self, flats: list[tuple[list[torch.Tensor], pt.Spec, pt.Marks]]) -> None:
+        self.flats = flats
+
+    def __format__(self, format_spec: str) -> str:
+        if not any(_holds_list(spec) for _, spec, _ in self.flats):
+            return ""
+        return (
+            "; a list with one entry per sample (images of different sizes, their target dicts) goes in "
+            "dpcore.Samples(list), which splits it between samples"
+        )
+
+
+def _holds_list(spec: pt.Spec) -> bool:
+    """Whether a ``list`` holding tensors sits in the tree of `spec`, outside markers."""
+    if spec.kind is pt.BROADCAST or spec.kind is pt.SAMPLES or not spec.num_tensors:
+        return False
+    if spec.kind is NODE and issubclass(spec.type, list):
+        return True
+    return any(_holds_list(child) for child in spec.children)
 
 
 def _packed_column(parts: list[PackedSequence], field: int) -> list[torch.Tensor]:
@@ -316,10 +356,10 @@ def scatter_with_hints(
     """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of
     the call's outputs (what DataParallel's scatter keeps for its gather)."""
     devs = _nonempty_device_list(devices, "devices")
-    check_split(chunk_sizes, weights, len(devs))
+    chunk_sizes, weights = check_split(chunk_sizes, weights, len(devs))  # the one check of the call
     if inputs is None:
         inputs = ()
-    elif not isinstance(inputs, tuple) or pt.is_namedtuple(inputs):
+    elif not isinstance(inputs, tuple) or is_namedtuple(inputs):
         inputs = (inputs,)
     if kwargs is None:
         kwargs = {}
@@ -329,6 +369,35 @@ def scatter_with_hints(
         [(tuple(inputs), "inputs"), (kwargs, "kwargs")], devs, dim, chunk_sizes, weights, [0]
     )
     return Scattered(args, kws, sizes, used), hints
+
+
+def image_list_model(module: torch.nn.Module) -> str | None:
+    """The class name of `module` where it is a torchvision detection model
+    (it holds torchvision's ``GeneralizedRCNNTransform``, which batches a
+    list of per-image ``[C, H, W]`` tensors itself), else None."""
+    for m in module.modules():
+        t = type(m)
+        if t.__name__ == "GeneralizedRCNNTransform" and t.__module__.startswith("torchvision."):
+            return type(module).__name__
+    return None
+
+
+def check_image_lists(model: str, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """ValueError naming dpcore.Samples where the images or the targets of
+    the torchvision detection model `model` (its ``forward(images,
+    targets=None)``) are a plain list or tuple: whatever the images' sizes,
+    torch's rule would split every image along its channels."""
+    for index, name in enumerate(("images", "targets")):
+        path, value = (
+            (f"inputs[{index}]", inputs[index]) if len(inputs) > index else (f"kwargs[{name!r}]", kwargs.get(name))
+        )
+        if isinstance(value, (list, tuple)) and not is_namedtuple(value):
+            raise ValueError(
+                f"{path} is a plain {type(value).__name__} of {name} given to {model}, a torchvision detection model, "
+                f"which takes one [C, H, W] tensor (and one target dict) per image: wrap it in "
+                f"dpcore.Samples({name}) so that each replica gets whole images; a plain list is split inside every "
+                f"image, along its channels, as torch.nn.DataParallel splits it"
+            )
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
@@ -348,210 +417,6 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any
     devs = _nonempty_device_list(target_gpus, "target_gpus")
     (values,), _, _, _ = _split_trees([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
     return tuple(values) if isinstance(inputs, torch.Tensor) else values
-
-
-# ---------------------------------------------------------------------------
-# Gather
-# ---------------------------------------------------------------------------
-
-
-_WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
-_VALUES = (NONE, LEAF, BROADCAST)
-
-
-class _Mismatch(Exception):
-    """Replica ``replica``'s output differs from replica 0's at ``trail``."""
-
-    def __init__(self, replica: int, got: str, expected: str, what: str = "") -> None:
-        super().__init__()
-        self.replica, self.got, self.expected, self.what = replica, got, expected, what
-        self.trail: list[int] = []
-
-
-def _value(spec: pt.Spec, tensors: list[torch.Tensor], start: int) -> Any:
-    """The non-tensor value at `spec` (None, a leaf, or a rebuilt Broadcast)."""
-    if spec.kind is LEAF:
-        return spec.context
-    if spec.kind is NONE:
-        return None
-    return spec.unflatten(tensors[start : start + spec.num_tensors])
-
-
-def _mismatch(
-    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], j: int, what: str = ""
-) -> _Mismatch:
-    got, first = specs[j], specs[0]
-    return _Mismatch(
-        j,
-        pt.describe_spec(got, flats[j][starts[j]] if got.kind is TENSOR else None),
-        pt.describe_spec(first, flats[0][starts[0]] if first.kind is TENSOR else None),
-        what,
-    )
-
-
-class _Joined:
-    """Tensors of the gathered output made otherwise than by concatenating a
-    column: by `make` (called once, when the gather runs), `count` of them."""
-
-    __slots__ = ("make", "count")
-
-    def __init__(self, make: Callable[[], list[torch.Tensor]], count: int) -> None:
-        self.make, self.count = make, count
-
-
-_Column = Union[list[torch.Tensor], _Joined]
-
-
-class _Gathering(NamedTuple):
-    """What one gather needs at every node besides the replicas' specs."""
-
-    destination: DeviceLike | None
-    hints: GatherHints
-
-
-def _moved(t: torch.Tensor, destination: DeviceLike | None) -> torch.Tensor:
-    """`t` on the gather's destination (as comm.gather resolves it), differentiably; itself where it is there."""
-    device = as_destination(destination)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if t.is_cuda else t.device
-    return t.to(device)
-
-
-def _merge_packed(
-    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[_Column], how: _Gathering
-) -> pt.Spec:
-    """_merge of PackedSequence nodes: one PackedSequence of all the replicas'
-    sequences (dpcore._packed.join), its fields as one _Joined entry."""
-    packs = [spec.unflatten(flat[start : start + spec.num_tensors]) for spec, start, flat in zip(specs, starts, flats)]
-    try:
-        joined = _packed.join(packs, how.destination, how.hints.packed)
-    except _WRAPPABLE as e:
-        if type(e) in _WRAPPABLE:
-            raise type(e)(f"gather: joining the replicas' PackedSequence outputs: {e}") from e
-        raise
-    fields = [f for f in joined if f is not None]
-    columns.append(_Joined(lambda: fields, len(fields)))
-    kids = tuple(pt._TENSOR if f is not None else pt._NONE for f in joined)
-    return pt.Spec(pt.PACKED, type(joined), None, kids, len(fields))
-
-
-def _merge_samples(
-    specs: list[pt.Spec], starts: list[int], flats: list[list[torch.Tensor]], columns: list[_Column], how: _Gathering
-) -> pt.Spec:
-    """_merge of lists that hold one entry per sample: their entries
-    concatenated in replica order, untouched but for their tensors, each
-    moved to the destination."""
-    kids: list[pt.Spec] = []
-    total = 0
-    for spec, start, flat in zip(specs, starts, flats):
-        kids.extend(spec.children)
-        mine = flat[start : start + spec.num_tensors]
-        columns.append(_Joined(lambda mine=mine: [_moved(t, how.destination) for t in mine], len(mine)))
-        total += len(mine)
-    cls = specs[0].type if specs[0].kind is SEQUENCE else list
-    return pt.Spec(SEQUENCE, cls, None, tuple(kids), total)
-
-
-def _merge(
-    specs: list[pt.Spec],
-    starts: list[int],
-    flats: list[list[torch.Tensor]],
-    columns: list[_Column],
-    how: _Gathering,
-) -> pt.Spec:
-    """The spec of the gathered output at one node, from the replicas' specs
-    there (`starts`: where each replica's tensors of this node begin in its
-    flattened list `flats[j]`). Appends to `columns`, in the order of the
-    returned spec, one column of per-replica tensors per tensor to
-    concatenate, or a _Joined entry for tensors made otherwise (per-sample
-    lists, PackedSequences); raises _Mismatch where the structures differ."""
-    first = specs[0]
-    first_kind = first.kind
-    if first_kind is TENSOR:
-        for j, s in enumerate(specs):
-            if s.kind is not TENSOR:
-                raise _mismatch(specs, starts, flats, j)
-        columns.append([flat[start] for flat, start in zip(flats, starts)])
-        return first
-
-    if first_kind in _VALUES:
-        # Plain values: None stays None if every replica returned None; any
-        # mix of non-container, non-tensor values gathers into a list.
-        for j, s in enumerate(specs):
-            if s.kind not in _VALUES:
-                raise _mismatch(specs, starts, flats, j)
-        if all(s.kind is NONE for s in specs):
-            return first
-        return pt.Spec(LEAF, list, [_value(s, flats[j], starts[j]) for j, s in enumerate(specs)], (), 0)
-
-    cls = first.type
-    count = len(first.children)
-    orders: list[list[int] | None] | None = None  # per replica: its child index of each of first's
-    for j in range(1, len(specs)):
-        s = specs[j]
-        if s.kind is not first_kind or s.type is not cls:
-            raise _mismatch(specs, starts, flats, j)
-    if first_kind is pt.PACKED:
-        return _merge_packed(specs, starts, flats, columns, how)
-    if first_kind is pt.SAMPLES or (how.hints.samples and first_kind is SEQUENCE and issubclass(cls, list)):
-        return _merge_samples(specs, starts, flats, columns, how)
-    for j in range(1, len(specs)):
-        s = specs[j]
-        if first_kind is MAPPING:
-            keys, other = first.context[0], s.context[0]
-            if other == keys:
-                continue
-            if set(other) != set(keys):
-                missing = [k for k in keys if k not in set(other)]
-                extra = [k for k in other if k not in set(keys)]
-                raise _mismatch(specs, starts, flats, j, f" (missing keys {missing}, extra keys {extra})")
-            position = {k: i for i, k in enumerate(other)}
-            orders = orders or [None] * len(specs)
-            orders[j] = [position[k] for k in keys]
-            continue
-        if (first_kind is REGISTERED or first_kind is DATACLASS) and not (s.context,) == (first.context,):
-            raise _mismatch(
-                specs,
-                starts,
-                flats,
-                j,
-                f" (its structure differs: {s.context!r} against replica 0's {first.context!r})",
-            )
-        if len(s.children) != count:
-            raise _mismatch(specs, starts, flats, j)
-
-    # Where each replica's tensors of each child begin.
-    child_starts = []
-    for s, start in zip(specs, starts):
-        offsets = []
-        for child in s.children:
-            offsets.append(start)
-            start += child.num_tensors
-        child_starts.append(offsets)
-    kids = []
-    for c in range(count):
-        if orders is None:
-            sub_specs = [s.children[c] for s in specs]
-            sub_starts = [offsets[c] for offsets in child_starts]
-        else:
-            picks = [c if order is None else order[c] for order in orders]
-            sub_specs = [s.children[i] for s, i in zip(specs, picks)]
-            sub_starts = [offsets[i] for offsets, i in zip(child_starts, picks)]
-        try:
-            kids.append(_merge(sub_specs, sub_starts, flats, columns, how))
-        except _Mismatch as e:
-            e.trail.insert(0, c)
-            raise
-    return pt.Spec(first_kind, cls, first.context, tuple(kids), sum(k.num_tensors for k in kids), first.template)
-
-
-def _gather_tensors(values: list[torch.Tensor], path: Any, destination: DeviceLike | None, dim: int) -> torch.Tensor:
-    try:
-        return Gather.apply(destination, dim, *values)
-    except _WRAPPABLE as e:
-        if type(e) in _WRAPPABLE:
-            raise type(e)(f"gather: {path}: {e}") from e
-        raise
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 0) -> Any:
@@ -601,50 +466,12 @@ def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, 
     moved to ``target_device``; other containers are merged as gather merges
     them (a tuple of lists: each list concatenated). A PackedSequence output
     whose sequences have the lengths of a PackedSequence input of the call
-    (``hints.packed``) is joined in that input's order."""
+    (``hints.packed``) is joined in that input's order, and a tensor that
+    is the replicas' packed data of such an input (``hints.rows``) in the
+    batch's packed order (the rule: :func:`dpcore._packed.data_rows`)."""
     if isinstance(outputs, torch.Tensor) or not isinstance(outputs, Sequence):
         raise TypeError(f"outputs: expected a sequence with one output per replica, but got {type(outputs).__name__}")
     values = list(outputs)
     if not values:
         raise ValueError("outputs: expected at least one replica's output, but got none")
-    first = values[0]
-    if all(type(v) is torch.Tensor for v in values):
-        return _gather_tensors(values, "output", target_device, dim)
-    flats = [pt.flatten(v) for v in values]
-    columns: list[_Column] = []
-    try:
-        spec = _merge(
-            [s for _, s in flats], [0] * len(values), [t for t, _ in flats], columns, _Gathering(target_device, hints)
-        )
-    except _Mismatch as e:
-        raise ValueError(
-            f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
-            f"{e.expected}{e.what}; every replica must return the same structure"
-        ) from None
-    gathered: list[torch.Tensor] = []
-    for column in columns:
-        try:
-            if isinstance(column, _Joined):
-                gathered.extend(column.make())
-            else:
-                gathered.append(Gather.apply(target_device, dim, *column))
-        except _WRAPPABLE as e:
-            if type(e) in _WRAPPABLE:
-                raise type(e)(f"gather: {_output_path(first, spec, len(gathered))}: {e}") from e
-            raise
-    try:
-        return spec.unflatten(gathered)
-    except pt.RebuildError as e:
-        raise TypeError(
-            f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the per-replica outputs"
-        ) from e
-
-
-def _output_path(first: Any, spec: pt.Spec, index: int) -> str:
-    """The path of tensor `index` of the gathered output (of spec `spec`),
-    named through replica 0's output `first`; "output" where the two differ
-    there (a concatenated per-sample list is longer than replica 0's)."""
-    try:
-        return pt.tensor_path(first, spec, index, "output")
-    except (IndexError, LookupError, TypeError, AttributeError):
-        return "output"
+    return gather_outputs(values, target_device, dim, hints)

@@ -1,84 +1,22 @@
 """Synchronized BatchNorm across the replicas of one DataParallel call:
 ``dpcore.DataParallel(module, ..., sync_batchnorm=True)``.
 
-With torch.nn.DataParallel every replica normalizes with the statistics of its
-own chunk. With ``sync_batchnorm=True``, every BatchNorm call of the replicas
-that uses batch statistics (a ``_BatchNorm`` module in training mode, or one
-without running statistics) normalizes with the mean and variance of the whole
-batch, over all replicas of the call.
+Every BatchNorm call of the replicas that uses batch statistics normalizes
+with the mean and variance of the whole batch, over all replicas of the
+call (with a process group of several processes, of the global batch).
+Nothing is converted: inside each replica's task a ``TorchFunctionMode``
+catches ``torch.nn.functional.batch_norm`` and hands it to the C++
+rendezvous of the call (``dpcore._C.sync_batch_norm``), which exchanges
+each replica's statistics once and combines them with the parallel-variance
+formula; backward needs no rendezvous. Replica 0 updates the running
+statistics.
 
-How. Nothing is converted: the master and the cached replicas stay plain
-BatchNorm modules (state_dict keys unchanged). Inside each replica's task, a
-``TorchFunctionMode`` intercepts ``torch.nn.functional.batch_norm`` (which
-every ``_BatchNorm`` calls) when it is asked for batch statistics:
-
-* forward, in C++ without the GIL (``dpcore._C.sync_batch_norm``,
-  csrc/dpcore/sync_batchnorm.h): the replica computes its chunk's
-  per-channel mean and biased variance (differentiable), exchanges them and
-  its count with the other replicas once, through a C++ rendezvous owned by
-  this call (csrc/dpcore/rendezvous.h), combines them with the
-  parallel-variance formula (Chan et al.: mean = sum n_i m_i / N, var =
-  sum n_i (v_i + (m_i - mean)^2) / N; numerically stable, unlike sum and sum
-  of squares) and normalizes with the global statistics (and weight, bias);
-* backward needs no rendezvous: the exchanged statistics are the replicas'
-  own tensors with their autograd history, so every replica's normalization
-  depends on every replica's statistics in one graph, and autograd sums the
-  gradients with respect to the global statistics across replicas (the
-  "two gradient sums" of synchronized BatchNorm) in C++ autograd nodes.
-  Nothing in backward waits, so nothing in backward can hang;
-* running statistics: only replica 0 (the master module) updates its
-  buffers, with the global mean and the unbiased global variance
-  (var * N / (N - 1)), and the momentum factor the module passed (so
-  ``momentum=None``, the cumulative average, works too).
-
-Guarantees:
-
-* Forward and backward equal single-device BatchNorm on the whole batch (up
-  to floating-point summation order): output, input gradient, weight and
-  bias gradients, running mean and variance, ``num_batches_tracked``; for
-  BatchNorm1d/2d/3d, affine or not, with or without running statistics,
-  uneven chunks (weighted by count) and fewer replicas than devices.
-* One exchange per BatchNorm call in forward, among the replicas of that
-  call only; no process group.
-* Never hangs. A replica that raises, finishes without a BatchNorm call the
-  others reached, makes an extra one, or reaches another layer breaks the
-  rendezvous for every replica of the call; the caller gets one error: the
-  raising replica's own exception (parallel_apply's note names the replica),
-  or a ``SyncBatchNormError`` naming the replica and the layer. A replica
-  that waits longer than DPCORE_SYNC_TIMEOUT_S seconds (default 300, read at
-  each call) at one BatchNorm breaks it with a ``SyncBatchNormError`` naming
-  who it waited for. The worker pool stays usable; nothing is left waiting.
-* Eval mode with running statistics is plain BatchNorm (no exchange).
-
-Across processes (hybrid mode, ``process_group=`` of more than one process;
-:class:`AcrossProcesses`): in every forward that can start a gradient
-synchronization (distributed.py's rule: grad mode on, something trainable),
-replica 0 turns its process's combined statistics into those of the global
-batch (every replica of every process) at each BatchNorm call, and hands
-them to the other replicas in a second round of the rendezvous:
-
-* forward: one all-gather of (mean, variance, count) per BatchNorm call,
-  after a 2-number all-reduce that checks every rank is at that call, over
-  a process group of its own (the same ranks, backend
-  and timeout as the hybrid's, so its collectives never meet the gradient
-  buckets'); the global statistics by the parallel-variance formula, in
-  float64, in rank order (the same values on every process); the count
-  includes processes with no rows (count 0);
-* backward: one all-reduce (sum) of the gradients with respect to the
-  global statistics (after the same check), weighted as distributed.py weighs each process's
-  gradients (its rows, or 1 with a summed criterion), so the gradients are
-  exactly those of one device on the global batch, uneven local batches
-  included; then this process's share of them flows on to its replicas;
-* the running statistics of every process get the global statistics;
-* forwards that cannot start a synchronization (``torch.no_grad()``, a
-  model with nothing trainable) normalize with this process's statistics
-  only and make no collective, so one rank may run them alone;
-* never hangs: a rank that reaches another layer (or makes its collectives
-  in another order) is a SyncBatchNormError on every rank naming each
-  rank's call (a BatchNorm without weight and running statistics is named
-  by its position only); a rank that skips one (eval mode on one rank, a failed
-  process) makes the others' wait end with a SyncBatchNormError after the
-  group's timeout. Double backward through such a call is an error.
+Guarantees: forward and backward equal single-device BatchNorm on the whole
+batch (running statistics included); one exchange per BatchNorm call; never
+hangs: a replica that raises, skips or adds a call, or waits longer than
+``DPCORE_SYNC_TIMEOUT_S``, breaks the rendezvous for all with one error
+naming the replica and the layer. The rules: docs/sync_batchnorm.md; the
+mechanism, across processes too: docs/design.md, "Synchronized BatchNorm".
 """
 
 from __future__ import annotations

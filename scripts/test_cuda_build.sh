@@ -3,8 +3,8 @@
 # package registry) with nvcc, checks that it imports as a CUDA build (and
 # passes its libstdc++ self-check), and runs the tests of what the CUDA build
 # compiles differently against it: the kernels and operators, the
-# collectives, host transfers, info and the link check; and the timm tests,
-# which need torchvision. The rest of the suite
+# collectives, host transfers, info and the link check; and the tests that
+# need torchvision (timm, and torchvision's own detection models). The rest of the suite
 # runs in scripts/test.sh; a full rerun here would push CI past 30 minutes. torch 2.11.0+cu130 is what the GPU machine
 # (bench/gpu_check.sh) runs, so this compiles what runs there; the CPU suite
 # (scripts/test.sh) stays on torch 2.13.0. Works without a GPU (the CUDA
@@ -49,9 +49,9 @@ step "virtual environment $venv with torch $torch_version (CUDA 13.0)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
-# torchvision and timm: timm needs a torchvision built for this torch (PyPI's
-# does not load beside the CPU suite's torch 2.13.0 wheel), so the timm tests
-# run here.
+# torchvision and timm: they need a torchvision built for this torch (PyPI's
+# does not load beside the CPU suite's torch 2.13.0 wheel), so the timm and
+# detection tests run here.
 python -m pip install -q "torch==$torch_version" "torchvision==$torchvision_version" "timm==$timm_version" \
   pytest "pytest-xdist==3.8.0" hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
 if [ "$venv_only" = 1 ]; then
@@ -87,5 +87,5 @@ cd "$root/tests"
 # with --dist loadfile keeps that order: each worker takes whole files, in
 # the order given.
 python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile ${PYTEST_ARGS:-} \
-  test_comm.py test_cuda_graphs.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
+  test_comm.py test_cuda_graphs.py test_detection.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
   test_link_check.py test_timm.py

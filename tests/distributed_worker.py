@@ -743,6 +743,131 @@ def scenario_join(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+# -- buffers after training, against DDP ---------------------------------------
+
+
+class BatchNormNet(nn.Module):
+    """Linear, BatchNorm1d, tanh, linear: running statistics as buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+#: The buffer options compared with DDP's (torch 2.13's names and meanings).
+BUFFER_OPTIONS: dict[str, dict[str, bool]] = {
+    "default": {},
+    "forward_sync_true": {"forward_sync_buffers": True},
+    "forward_sync_false": {"forward_sync_buffers": False},
+    "broadcast_true": {"broadcast_buffers": True},
+    "broadcast_false": {"broadcast_buffers": False},
+    "both": {"broadcast_buffers": False, "forward_sync_buffers": True},
+}
+
+
+def _train_then_evaluate(
+    rank: int, make: Callable[[nn.Module], nn.Module], accumulate: int, group: Any
+) -> dict[str, Any]:
+    """BatchNormNet (float64) with rank-dependent running statistics before
+    wrapping, 3 SGD steps on this rank's own batches of 4 (each step
+    `accumulate` micro-batches, all but the last under no_sync), then
+    model.eval() and one torch.no_grad() forward of an input that is the
+    same on every rank. Returns that output, the buffers after it, whether
+    the buffers were rank 0's right after wrapping, and whether every rank
+    evaluated to the same output."""
+    torch.manual_seed(0)
+    model = BatchNormNet().double().to(DEVICE)
+    with torch.no_grad():
+        model.bn.running_mean.fill_(0.5 * rank)
+        model.bn.running_var.fill_(1.0 + rank)
+    wrapper = make(model)
+    means = [torch.empty_like(model.bn.running_mean) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(means, model.bn.running_mean.detach().clone(), group=group)
+    init_synced = all(torch.equal(m, means[0]) for m in means)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(21 + rank)
+    for _ in range(3):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x = torch.randn(4, 5, generator=generator, dtype=torch.float64).to(DEVICE)
+            y = torch.randn(4, 3, generator=generator, dtype=torch.float64).to(DEVICE)
+            context = wrapper.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+            with context:
+                F.mse_loss(wrapper(x), y).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        output = wrapper(torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(6, 5).to(DEVICE))
+    outputs = [torch.empty_like(output) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(outputs, output.contiguous(), group=group)
+    return {
+        "output": output.cpu(),
+        "buffers": [b.detach().cpu().double() for b in model.buffers()],
+        "init_synced": init_synced,
+        "ranks_agree": all(torch.equal(o, outputs[0]) for o in outputs),
+    }
+
+
+def scenario_buffers(rank: int, world: int) -> dict[str, Any]:
+    """Buffers after training, against DistributedDataParallel (one replica
+    per rank, so that BatchNorm sees DDP's batches): for each option of
+    BUFFER_OPTIONS, the largest difference of the evaluation output and of
+    the buffers from DDP's with the same option, and each side's
+    init_synced and ranks_agree; the default with no_sync accumulation too.
+    Then rank 0 evaluates alone after training (the others wait outside any
+    collective): its seconds."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
+    devices = [DEVICE]
+    ddp_ids = None if DEVICE.type == "cpu" else [DEVICE]
+    out: dict[str, Any] = {}
+    cases = [(name, options, 1) for name, options in BUFFER_OPTIONS.items()] + [("accumulate", {}, 2)]
+    for name, options, accumulate in cases:
+        ddp = _train_then_evaluate(
+            rank,
+            lambda m: DistributedDataParallel(m, device_ids=ddp_ids, process_group=group, **options),
+            accumulate,
+            group,
+        )
+        ours = _train_then_evaluate(
+            rank, lambda m: dpcore.DataParallel(m, devices, process_group=group, **options), accumulate, group
+        )
+        out[name] = {
+            "output": (ddp["output"] - ours["output"]).abs().max().item(),
+            "buffers": _largest_difference([ddp["buffers"]], [ours["buffers"]]),
+            **{f"ddp_{key}": ddp[key] for key in ("init_synced", "ranks_agree")},
+            **{f"ours_{key}": ours[key] for key in ("init_synced", "ranks_agree")},
+        }
+    # Rank 0 alone evaluates after training: no collective, at once.
+    flag = os.path.join(_OUT, "buffers-rank-0-eval-done")
+    seconds = None
+    model = BatchNormNet().double().to(DEVICE)
+    dp = dpcore.DataParallel(model, local_devices(world, rank), process_group=group)
+    dp(torch.randn(6, 5, dtype=torch.float64, device=DEVICE)).square().mean().backward()
+    if rank == 0:
+        try:
+            started = time.monotonic()
+            model.eval()
+            with torch.no_grad():
+                dp(torch.randn(4, 5, dtype=torch.float64, device=DEVICE))
+            seconds = time.monotonic() - started
+        finally:
+            open(flag, "w").close()
+    else:
+        wait_for_file(flag)
+    out["rank_0_alone_seconds"] = seconds
+    ones = torch.ones(1, device=DEVICE)
+    dist.all_reduce(ones, group=group)
+    out["group_usable"] = ones.item() == world
+    return out
+
+
 # -- communication hooks (register_comm_hook) ----------------------------------
 
 
@@ -1206,6 +1331,8 @@ def main() -> None:
         parts = {"eval": scenario_eval, "layout": scenario_layout, "join": scenario_join}
         chosen = scenario.split(":")[1:] or list(parts)
         result = {name: parts[name](rank, world) for name in chosen}
+    elif scenario == "buffers":
+        result = scenario_buffers(rank, world)
     elif scenario == "unused":
         result = scenario_unused(rank, world)
     elif scenario == "hooks":

@@ -55,14 +55,15 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
     assert [row["model"] for row in step["rows"]] == [
         *(name for name, *_ in bench_step.models(True, False, 4)),
         "MLP 4x64 compiled (eager), batch 32",
+        "MLP 50x64 + Dropout, batch 32, random streams",  # the default lists share a generator
     ]
-    assert [row["model"] for row in step["rows"]][3:-1] == [
+    assert [row["model"] for row in step["rows"]][3:-2] == [
         "MLP 50x128, batch 32",
         "resnet18-style (width / 8), batch 8 x 3 x 16 x 16",
         "resnet50-style (width / 8), batch 8 x 3 x 16 x 16",
     ]
     assert all(row["dpcore_ms"] > 0 and row["ratio"] > 0 for row in step["rows"])
-    compiled = step["rows"][-1]  # DataParallel(torch.compile(model)) against the compiled model on one device
+    compiled = step["rows"][-2]  # DataParallel(torch.compile(model)) against the compiled model on one device
     assert compiled["compiled"] == "eager" and compiled["plain_full_batch_ms"] > 0
     assert compiled["eager_dpcore_ms"] > 0 and compiled["compile_s"] > 0
     assert compiled["ratio"] == pytest.approx(compiled["dpcore_ms"] / compiled["sequential_split_ms"])
@@ -78,11 +79,16 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         assert step["targets"] == []
     else:
         assert step["cuda_graphs"]["measured"] is True
-        assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"][:-1])
+        assert all(row["graphed_ms"] > 0 and row["graphed_vs_plain"] > 0 for row in step["rows"][:-2])
         assert compiled["graphed_ms"] is None  # cuda_graphs=True does not capture compiled modules
     synced = [row for row in step["rows"] if row["sync_ratio"] is not None]
     assert [row["model"] for row in synced] == ["small CNN + BatchNorm, batch 32, sync"]
     assert synced[0]["unsynced_ms"] > 0 and synced[0]["sync_ratio"] > 0
+    streams = step["rows"][-1]  # the random streams against DPCORE_REPLICA_RNG=0, same wrapper
+    assert streams["streams_off_ms"] > 0 and streams["streams_ratio"] == pytest.approx(
+        streams["dpcore_ms"] / streams["streams_off_ms"]
+    )
+    assert [row["model"] for row in step["rows"] if row["streams_ratio"] is not None] == [streams["model"]]
     assert result["comm"] == comm and result["step"] == step
 
     png = (out / "comm_bandwidth.png").read_bytes()
@@ -96,6 +102,7 @@ def test_quick_run_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
         "x copy_",
         "K x 1/K plain ms",
         "x unsynced",
+        "x streams off",
         "256 KiB",
         "wrote",
         "graphed ms",
@@ -442,3 +449,18 @@ def test_check_targets_reports_met_and_missed() -> None:
     ]
     assert checked[0]["value"] == 1.6 and checked[0]["op"] == "<=" and checked[0]["bound"] == 1.5
     assert bench_step.check_targets([]) == []
+
+
+def test_profile_times_every_stage_of_the_current_tree() -> None:
+    """bench_profile finds every stage it names in this tree (a renamed
+    pipeline function must be renamed there too) and reports them per step."""
+    from dpcore.bench import profile as bench_profile
+
+    result = bench_profile.run([], quick=True, repeats=1)
+    assert [row["setup"] for row in result["rows"]] == list(bench_profile.SETUPS)
+    for row in result["rows"]:
+        assert row["absent"] == [], row["setup"]
+        assert row["plain_us"] > 0 and row["step_us"] > 0 and row["own_us"] > 0
+        assert row["stages_us"]["scatter"] > 0 and row["stages_us"]["combine"] > 0
+        hybrid = row["setup"].startswith("hybrid")
+        assert (row["stages_us"]["allreduce"] > 0) == hybrid and (row["stages_us"]["launch"] > 0) == (not hybrid)

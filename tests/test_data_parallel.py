@@ -336,17 +336,11 @@ def test_buffers_requiring_grad_are_differentiable(any_devices: list[Any]) -> No
     torch.testing.assert_close(module.t_rg.grad, t.grad)
 
 
-_DATA_WRITES = (
-    "writes through `.data` (p.data.clamp_(), gradcheck's perturbations) do not bump the master's "
-    "version counter, so ReplicaBuffers.refresh skips the copy and replicas 1.. keep stale values"
-)
-
-
-def test_gradcheck_through_data_parallel(any_devices: list[Any], request: pytest.FixtureRequest) -> None:
+def test_gradcheck_through_data_parallel(any_devices: list[Any]) -> None:
     # torch's test_data_parallel_buffers_requiring_grad: gradcheck of the
-    # whole DataParallel step with respect to a buffer.
-    if len(any_devices) > 1:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=_DATA_WRITES))
+    # whole DataParallel step with respect to a buffer. gradcheck's
+    # perturbations write through `.data` (no version counter sees them):
+    # the check for such writes (tests/test_stale_parameters.py) finds them.
     dev = _dev0(any_devices)
     module = BufferRequiringGrad(_randn(3, device=dev).requires_grad_())
     dp = dpcore.DataParallel(module, any_devices)
@@ -359,11 +353,10 @@ def test_gradcheck_through_data_parallel(any_devices: list[Any], request: pytest
     assert torch.autograd.gradcheck(fn, (module.t_rg,))
 
 
-def test_writes_through_data_reach_replicas(any_devices: list[Any], request: pytest.FixtureRequest) -> None:
+def test_writes_through_data_reach_replicas(any_devices: list[Any]) -> None:
     # Legacy updates such as WGAN's weight clipping write through `.data`;
-    # torch's DataParallel copies every step and sees them.
-    if len(any_devices) > 1:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=_DATA_WRITES))
+    # torch's DataParallel copies every step and sees them, dpcore's check
+    # for writes no version counter sees (tests/test_stale_parameters.py).
     dev = _dev0(any_devices)
     module = _mlp(dev)
     dp = dpcore.DataParallel(module, any_devices)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +312,45 @@ def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, li
         assert r["group_usable"] is True
 
 
+#: Per option of distributed_worker.BUFFER_OPTIONS (and "accumulate", the
+#: default under no_sync): whether buffers are rank 0's right after wrapping,
+#: and whether every rank evaluates to the same output after training.
+BUFFER_MEANINGS = {
+    "default": (True, True),
+    "forward_sync_true": (True, True),
+    "forward_sync_false": (True, False),
+    "broadcast_true": (True, True),
+    "broadcast_false": (False, False),
+    "both": (True, True),
+    "accumulate": (True, True),
+}
+
+
+def test_buffers_after_training_equal_ddps_under_each_option(tmp_path: Path) -> None:
+    """BatchNorm trained for 3 steps on each rank's own batches, then
+    model.eval() and a torch.no_grad() forward on every rank, against
+    DistributedDataParallel with the same option (gloo, 2 processes): the
+    output and the buffers equal DDP's on every rank, for the default,
+    forward_sync_buffers True and False, broadcast_buffers True and False,
+    both given (broadcast_buffers ignored), and no_sync accumulation; each
+    option's meaning (buffers sent at construction; every rank evaluating
+    rank 0's buffers) is DDP's. Rank 0 evaluating alone after training
+    finishes at once."""
+    world = 2
+    results = launch("buffers", world, tmp_path, timeout=300, pg_timeout=PARITY_PG_TIMEOUT)
+    assert all(r is not None for r in results), _logs(tmp_path, world)
+    for rank, r in enumerate(results):
+        assert r is not None
+        for name, (init_synced, ranks_agree) in BUFFER_MEANINGS.items():
+            got = r[name]
+            assert 0.0 <= got["output"] <= ATOL and 0.0 <= got["buffers"] <= ATOL, f"rank {rank}: {name}: {got}"
+            assert got["ddp_init_synced"] is init_synced and got["ours_init_synced"] is init_synced, (name, got)
+            assert got["ddp_ranks_agree"] is ranks_agree and got["ours_ranks_agree"] is ranks_agree, (name, got)
+        if rank == 0:
+            assert r["rank_0_alone_seconds"] < AT_ONCE_S, r["rank_0_alone_seconds"]
+        assert r["group_usable"] is True
+
+
 # -- communication hooks: register_comm_hook with torch's hooks -----------------
 
 #: HookNet (tests/distributed_worker.py): gradient elements and tensors.
@@ -571,6 +611,40 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
     assert "broadcast" in calls and "all_reduce" in calls
 
 
+def test_bucket_readiness_is_counted_in_cpp(world_of_one: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gradients' readiness is counted in C++ (csrc/dpcore/grad_ready.h):
+    a synchronizing backward calls the Python side once when it begins and
+    at most once per bucket, never once per parameter; a backward under
+    no_sync not at all. The gradients equal the bare module's."""
+    from dpcore import _buckets
+
+    calls: list[str] = []
+    for name in ("_begin", "_ready"):
+        real = getattr(_buckets.BucketReducer, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _name: str = name) -> None:
+            calls.append(_name)
+            _real(self, *args)
+
+        monkeypatch.setattr(_buckets.BucketReducer, name, counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(10)]).double()
+    reference = copy.deepcopy(model)
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one, bucket_bytes=3 * 8 * 8 * 8)
+    buckets = len(dp._sync._buckets)
+    assert 1 < buckets < len(list(model.parameters())) // 2
+    x = torch.randn(6, 8, dtype=torch.float64)
+    dp(x).square().mean().backward()
+    assert calls.count("_begin") == 1 and 1 <= calls.count("_ready") <= buckets, calls
+    reference(x).square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
+    calls.clear()
+    with dp.no_sync():
+        dp(x).sum().backward()
+    assert calls == []
+
+
 @pytest.mark.parametrize("replicas", [1, 3])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])])
 def test_sync_batchnorm_across_a_group_of_one_equals_one_device(
@@ -664,6 +738,39 @@ def test_ddp_attributes_exist_or_name_the_wrapper(world_of_one: Any) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14)
     copy.deepcopy(plain)  # the join state copies with a wrapper without a group
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"forward_sync_buffers": False}, {"broadcast_buffers": True}, {"broadcast_buffers": False}]
+    + [{"broadcast_buffers": b, "forward_sync_buffers": f} for b in (True, False) for f in (True, False)],
+    ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()) or "none",
+)
+def test_buffer_options_warn_and_resolve_as_ddps(world_of_one: Any, options: dict[str, bool]) -> None:
+    """forward_sync_buffers and the deprecated broadcast_buffers: the same
+    FutureWarnings as torch's DistributedDataParallel (none, one for the old
+    name, one for both, which ignores the old name), pointing at the
+    caller's line, and the same resolved forward_sync_buffers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        dp = dpcore.DataParallel(nn.Linear(3, 2), ["cpu"], process_group=world_of_one, **options)
+    with warnings.catch_warnings(record=True) as theirs:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(nn.Linear(3, 2), process_group=world_of_one, **options)
+    assert [w.category for w in ours] == [w.category for w in theirs]
+    assert len(ours) == ("broadcast_buffers" in options)
+    assert all(w.filename == __file__ for w in ours)
+    for ddp_warning, our_warning in zip(theirs, ours):  # the same first sentence, naming dpcore's wrapper
+        assert str(our_warning.message).startswith("DataParallel: " + str(ddp_warning.message).split(".")[0])
+    assert dp._sync is not None and dp._sync.forward_sync_buffers is ddp.forward_sync_buffers
+
+
+@pytest.mark.parametrize("name", ["forward_sync_buffers", "broadcast_buffers"])
+def test_buffer_options_must_be_true_false_or_none(world_of_one: Any, name: str) -> None:
+    with pytest.raises(TypeError, match=rf"{name}: expected True, False or None, but got 'yes'"):
+        dpcore.DataParallel(nn.Linear(3, 2), ["cpu"], process_group=world_of_one, **{name: "yes"})
 
 
 def test_register_comm_hook_needs_a_group_and_checks_its_arguments(world_of_one: Any) -> None:

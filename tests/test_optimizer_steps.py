@@ -1,12 +1,14 @@
 """Every optimizer step reaches the replicas: fused optimizers (whose kernels
 bump no version counter), optimizers writing ``p.data`` inside ``step()``,
 optimizers created before and after the wrapper; writes no hook can see are
-covered by ``DataParallel.mark_parameters_changed()``. Each case is compared
-in float64 against the same training on one device."""
+covered by ``DataParallel.mark_parameters_changed()`` (and else found by the
+check of tests/test_stale_parameters.py, with a warning). Each case is
+compared in float64 against the same training on one device."""
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -179,8 +181,9 @@ def test_hook_stops_tracking_dead_caches() -> None:
 @pytest.mark.parametrize("k", [2, 3])
 def test_data_writes_outside_a_step_need_mark_parameters_changed(k: int) -> None:
     """An EMA written through ``.data`` outside any optimizer is invisible to
-    version counters; ``mark_parameters_changed()`` makes it seen, and without
-    it the replicas would be stale (the premise is checked too)."""
+    version counters; ``mark_parameters_changed()`` makes it seen without a
+    warning. Without it the check for unseen writes finds it, copies it
+    before any call uses it, and warns naming the method."""
 
     def run(mark: bool, parallel: bool) -> nn.Module:
         model = _model()
@@ -201,11 +204,15 @@ def test_data_writes_outside_a_step_need_mark_parameters_changed(k: int) -> None
         return model
 
     ref = run(mark=False, parallel=False)
-    good = run(mark=True, parallel=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        good = run(mark=True, parallel=True)
     for p, q in zip(good.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-9)
-    stale = run(mark=False, parallel=True)
-    assert any((p - q).abs().max() > 1e-6 for p, q in zip(stale.parameters(), ref.parameters()))
+    with pytest.warns(UserWarning, match=r"mark_parameters_changed\(\)"):
+        found = run(mark=False, parallel=True)
+    for p, q in zip(found.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-9)
 
 
 def test_mark_parameters_changed_without_replicas() -> None:

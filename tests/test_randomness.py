@@ -3,10 +3,16 @@ same training through dpcore.DataParallel are bitwise equal, on CPU lists
 and on a CUDA device used several times; each replica that shares its
 device's generator with another replica draws from a stream of its own,
 derived from (and advancing) that generator; a lone replica draws from the
-default generator as the bare module does (dpcore/_rng.py)."""
+default generator as the bare module does (docs/design.md, "Randomness").
+Outside a replica, torch's functions behave as without dpcore, also on
+other threads during a parallel call; DPCORE_REPLICA_RNG=0 turns the
+streams off."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -15,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpcore
-from conftest import requires_cuda
+from conftest import TESTS_DIR, requires_cuda, subprocess_env
 
 CPU_LISTS = [pytest.param(["cpu"] * 2, id="cpu*2"), pytest.param(["cpu"] * 3, id="cpu*3")]
 CUDA_LISTS = [
@@ -370,3 +376,146 @@ def test_cuda_fused_kernels_are_reproducible_on_one_device() -> None:
         first = run(dtype)
         for _ in range(3):
             assert torch.equal(first, run(dtype))
+
+
+def test_other_threads_keep_torch_as_it_is_during_a_parallel_call() -> None:
+    """While replicas draw from their streams, another thread draws from the
+    default generator exactly as with no dpcore call running: its
+    torch.get_rng_state is the default generator's real state, its torch.rand
+    numbers are that generator's, torch.set_rng_state sets that generator;
+    and the replicas' numbers do not depend on that thread."""
+    replicas_drew = threading.Event()
+    outside_done = threading.Event()
+    seen: dict[str, Any] = {}
+
+    class DrawsMeanwhile(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.dropout(x, 0.5)  # the streams exist: the group's number is taken
+            replicas_drew.set()
+            while "outside" in seen and not outside_done.wait(0.001):
+                torch.rand(64)  # the replica keeps drawing from its stream meanwhile
+            return y
+
+    def outside() -> None:
+        assert replicas_drew.wait(60)
+        seen["state"] = torch.get_rng_state()
+        seen["real"] = torch.default_generator.get_state()
+        seen["numbers"] = torch.cat([torch.rand(64) for _ in range(200)])
+        torch.set_rng_state(seen["state"])
+        seen["again"] = torch.rand(64)
+        outside_done.set()
+
+    def run(with_thread: bool) -> torch.Tensor:
+        replicas_drew.clear()
+        outside_done.clear()
+        seen.clear()
+        torch.manual_seed(0)
+        dp = dpcore.DataParallel(DrawsMeanwhile(), ["cpu"] * 2)
+        if not with_thread:
+            return dp(torch.ones(4, 256))
+        seen["outside"] = True
+        thread = threading.Thread(target=outside)
+        thread.start()
+        try:
+            return dp(torch.ones(4, 256))
+        finally:
+            outside_done.set()
+            thread.join()
+
+    alone = run(with_thread=False)
+    assert torch.equal(run(with_thread=True), alone)
+    assert torch.equal(seen["state"], seen["real"])
+    plain = torch.Generator().set_state(seen["state"])  # the default generator from that state, no dpcore
+    assert torch.equal(seen["numbers"], torch.cat([torch.rand(64, generator=plain) for _ in range(200)]))
+    assert torch.equal(seen["again"], seen["numbers"][:64])
+
+
+class ReadsStates(nn.Module):
+    """Returns, per replica, whether torch.get_rng_state() read the default
+    generator's state (it draws nothing: that state cannot move meanwhile)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        same = torch.equal(torch.get_rng_state(), torch.default_generator.get_state())
+        return torch.full((x.shape[0],), float(same))
+
+
+def test_streams_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPCORE_REPLICA_RNG=0: the replicas draw from the shared default
+    generator (torch.get_rng_state inside them reads it); 1 or unset: their
+    own streams; anything else: an error naming the variable."""
+    dp = dpcore.DataParallel(ReadsStates(), ["cpu"] * 2)
+    x = torch.zeros(4, 1)
+    assert not dp(x).any()  # on by default: each replica reads its own stream
+    monkeypatch.setenv("DPCORE_REPLICA_RNG", "0")
+    assert dp(x).all()
+    monkeypatch.setenv("DPCORE_REPLICA_RNG", "1")
+    assert not dp(x).any()
+    monkeypatch.setenv("DPCORE_REPLICA_RNG", "yes")
+    with pytest.raises(ValueError, match="DPCORE_REPLICA_RNG to be 0 or 1, but it is 'yes'"):
+        dp(x)
+
+
+def test_kernels_are_cpp_and_installed_once_on_first_need() -> None:
+    """Nothing is installed before a parallel call gives a replica a stream,
+    nor ever while DPCORE_REPLICA_RNG=0; then the kernels are C++ ones, and
+    torch.get_rng_state is rebound once (a fresh process)."""
+    script = """
+import os, torch, dpcore
+from torch import nn
+key = "TESTING_ONLY_GenericMode"
+original = torch.get_rng_state
+model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+x = torch.randn(8, 4)
+dpcore.DataParallel(model, ["cpu"])(x)                    # one replica: nothing shared
+dpcore.DataParallel(model, ["cpu"] * 2)(x)                # the streams are off
+assert torch._C._dispatch_get_registrations_for_dispatch_key(key) == []
+assert torch.get_rng_state is original
+os.environ["DPCORE_REPLICA_RNG"] = "1"
+dpcore.DataParallel(model, ["cpu"] * 2)(x)
+rebound = torch.get_rng_state
+assert rebound is not original and torch.random.get_rng_state is rebound
+registered = torch._C._dispatch_get_registrations_for_dispatch_key(key)
+assert "aten::bernoulli_.float" in registered and "aten::native_dropout" in registered, registered
+assert all(name.startswith("aten::") for name in registered), registered
+dump = torch._C._dispatch_dump("aten::bernoulli_.float")
+line = next(l for l in dump.splitlines() if l.startswith(key))
+assert "replica_rng.cpp" in line, line
+dpcore.DataParallel(model, ["cpu"] * 3)(x)
+assert torch.get_rng_state is rebound
+assert torch._C._dispatch_get_registrations_for_dispatch_key(key) == registered
+print("ok")
+"""
+    env = subprocess_env()
+    env["DPCORE_REPLICA_RNG"] = "0"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=TESTS_DIR, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_key_taken_by_other_code_warns_once_and_shares_the_generator() -> None:
+    """Where other code has registered on the dispatch key, dpcore installs
+    nothing (no kernel, no rebinding) and says so once; the replicas then
+    draw from the shared generator (a fresh process)."""
+    script = """
+import warnings, torch, dpcore
+from torch import nn
+original = torch.get_rng_state
+other = torch.library.Library("aten", "IMPL")
+other.impl("sin", lambda keys, x: torch.ops.aten.sin.default.redispatch(keys, x), "TESTING_ONLY_GenericMode", with_keyset=True)
+model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        dpcore.DataParallel(model, ["cpu"] * 2)(torch.randn(8, 4))
+messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+assert len(messages) == 1, messages
+assert "not reproducible" in messages[0] and "already used by other code (aten::sin" in messages[0], messages
+assert torch._C._dispatch_get_registrations_for_dispatch_key("TESTING_ONLY_GenericMode") == ["aten::sin"]
+assert torch.get_rng_state is original
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=TESTS_DIR, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -374,7 +374,7 @@ def _parser_of(main: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> arg
 def _commands() -> dict[str, Callable[..., Any]]:
     from dpcore import demo
     from dpcore.bench import __main__ as bench_all
-    from dpcore.bench import comm, distributed, kernels, soak, step
+    from dpcore.bench import comm, distributed, generate, kernels, optimizer, soak, step
 
     return {
         "python -m dpcore.demo": demo.main,
@@ -382,8 +382,10 @@ def _commands() -> dict[str, Callable[..., Any]]:
         "python bench/bench_comm.py": comm.main,
         "python bench/bench_kernels.py": kernels.main,
         "python bench/bench_step.py": step.main,
+        "python bench/bench_optimizer.py": optimizer.main,
         "python bench/bench_distributed.py": distributed.main,
         "python bench/soak.py": soak.main,
+        "python bench/bench_generate.py": generate.main,
     }
 
 

@@ -9,7 +9,10 @@ PackedSequence (RNNs over packed input), against one device in float64.
   and infers exactly like one device, with uneven splits, fewer images than
   devices (replicas without images do not run), ``chunk_sizes`` and
   ``weights`` applied to image counts, ``criterion=``, and the errors for
-  lists whose lengths disagree with another batched input.
+  lists whose lengths disagree with another batched input; plain lists of
+  images are errors naming ``dpcore.Samples`` (images of different sizes;
+  any plain list given to a torchvision detection model), while lists of
+  batch tensors keep torch's rule.
 * PackedSequence: an LSTM tagger over packed input (``enforce_sorted`` True
   and False) whose output PackedSequence and last-layer ``h_n`` are joined
   back equal to one device, field by field, with gradients reaching the
@@ -315,14 +318,76 @@ def test_module_run_as_is_gets_the_marked_values() -> None:
     assert [torch.equal(g["boxes"], e["boxes"]) for g, e in zip(got, expected)] == [True] * 3
 
 
-def test_unmarked_list_is_split_inside_each_image() -> None:
-    """Why the marker exists: a plain list of [3, H, W] images is a pytree
-    of tensors of size 3, split along their channels (as torch splits it);
-    the model refuses the 1-channel pieces."""
+def test_plain_list_of_images_is_an_error_naming_samples() -> None:
+    """A plain list of images of different sizes is not one batch (torch's
+    rule would split each image along its channels): a ValueError naming
+    the list's path and dpcore.Samples, in inference and in training, and
+    from dpcore.scatter too."""
     dp = dpcore.DataParallel(_detector().eval(), _cpu(3))
-    images, _ = _images(4)
-    with pytest.raises(ValueError, match=r"expected a \[3, H, W\] image, got \[1,"):
+    images, targets = _images(4)
+    with pytest.raises(ValueError, match=r"inputs\[0\] is a list of tensors of one size .*dpcore\.Samples"):
         dp(images)
+    dp.train()
+    with pytest.raises(ValueError, match=r"inputs\[0\] is a list of tensors .*\[3, 8, 12\] and \[3, 16, 8\]"):
+        dp(images, targets)
+    with pytest.raises(ValueError, match=r"kwargs\['x'\]\[1\] is a list of tensors .*dpcore\.Samples"):
+        scatter_kwargs((), {"x": (0, images)}, _cpu(2))
+    with pytest.raises(ValueError, match=r"inputs is a list of tensors"):
+        dpcore.scatter(images, _cpu(2))
+
+
+def test_plain_lists_of_images_of_one_size_with_targets_name_samples() -> None:
+    """Images of one size with their target dicts in plain lists: the targets'
+    box counts disagree with the images' first dimension, and the error
+    names dpcore.Samples."""
+    dp = dpcore.DataParallel(_detector(), _cpu(2))
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 8, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    targets = [
+        {"boxes": torch.rand(k, 4, dtype=torch.float64), "labels": torch.zeros(k, dtype=torch.long)}
+        for k in (1, 2, 4, 2)
+    ]
+    with pytest.raises(ValueError, match=r"has size .* along dim 0 .*goes in dpcore\.Samples\(list\)"):
+        dp(images, targets)
+
+
+def test_torchvision_detection_models_refuse_plain_lists() -> None:
+    """A module holding torchvision's GeneralizedRCNNTransform (here a
+    stand-in of that name and module; tests/test_detection.py runs the real
+    models) takes its images and targets as dpcore.Samples: plain lists are
+    an error naming it, whatever the images' sizes (one size, one image)."""
+    transform = type("GeneralizedRCNNTransform", (nn.Module,), {"__module__": "torchvision.models.detection.transform"})
+    model = _detector()
+    model.transform = transform()
+    one = copy.deepcopy(model).eval()
+    dp = dpcore.DataParallel(model.eval(), _cpu(3))
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 8, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    for plain in (images, images[:1], tuple(images)):
+        with pytest.raises(ValueError, match=r"inputs\[0\] is a plain .* given to TinyDetector, a torchvision"):
+            dp(plain)
+    with pytest.raises(
+        ValueError, match=r"kwargs\['targets'\] is a plain list of targets .*dpcore\.Samples\(targets\)"
+    ):
+        dp(dpcore.Samples(images), targets=[{}] * 4)
+    with torch.no_grad():
+        got, expected = dp(dpcore.Samples(images)), one(images)
+    for e, d in zip(expected, got):
+        _close(d["boxes"], e["boxes"])
+
+
+def test_lists_of_batch_tensors_keep_torchs_rule() -> None:
+    """A list of batch tensors of one shape, a tuple of batch tensors of
+    different shapes, and a list inside Broadcast are split (or passed) as
+    torch.nn.DataParallel splits them."""
+    a, b, c = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 5, 2)
+    scattered = scatter_kwargs(([a, b], (a, c), dpcore.Broadcast([a, c])), None, _cpu(2))
+    first, second = scattered.args
+    assert torch.equal(first[0][1], b[:2]) and torch.equal(second[0][1], b[2:])
+    assert torch.equal(first[1][1], c[:2]) and torch.equal(second[1][1], c[2:])
+    assert first[2][1] is c and torch.equal(second[2][1], c)  # whole on every replica
+    # 0-dim entries take no part in the shape check
+    assert scatter_kwargs(([a, torch.tensor(2.0)],), None, _cpu(2)).sizes == [2, 2]
 
 
 # ---------------------------------------------------------------------------

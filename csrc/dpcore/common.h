@@ -3,9 +3,10 @@
 //
 // The core's headers include only those of the layers below them:
 //   common.h  device.h  env.h  host_allocator.h  worker_pool.h  rendezvous.h
-//   comm/checks.h  cuda/device_table.h
-//                                 (no dpcore header; the last two are used
-//                                 only inside their folders)
+//   comm/checks.h  cuda/device_table.h  replica_rng.h  grad_ready.h
+//                                 (no dpcore header; comm/checks.h and
+//                                 cuda/device_table.h are used only inside
+//                                 their folders)
 //   sync_batchnorm.h              synchronized BatchNorm (on rendezvous.h)
 //   flatten.h                     layouts and buckets
 //   kernels.h  cuda/host_staging.h  pack / unpack / reduce_add_n; the pinned ring

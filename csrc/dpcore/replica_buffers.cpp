@@ -4,13 +4,20 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ne.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <cstring>
 
 #include "dpcore/comm.h"
 #include "dpcore/device.h"
+#include "dpcore/kernels.h"
 
 namespace dpcore {
 
@@ -38,26 +45,55 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
   }
 }
 
-TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
+namespace {
+
+// Whether the bytes of `a` and `b` (same dtype and numel, 1-D, contiguous,
+// on one device) differ: a 0-dim bool tensor on their device. On the host a
+// memcmp; on a device a comparison queued on its current stream (read with
+// item() once every device's is queued), as the widest integers that the
+// byte counts and offsets allow, so that NaN payloads and signed zeros
+// count as bytes, not as values.
+at::Tensor bytes_differ(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t size = a.element_size();
+  const int64_t nbytes = a.numel() * size;
+  if (a.device().is_cpu()) {
+    const bool differ = nbytes > 0 && std::memcmp(a.const_data_ptr(), b.const_data_ptr(), nbytes) != 0;
+    return at::scalar_tensor(differ, at::kBool);
+  }
+  int64_t word = 8;
+  while (word > 1 && (nbytes % word != 0 || (a.storage_offset() * size) % word != 0 ||
+                      (b.storage_offset() * size) % word != 0)) {
+    word /= 2;
+  }
+  const c10::ScalarType type = word == 8   ? at::kLong
+                               : word == 4 ? at::kInt
+                               : word == 2 ? at::kShort
+                                           : at::kByte;
+  return at::ne(a.view(at::kByte).view(type), b.view(at::kByte).view(type)).any();
+}
+
+} // namespace
+
+void ReplicaBuffers::check_tensors(at::TensorList tensors, const char* fn) const {
   TORCH_CHECK(
-      tensors.size() == layout_.size(), "ReplicaBuffers.refresh: expected ", layout_.size(),
+      tensors.size() == layout_.size(), fn, ": expected ", layout_.size(),
       " tensors (the bucket's), but got ", tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK(
         tensors[i].sizes().equals(layout_.sizes[i]) && tensors[i].scalar_type() == layout_.dtype &&
             normalize_device(tensors[i].device()) == source_,
-        "ReplicaBuffers.refresh: tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(), " on ",
-        tensors[i].device(), ", but the bucket was built for ", layout_.dtype,
-        c10::IntArrayRef(layout_.sizes[i]), " on ", source_);
+        fn, ": tensor ", i, " is ", tensors[i].scalar_type(), tensors[i].sizes(), " on ", tensors[i].device(),
+        ", but the bucket was built for ", layout_.dtype, c10::IntArrayRef(layout_.sizes[i]), " on ",
+        source_);
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  c10::InferenceMode normal_mode(false);
-  c10::NoGradGuard no_grad;
+}
+
+bool ReplicaBuffers::changed(at::TensorList tensors, std::vector<char>& master_changed) const {
   // Entry i is stale on every device when its master changed, entry (d, i)
   // when a copy of it was changed in place.
   const size_t n = tensors.size();
   const bool first = master_ptrs_.size() != n;
-  std::vector<char> master_changed(n, 0);
+  master_changed.assign(n, 0);
   bool any = first;
   for (size_t i = 0; i < n; ++i) {
     master_changed[i] =
@@ -69,6 +105,17 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
       any = anchors_[d][i]._version() != anchor_versions_[d][i];
     }
   }
+  return any;
+}
+
+TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
+  check_tensors(tensors, "ReplicaBuffers.refresh");
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::InferenceMode normal_mode(false);
+  c10::NoGradGuard no_grad;
+  const size_t n = tensors.size();
+  std::vector<char> master_changed;
+  const bool any = changed(tensors, master_changed);
   copied_.store(any);
   if (any) {
     broadcast_flat_into(tensors, layout_, flats_);
@@ -105,6 +152,68 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
 void ReplicaBuffers::invalidate() {
   std::lock_guard<std::mutex> lock(mutex_);
   master_ptrs_.clear(); // the next refresh treats every entry as changed
+}
+
+std::vector<int64_t> ReplicaBuffers::verify(at::TensorList tensors) {
+  check_tensors(tensors, "ReplicaBuffers.verify");
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::InferenceMode normal_mode(false);
+  c10::NoGradGuard no_grad;
+  std::vector<char> master_changed;
+  if (flats_.empty() || changed(tensors, master_changed)) {
+    return {};
+  }
+  at::Tensor source = flat_alias(tensors[0], layout_);
+  if (!source.defined()) {
+    c10::DeviceGuard guard(source_);
+    source = flatten(tensors, layout_);
+  }
+  // The master's bytes next to each target's buffer, on its device: every
+  // copy and comparison is queued before the first result is read.
+  std::vector<at::Tensor> masters;
+  std::vector<at::Tensor> differs;
+  masters.reserve(flats_.size());
+  differs.reserve(flats_.size());
+  for (const at::Tensor& flat : flats_) {
+    c10::DeviceGuard guard(flat.device());
+    if (normalize_device(flat.device()) == source_) {
+      masters.push_back(source);
+    } else {
+      masters.push_back(at::empty_like(flat));
+      masters.back().copy_(source, may_copy_async(flat.device()));
+    }
+    differs.push_back(bytes_differ(masters.back(), flat));
+  }
+  std::vector<char> target_differs(flats_.size(), 0);
+  bool any = false;
+  for (size_t d = 0; d < differs.size(); ++d) {
+    target_differs[d] = differs[d].item<bool>() ? 1 : 0;
+    any = any || target_differs[d];
+  }
+  std::vector<int64_t> stale;
+  if (!any) {
+    return stale;
+  }
+  // Which entries (only after a difference was found): one comparison each.
+  for (size_t i = 0; i < layout_.size(); ++i) {
+    const int64_t numel = c10::multiply_integers(layout_.sizes[i]);
+    for (size_t d = 0; d < flats_.size(); ++d) {
+      if (!target_differs[d]) {
+        continue;
+      }
+      c10::DeviceGuard guard(flats_[d].device());
+      const int64_t offset = layout_.offsets[i];
+      if (bytes_differ(masters[d].narrow(0, offset, numel), flats_[d].narrow(0, offset, numel))
+              .item<bool>()) {
+        stale.push_back(static_cast<int64_t>(i));
+        break;
+      }
+    }
+  }
+  for (int64_t i : stale) {
+    master_ptrs_[i] = nullptr; // the next refresh copies them (entry i holds bytes: a storage)
+  }
+  return stale;
 }
 
 } // namespace dpcore

@@ -47,7 +47,26 @@ class ReplicaBuffers {
     return copied_.load();
   }
 
+  // Finds writes that no version counter saw. Where the next refresh would
+  // skip the copy (no master tensor and no copy changed since the last
+  // one), compares every target's buffer with `tensors` (as refresh takes
+  // them) byte for byte, on the target's device. Returns the indices of the
+  // entries whose bytes differ on some target, in order; the next refresh
+  // copies the bucket and marks those entries changed (as refresh marks an
+  // entry whose master changed: see the version note of refresh). Empty
+  // when every byte is equal, and when the next refresh copies anyway (then
+  // nothing is compared). Serialized with refresh.
+  std::vector<int64_t> verify(at::TensorList tensors);
+
  private:
+  // Raises unless `tensors` are the bucket's (count, shapes, dtype, device);
+  // `fn` names the caller in the message.
+  void check_tensors(at::TensorList tensors, const char* fn) const;
+  // Whether the next refresh copies: a master tensor changed (new storage or
+  // version, every entry before the first refresh) or a copy was changed in
+  // place. master_changed[i]: whether entry i's master changed.
+  bool changed(at::TensorList tensors, std::vector<char>& master_changed) const;
+
   FlatLayout layout_;
   c10::Device source_;
   std::vector<c10::Device> targets_;

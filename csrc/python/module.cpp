@@ -127,6 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // csrc/dpcore/ops.cpp, implementations registered by kernels/ and cuda/).
 
   dpcore::python::bind_comm(m);
+  dpcore::python::bind_grad_ready(m);
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);
   dpcore::python::bind_sync_batchnorm(m);

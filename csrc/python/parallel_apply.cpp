@@ -1,7 +1,8 @@
 // parallel_apply over Python callables on dpcore's persistent worker pool.
 // GIL handling lives here: the caller releases the GIL while it waits (taking
 // it back every kSignalPoll so that Ctrl-C reaches it), and each worker takes
-// it only to call into Python.
+// it only to call into Python. Each call that shares a generator with
+// another runs in a random stream of its own (dpcore/replica_rng.h).
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "dpcore/replica_rng.h"
 #include "dpcore/worker_pool.h"
 #include "python/bindings.h"
 
@@ -242,6 +244,30 @@ class ParallelRun {
   std::vector<c10::Device> devices_;
 };
 
+// The calls' random streams (replica_rng.h). The first call that gets any
+// has dpcore._rng make torch's RNG-state functions see them; where the
+// streams are unavailable, one RuntimeWarning says why. GIL held.
+ReplicaStreams streams_for(const std::vector<c10::Device>& devices) {
+  static bool state_functions = false;
+  static bool warned = false;
+  ReplicaStreams streams = replica_streams(devices);
+  if (!streams.per_call.empty() && !state_functions) {
+    py::module_::import("dpcore._rng").attr("install_state_functions")();
+    state_functions = true;
+  }
+  if (!streams.unavailable.empty() && !warned) {
+    warned = true;
+    const std::string message =
+        "dpcore: replicas that share a generator draw from it in thread order, so random numbers (dropout) "
+        "are not reproducible from run to run: " +
+        streams.unavailable;
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) {
+      throw py::error_already_set();
+    }
+  }
+  return streams;
+}
+
 std::unique_ptr<ParallelRun> start_parallel_apply(
     const py::sequence& callables, const py::sequence& args, const py::sequence& kwargs,
     const std::vector<c10::Device>& devices, bool all_at_once) {
@@ -266,10 +292,13 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
     call->positional[i] = py::tuple(args[i]);
     call->named[i] = py::dict(kwargs[i]);
   }
+  ReplicaStreams streams = streams_for(devices);
   std::vector<Task> tasks;
   tasks.reserve(n);
   for (size_t i = 0; i < n; ++i) {
-    tasks.push_back(Task{devices[i], [call, i] {
+    std::shared_ptr<ReplicaStream> stream = streams.per_call.empty() ? nullptr : streams.per_call[i];
+    tasks.push_back(Task{devices[i], [call, i, stream = std::move(stream)] {
+                           ReplicaStreamScope random_stream(stream.get());
                            py::gil_scoped_acquire gil;
                            // While it runs Python code, the call can be interrupted
                            // (ApplyCall::interrupt_running); once it has returned, an
@@ -331,6 +360,10 @@ void bind_parallel_apply(py::module_& m) {
       "start_parallel_apply", &start_parallel_apply, py::arg("callables"), py::arg("args"), py::arg("kwargs"),
       py::arg("devices"), py::kw_only(), py::arg("all_at_once") = false,
       "Starts parallel_apply's calls and returns a ParallelRun at once.");
+  m.def(
+      "replica_generator", [] { return current_replica_generator(); },
+      "The generator of the random stream of the replica running on this thread (docs/design.md, "
+      "\"Randomness\"), or None where the thread has none.");
   m.def("worker_thread_count", &worker_thread_count);
   m.def("worker_pool_count", &worker_pool_count);
   // No worker may be left running Python code while the interpreter shuts down.

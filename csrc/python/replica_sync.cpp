@@ -460,6 +460,12 @@ void bind_replica_sync(py::module_& m) {
           "invalidate", &ReplicaBuffers::invalidate, py::call_guard<py::gil_scoped_release>(),
           "Makes the next refresh copy every entry: for in-place writes no version counter saw "
           "(replayed CUDA graphs).")
+      .def(
+          "verify",
+          [](ReplicaBuffers& self, const std::vector<at::Tensor>& tensors) { return self.verify(tensors); },
+          py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+          "Compares the buffers with `tensors` byte for byte where the next refresh would not copy; returns "
+          "the indices of the entries that differ (the next refresh copies them), [] when none does.")
       .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied);
 
   py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))

@@ -11,6 +11,13 @@ plain full-batch step, the time of replication alone (dpcore's cached
 refresh after a parameter update versus torch.nn.parallel.replicate, which
 runs only on CUDA), and on CUDA torch.nn.DataParallel on the same list.
 
+The check for writes no version counter sees (docs/design.md): ``infer
+ms`` is dpcore's inference call (eval mode, no grad) and ``check ms`` one
+check of every bucket (``ReplicaCache.check_now``; nothing changed between
+calls, so every bucket is compared: the check's worst case); ``check /
+infer`` is the check's amortized cost, check ms / (CHECK_INTERVAL_MAX x
+infer ms), the gap between checks in steady state (target: at most 1 %).
+
 The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
 ``x unsynced`` column is its step time over the same DataParallel step with
 ``sync_batchnorm=False`` (per-replica statistics), measured alternately
@@ -54,6 +61,15 @@ batch; ``plain ms``: the compiled full-batch step). The JSON row adds the
 eager dpcore step of the same model (``eager_dpcore_ms``) and the time of
 the untimed first steps, where the compiling happens (``compile_s``).
 
+Random-streams row (on a list whose replicas share a generator: a CPU list,
+a repeated CUDA device): the MLP 50x64 with a Dropout(0.1) after each of its
+50 layers, at batch 32. ``dpcore ms`` runs it with each replica on a random
+stream of its own (the default); ``streams off ms`` runs the same wrapper with
+``DPCORE_REPLICA_RNG=0``: the same draws, from the one shared generator (as
+torch.nn.DataParallel's replicas make them), nothing intercepted. ``x
+streams off`` is the cost of the streams (target: at most 1.05), measured
+alternately.
+
 Every ratio is between two figures measured in the same run, on the same
 model and batch. The JSON's ``targets`` lists the graphed-row targets
 (``GRAPH_TARGETS``) with the values measured and whether each is met; a
@@ -68,6 +84,7 @@ docs/measured.md says what each figure means and quotes recorded runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -79,6 +96,7 @@ from torch import nn
 
 import dpcore
 from dpcore.bench._common import bench_command, environment, measure, measure_against, synchronize
+from dpcore.replicate import CHECK_INTERVAL_MAX
 
 #: (row name, model factory, input shape without the batch, batch size, sync_batchnorm).
 ModelSpec = tuple[str, Callable[[], nn.Module], tuple[int, ...], int, bool]
@@ -287,6 +305,24 @@ def _split_step(
     opt.step()
 
 
+def _check_cost(
+    dp: dpcore.DataParallel, x: torch.Tensor, measure_step: Callable[[Callable[[], Any]], float]
+) -> tuple[float, float]:
+    """(dpcore's inference call, one check of every bucket) in seconds, in
+    eval mode without grad: nothing changes between calls, so each check
+    compares every bucket with the master. The module is back in train mode
+    after."""
+    dp.module.eval()
+    try:
+        with torch.no_grad():
+            t_infer = measure_step(lambda: dp(x))
+            cache = dp._replica_cache()
+            t_check = measure_step(cache.check_now)
+    finally:
+        dp.module.train()
+    return t_infer, t_check
+
+
 def graphs_note(devices: Sequence[torch.device], cuda_graphs: str) -> str | None:
     """Why no graphed rows are measured on `devices` with --cuda-graphs
     `cuda_graphs`, or None when they are (a CUDA list, "auto" or "on").
@@ -371,6 +407,9 @@ def _compiled_row(
         "unsynced_ms",
         "sync_ratio",
         "replicate_ms",
+        "infer_ms",
+        "check_ms",
+        "check_vs_infer",
         "torch_replicate_ms",
         "torch_dp_ms",
         "speedup_vs_torch_dp",
@@ -379,6 +418,8 @@ def _compiled_row(
         "torch_dp_vs_graphed",
         "graphed_note",
         "graphed_error",
+        "streams_off_ms",
+        "streams_ratio",
     )
     return {
         "model": name,
@@ -394,6 +435,75 @@ def _compiled_row(
         "eager_dpcore_ms": t_eager * 1e3,
         "compile_s": compile_s,
     }
+
+
+def shares_generator(devices: Sequence[torch.device]) -> bool:
+    """Whether two entries of `devices` draw from one default generator (two
+    CPU entries, or one CUDA device twice): where replicas get random streams."""
+    keys = [None if d.type == "cpu" else (d.type, d.index) for d in devices]
+    return len(set(keys)) < len(keys)
+
+
+def dropout_mlp(depth: int = 50, width: int = 64, p: float = 0.1) -> nn.Module:
+    """mlp(depth, width) with a Dropout(p) after each ReLU."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU(), nn.Dropout(p)]
+    return nn.Sequential(*layers)
+
+
+def _streams_row(devices: Sequence[torch.device], quick: bool, repeats: int) -> dict[str, Any]:
+    """The random-streams row (see the module docstring): the columns of the
+    other rows where they apply, plus ``streams_off_ms`` and ``streams_ratio``."""
+    first = devices[0]
+    k = len(devices)
+    name = "MLP 50x64 + Dropout, batch 32, random streams"
+    torch.manual_seed(0)
+    model = dropout_mlp().to(first)
+    x = torch.randn(32, 64, device=first)
+    y = torch.randn(32, 64, device=first)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    dp = dpcore.DataParallel(model, device_ids=devices)
+    xs, ys = x.chunk(k), y.chunk(k)
+    previous = os.environ.get("DPCORE_REPLICA_RNG")
+
+    def step(streams: str) -> None:
+        os.environ["DPCORE_REPLICA_RNG"] = streams
+        _train_step(dp, opt, x, y)
+
+    rounds, each = (1 if quick else 5), max(2, repeats // 5)
+    try:
+        t_dp, t_split = measure_against(
+            lambda: step("1"), lambda: _split_step(model, opt, xs, ys), devices, rounds=rounds, repeats=each
+        )
+        t_dp, t_off = measure_against(lambda: step("1"), lambda: step("0"), devices, rounds=rounds, repeats=each)
+    finally:
+        if previous is None:
+            os.environ.pop("DPCORE_REPLICA_RNG", None)
+        else:
+            os.environ["DPCORE_REPLICA_RNG"] = previous
+    print(
+        f"  {name}: dpcore {t_dp * 1e3:.2f} ms, DPCORE_REPLICA_RNG=0 {t_off * 1e3:.2f} ms, "
+        f"streams/off {t_dp / t_off:.3f}; sequential split {t_split * 1e3:.2f} ms"
+    )
+    row: dict[str, Any] = dict.fromkeys(key for key, _, _ in COLUMNS)
+    row.update(
+        {
+            "model": name,
+            "devices": k,
+            "batch": 32,
+            "dpcore_ms": t_dp * 1e3,
+            "sequential_split_ms": t_split * 1e3,
+            "ratio": t_dp / t_split,
+            "streams_off_ms": t_off * 1e3,
+            "streams_ratio": t_dp / t_off,
+            "graphed_note": None,
+            "graphed_warnings": [],
+            "graphed_error": None,
+            "compiled": None,
+        }
+    )
+    return row
 
 
 def _graphed_step(
@@ -434,7 +544,8 @@ def run(
     graphs_note). The result's "cuda_graphs" entry holds the choice,
     whether graphed rows were measured, and the note saying why not.
     `compiled`: the torch.compile backend of the compiled row, appended
-    last, or "off" for none."""
+    after the models, or "off" for none. The random-streams row comes last,
+    on lists whose replicas share a generator (shares_generator)."""
     note = graphs_note(devices, cuda_graphs)
     if note is not None:
         print(f"  graphed rows not measured ({note})")
@@ -482,6 +593,7 @@ def run(
             dp._replicas(k)
 
         t_replicate = measure_step(refresh)
+        t_infer, t_check = _check_cost(dp, x, measure_step)
         t_torch_replicate = None
         t_torch_dp = None
         if first.type == "cuda":
@@ -515,6 +627,9 @@ def run(
                 "sync_ratio": None if t_unsynced is None else t_dp / t_unsynced,
                 "plain_full_batch_ms": t_plain * 1e3,
                 "replicate_ms": t_replicate * 1e3,
+                "infer_ms": t_infer * 1e3,
+                "check_ms": t_check * 1e3,
+                "check_vs_infer": t_check / (CHECK_INTERVAL_MAX * t_infer),
                 "torch_replicate_ms": None if t_torch_replicate is None else t_torch_replicate * 1e3,
                 "torch_dp_ms": None if t_torch_dp is None else t_torch_dp * 1e3,
                 "speedup_vs_torch_dp": None if t_torch_dp is None else t_torch_dp / t_dp,
@@ -529,10 +644,16 @@ def run(
                 "graphed_warnings": graphed_warnings,
                 "graphed_error": graphed_error,
                 "compiled": None,
+                "streams_off_ms": None,
+                "streams_ratio": None,
             }
         )
         print(
             f"  {name}: dpcore {t_dp * 1e3:.2f} ms, sequential split {t_split * 1e3:.2f} ms, ratio {t_dp / t_split:.3f}"
+        )
+        print(
+            f"  {name}: inference {t_infer * 1e3:.3f} ms, one check {t_check * 1e3:.3f} ms, amortized "
+            f"{t_check / (CHECK_INTERVAL_MAX * t_infer):.3%} of a call"
         )
         if t_unsynced is not None:
             print(f"  {name}: sync_batchnorm=False {t_unsynced * 1e3:.2f} ms, sync/unsynced {t_dp / t_unsynced:.3f}")
@@ -545,6 +666,8 @@ def run(
                 print(f"  {name}: cuda_graphs warning: {line}")
     if compiled != "off":
         rows.append(_compiled_row(devices, quick, repeats, min_seconds, compiled))
+    if shares_generator(devices):
+        rows.append(_streams_row(devices, quick, repeats))
     targets = check_targets(rows)
     for target in targets:
         print(
@@ -575,12 +698,17 @@ COLUMNS = [
     ("sync_ratio", "x unsynced", ".3f"),
     ("plain_full_batch_ms", "plain ms", ".2f"),
     ("replicate_ms", "replicate ms", ".3f"),
+    ("infer_ms", "infer ms", ".3f"),
+    ("check_ms", "check ms", ".3f"),
+    ("check_vs_infer", "check / infer", ".2%"),
     ("torch_replicate_ms", "torch replicate ms", ".3f"),
     ("torch_dp_ms", "torch DP ms", ".2f"),
     ("speedup_vs_torch_dp", "x torch DP", ".2f"),
     ("graphed_ms", "graphed ms", ".2f"),
     ("graphed_vs_plain", "graphed x plain", ".3f"),
     ("torch_dp_vs_graphed", "torch DP / graphed", ".2f"),
+    ("streams_off_ms", "streams off ms", ".2f"),
+    ("streams_ratio", "x streams off", ".3f"),
 ]
 
 

@@ -1,0 +1,290 @@
+"""Methods of the module other than forward, run data parallel.
+
+``dp.parallel(name)`` returns a callable that runs the module's method
+`name` through the wrapper's one pipeline: the arguments are scattered as
+forward's, each replica runs its own ``replica.<name>`` on its chunk, and
+the results are gathered as forward's, after :func:`pad_outputs` has padded
+tensors whose sizes differ beyond the batch dimension with the declared
+``pad_value``. No loss rule applies. ``dp.generate`` is
+``dp.parallel("generate")``; for a Hugging Face model (one with a
+``generation_config``) :class:`_Generated` first aligns the replicas'
+outputs as the bare model would have returned them for the whole batch.
+The rules are in docs/generate.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dpcore import _pytree as pt
+from dpcore._loss import Call
+
+if TYPE_CHECKING:
+    from dpcore.data_parallel import DataParallel
+
+#: Module methods that ``dp.<name>`` runs data parallel (others fall through to the module).
+PARALLEL_BY_NAME = frozenset({"generate"})
+#: Fields of transformers' generate outputs that hold one entry per generation step.
+STEP_FIELDS = (
+    "scores",
+    "logits",
+    "attentions",
+    "hidden_states",
+    "decoder_attentions",
+    "cross_attentions",
+    "decoder_hidden_states",
+)
+_WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
+_WALKED = (pt.SEQUENCE, pt.MAPPING, pt.NAMEDTUPLE, pt.DATACLASS, pt.REGISTERED, pt.ITERABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A method call's rule, carried in its :class:`Call` record: how the
+    replicas' results become one (`align`, then padding with `pad_value`
+    along every dimension but `dim`, then the wrapper's gather)."""
+
+    label: str
+    dim: int
+    pad_value: float | None
+    align: Callable[[list[Any], Call], list[Any]] | None = None
+
+    def combine(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
+        """The gathered result of the replicas' `outputs`; errors name the method."""
+        if self.align is not None:
+            outputs = self.align(outputs, call)
+        outputs = pad_outputs(outputs, self.dim, self.pad_value, self.label)
+        try:
+            return gather(outputs)
+        except _WRAPPABLE as e:
+            if type(e) not in _WRAPPABLE:
+                raise
+            raise type(e)(f"{self.label}: the replicas' results cannot be gathered: {e}") from e
+
+
+class ParallelMethod:
+    """``dp.parallel(name)``: the module's method `name`, run data parallel at each call."""
+
+    def __init__(self, dp: DataParallel, name: Any, pad_value: Any) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"parallel: expected a method name (str), but got {type(name).__name__} {name!r}")
+        if pad_value is not None and (isinstance(pad_value, bool) or not isinstance(pad_value, (int, float))):
+            raise TypeError(
+                f"parallel({name!r}): pad_value: expected a number (or None), but got {type(pad_value).__name__}"
+            )
+        module = dp.module
+        self.label = f"{type(module).__name__}.{name} (data parallel)"
+        try:
+            target = getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"parallel({name!r}): the module, a {type(module).__name__}, has no method {name!r}"
+            ) from None
+        if not isinstance(target, nn.Module) and not _bound_to(target, module):
+            raise TypeError(
+                f"parallel({name!r}): {type(module).__name__}.{name} is a {type(target).__name__}, not a method of "
+                f"the module (nor a submodule): each replica must run its own, so define it as a method of the "
+                f"module's class"
+            )
+        self.dp, self.name, self.pad_value = dp, name, pad_value
+        self.hugging_face = name == "generate" and hasattr(module, "generation_config")
+        self.__name__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dp = self.dp
+        method = Method(self.label, dp.dim, self.pad_value)
+        if self.hugging_face:
+            method = _Generated.rule(self, kwargs)
+        with dp._calls:
+            return dp._forward(args, kwargs, self._of, method)[0]
+
+    def _of(self, replica: nn.Module) -> Callable[..., Any]:
+        """What runs in place of `replica`: its own method."""
+        return getattr(replica, self.name)
+
+    def __repr__(self) -> str:
+        return f"<{self.label} over {len(self.dp.device_ids)} device(s)>"
+
+
+def _bound_to(target: Any, module: nn.Module) -> bool:
+    """Whether `target` is a method bound to `module` or to one of its
+    submodules (a torch.compile wrapper hands out its inner module's)."""
+    owner = getattr(target, "__self__", None) if inspect.ismethod(target) else None
+    return owner is module or (isinstance(owner, nn.Module) and any(owner is m for m in module.modules()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Generated:
+    """transformers' ``generate``: the replicas' outputs as the bare model
+    returns them for the whole batch. Token ids are right-padded with the
+    value the bare model fills finished rows with (`fill`; None where it
+    keeps generating for them); ``beam_indices`` are moved into the whole
+    batch's beams (`beams` per input row) and padded with -1, as
+    transformers pads them; per-step tuples get the steps of the longest
+    replica, the missing ones of the others filled with `pad`."""
+
+    label: str
+    fill: int | None
+    beams: int
+    pad: float
+
+    @classmethod
+    def rule(cls, parallel: ParallelMethod, kwargs: dict[str, Any]) -> Method:
+        """The rule of one call of `parallel` (a model's generate) with `kwargs`."""
+        dp = parallel.dp
+        if dp.dim != 0:
+            raise ValueError(
+                f"{parallel.label}: transformers' generate takes the batch along dimension 0, but this "
+                f"DataParallel has dim={dp.dim}"
+            )
+        config = dp.module.generation_config
+        given = kwargs.get("generation_config")
+
+        def setting(name: str) -> Any:  # transformers' order: kwargs, the given config, the model's
+            if name in kwargs:
+                return kwargs[name]
+            value = getattr(given, name, None)
+            return value if value is not None else getattr(config, name, None)
+
+        eos = setting("eos_token_id")
+        eos0 = None if eos is None else int(torch.as_tensor(eos).reshape(-1)[0])
+        pad = setting("pad_token_id")
+        pad = eos0 if pad is None else int(pad)
+        beams = int(setting("num_beams") or 1)
+        criteria = kwargs.get("stopping_criteria") or ()
+        if beams > 1:  # transformers' _beam_search: its output_fill_value
+            fill = -1 if eos is None else (pad or eos0)
+        elif eos is not None or any(hasattr(c, "eos_token_id") for c in criteria):
+            fill = pad  # _sample pads finished rows only under an eos criterion
+        else:
+            fill = None
+        value = math.nan if parallel.pad_value is None else parallel.pad_value
+        align = cls(parallel.label, fill, beams, value).align
+        return Method(parallel.label, 0, value, align)
+
+    def align(self, outputs: list[Any], call: Call) -> list[Any]:
+        """`outputs` with their token ids, beam indices and steps aligned."""
+        if all(isinstance(o, torch.Tensor) and o.dim() == 2 for o in outputs):
+            return self._tokens(outputs, "output")
+        if not all(isinstance(o, Mapping) and isinstance(o.get("sequences"), torch.Tensor) for o in outputs):
+            return outputs  # not a generate output: the generic rules apply
+        fields = [dict(o) for o in outputs]
+        for f, padded in zip(fields, self._tokens([o["sequences"] for o in outputs], "output['sequences']")):
+            f["sequences"] = padded
+        if all(isinstance(o.get("beam_indices"), torch.Tensor) for o in outputs):
+            starts = [sum(call.sizes[:j]) * self.beams for j in range(len(outputs))]
+            moved = [torch.where(o["beam_indices"] >= 0, o["beam_indices"] + s, -1) for o, s in zip(outputs, starts)]
+            for f, padded in zip(fields, _pad_dim1(moved, -1)):
+                f["beam_indices"] = padded
+        for name in STEP_FIELDS:
+            steps = [o.get(name) for o in outputs]
+            if all(isinstance(s, tuple) and s for s in steps):
+                for f, full in zip(fields, self._steps(steps)):
+                    f[name] = full
+        return [type(o)(**f) for o, f in zip(outputs, fields)]
+
+    def _tokens(self, sequences: list[torch.Tensor], path: str) -> list[torch.Tensor]:
+        """Token ids right-padded to the longest with the bare model's fill."""
+        longest = max(s.size(1) for s in sequences)
+        if self.fill is None and any(s.size(1) != longest for s in sequences):
+            lengths = [s.size(1) for s in sequences]
+            raise ValueError(
+                f"{self.label}: {path} has {lengths} tokens on the replicas: some stopped before others, and this "
+                f"model gives no token to pad their rows with as it pads finished rows (without an eos_token_id it "
+                f"keeps generating for them); set model.generation_config.eos_token_id (and pad_token_id), or pass "
+                f"eos_token_id= and pad_token_id= to generate"
+            )
+        return _pad_dim1(sequences, self.fill)
+
+    def _steps(self, steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Per-step tuples extended to the longest one's steps: a missing
+        step is the longest replica's, with the replica's own rows (those of
+        its first step) and every value `pad`."""
+        longest = max(steps, key=len)
+        out = []
+        for own in steps:
+            first, _ = pt.flatten(own[0])
+            extra = []
+            for step in longest[len(own) :]:
+                tensors, spec = pt.flatten(step)
+                extra.append(
+                    spec.unflatten(
+                        [
+                            torch.full((f.size(0), *t.shape[1:]), self.pad, dtype=t.dtype, device=f.device)
+                            for t, f in zip(tensors, first)
+                        ]
+                    )
+                )
+            out.append(own + tuple(extra))
+        return out
+
+
+def _pad_dim1(tensors: list[torch.Tensor], fill: Any) -> list[torch.Tensor]:
+    """2-D tensors right-padded along dimension 1 to the longest, with `fill`."""
+    longest = max(t.size(1) for t in tensors)
+    return [
+        t if t.size(1) == longest else torch.cat([t, t.new_full((t.size(0), longest - t.size(1)), fill)], 1)
+        for t in tensors
+    ]
+
+
+def pad_outputs(outputs: list[Any], dim: int, pad_value: float | None, label: str) -> list[Any]:
+    """The replicas' `outputs` with every tensor that differs from the same
+    one of another replica only in sizes other than `dim` padded at the end
+    of those dimensions to the largest, with `pad_value` (ValueError naming
+    the path where None). Where structures differ they are left for the
+    gather to report."""
+    return _padded(list(outputs), dim, pad_value, label, "output")
+
+
+def _padded(values: list[Any], dim: int, pad_value: float | None, label: str, path: str) -> list[Any]:
+    first = values[0]
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return _padded_tensors(values, dim, pad_value, label, path)
+    node = pt.kind(first)
+    if node not in _WALKED or any(type(v) is not type(first) for v in values):
+        return values
+    kids = [pt.children(v, node, path) for v in values]
+    paths = [p for p, _ in kids[0]]
+    if any([p for p, _ in k] != paths for k in kids[1:]):
+        return values
+    columns = [_padded([k[i][1] for k in kids], dim, pad_value, label, p) for i, p in enumerate(paths)]
+    if all(column[j] is kids[j][i][1] for i, column in enumerate(columns) for j in range(len(values))):
+        return values
+    return [pt.rebuild(v, node, [column[j] for column in columns]) for j, v in enumerate(values)]
+
+
+def _padded_tensors(values: list[torch.Tensor], dim: int, pad_value: float | None, label: str, path: str) -> list[Any]:
+    rank = values[0].dim()
+    if rank == 0 or any(v.dim() != rank for v in values) or not -rank <= dim < rank:
+        return values
+    batch = dim % rank
+    target = [max(v.size(i) for v in values) for i in range(rank)]
+    ragged = [j for j, v in enumerate(values) if any(v.size(i) != target[i] for i in range(rank) if i != batch)]
+    if not ragged:
+        return values
+    if pad_value is None:
+        j = next(j for j, v in enumerate(values) if v.shape != values[ragged[0]].shape)
+        raise ValueError(
+            f"{label}: {path} has shape {list(values[ragged[0]].shape)} on replica {ragged[0]} but "
+            f"{list(values[j].shape)} on replica {j}, beyond the batch dimension {dim}; pass pad_value= to pad "
+            f"them to the largest"
+        )
+    if not (values[0].is_floating_point() or values[0].is_complex()) and not float(pad_value).is_integer():
+        raise ValueError(f"{label}: pad_value={pad_value!r} cannot pad {path}, a {values[0].dtype} tensor")
+    out = []
+    for v in values:
+        if all(v.size(i) == target[i] for i in range(rank) if i != batch):
+            out.append(v)
+            continue
+        full = v.new_full([v.size(i) if i == batch else target[i] for i in range(rank)], pad_value)
+        full[tuple(slice(0, n) for n in v.shape)] = v
+        out.append(full)
+    return out

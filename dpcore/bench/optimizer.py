@@ -1,0 +1,104 @@
+"""dpcore.ShardedOptimizer against the plain optimizer, measured in the same
+run, in alternating rounds (both see the same machine load):
+
+* ``step``: ``optimizer.step()`` alone, with the same gradients in place:
+  the shards stepping in parallel on the worker pool, each on its device,
+  against one plain optimizer stepping every parameter on the first device;
+* ``training step``: forward, backward, step and ``zero_grad`` of one
+  batch through dpcore.DataParallel, with either optimizer (two copies of
+  the model, each with its own wrapper).
+
+``ratio`` is sharded over plain (below 1: the sharded one is faster), the
+median of the rounds' ratios, with the lowest and highest round's. The
+model is an MLP of equal Linear layers (bench/step.py's), in float32.
+
+    python bench/bench_optimizer.py --devices cpu:2 --json bench-results/optimizer.json
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import dpcore
+from dpcore.bench._common import bench_command, environment, measure_rounds, ratio_spread
+from dpcore.bench.step import mlp
+
+#: (row name, optimizer class, its arguments).
+OPTIMIZERS: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
+    ("AdamW", torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01}),
+    ("AdamW fused", torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.01, "fused": True}),
+    ("SGD momentum", torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+]
+
+
+def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
+    """Measures both rows for each optimizer of OPTIMIZERS on `devices`."""
+    depth, width, batch = (8, 256, 32) if quick else (24, 512, 64)
+    rounds, per_round = (3, repeats or 2) if quick else (7, repeats or 4)
+    first = devices[0]
+    torch.manual_seed(0)
+    base = mlp(depth, width).to(first)
+    x = torch.randn(batch, width, device=first)
+    rows: list[dict[str, Any]] = []
+    for name, cls, kwargs in OPTIMIZERS:
+        models = [copy.deepcopy(base), copy.deepcopy(base)]
+        wrappers = [dpcore.DataParallel(m, list(devices)) for m in models]
+        sharded = dpcore.ShardedOptimizer(models[0].parameters(), cls, devices=wrappers[0], **kwargs)
+        plain = cls(models[1].parameters(), **kwargs)
+        for dp in wrappers:
+            dp(x).square().mean().backward()  # gradients in place for the step row
+
+        def train(dp: dpcore.DataParallel, opt: torch.optim.Optimizer) -> Callable[[], None]:
+            def one() -> None:
+                dp(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+            return one
+
+        steps = measure_rounds(sharded.step, plain.step, devices, rounds=rounds, repeats=per_round)
+        trainings = measure_rounds(
+            train(wrappers[0], sharded), train(wrappers[1], plain), devices, rounds=rounds, repeats=per_round
+        )
+        label = f"MLP {depth}x{width}, batch {batch}"
+        for what, (ours, theirs) in (("step", steps), ("training step", trainings)):
+            spread = ratio_spread(ours, theirs)
+            rows.append(
+                {
+                    "model": label,
+                    "optimizer": name,
+                    "measured": what,
+                    "sharded_ms": statistics.median(ours) * 1e3,
+                    "plain_ms": statistics.median(theirs) * 1e3,
+                    "ratio": spread["ratio_median"],
+                    "ratio_min": spread["ratio_min"],
+                    "ratio_max": spread["ratio_max"],
+                    "state_bytes": sharded.state_bytes(),
+                }
+            )
+            print(f"  {name}, {what}: ratio {spread['ratio_median']:.2f}")
+    return {"benchmark": "optimizer", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+
+
+COLUMNS = [
+    ("model", "model", "s"),
+    ("optimizer", "optimizer", "s"),
+    ("measured", "measured", "s"),
+    ("sharded_ms", "sharded ms", ".2f"),
+    ("plain_ms", "plain ms", ".2f"),
+    ("ratio", "sharded / plain", ".2f"),
+    ("ratio_min", "lowest", ".2f"),
+    ("ratio_max", "highest", ".2f"),
+]
+
+
+main = bench_command("bench_optimizer", __doc__, run, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,9 @@
 # built and installed, the C++ gtest suite (CMake + ctest) and the Python
 # pytest suite.
 # Usage: bash scripts/test.sh            (the README's test command; CI runs it)
-# Env:   DPCORE_VENV (default .venv), PYTEST_ARGS (extra pytest arguments)
+# Env:   DPCORE_VENV (default .venv), PYTEST_ARGS (extra pytest arguments),
+#        PYTEST_WORKERS (pytest-xdist workers, default auto: one per core;
+#        0 runs pytest in this process, serially)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -27,7 +29,8 @@ step "virtual environment $venv with torch $torch_version"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==$torch_version" pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib \
+python -m pip install -q "torch==$torch_version" pytest "pytest-xdist==3.8.0" hypothesis numpy ninja setuptools wheel \
+  scikit-learn tqdm matplotlib \
   "ruff==0.17.6" "clang-format==23.1.5"
 # The libraries of the drop-in tests (Hugging Face Trainer and accelerate),
 # pinned to versions that run with this torch; those tests skip, naming the
@@ -52,6 +55,8 @@ ctest --test-dir "$root/build-cmake" --output-on-failure
 
 step "Python: pytest"
 # Run from tests/ so that the installed dpcore (with its built _C), not the
-# source folder, is imported.
+# source folder, is imported. pytest-xdist spreads the test files over the
+# cores; --dist loadfile keeps each file's tests in one worker, in the file's
+# order (as a serial run has them).
 cd "$root/tests"
-python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} .
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile ${PYTEST_ARGS:-} .

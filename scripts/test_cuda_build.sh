@@ -9,12 +9,27 @@
 # (bench/gpu_check.sh) runs, so this compiles what runs there; the CPU suite
 # (scripts/test.sh) stays on torch 2.13.0. Works without a GPU (the CUDA
 # tests then skip).
+# Usage: bash scripts/test_cuda_build.sh [--venv-only]
+#      --venv-only: set up the virtual environment and stop (.ci/run does it
+#      while the CPU suite runs: the download waits on the network, the
+#      suite on the cores).
 # Env: DPCORE_CUDA_VENV (default ~/.cache/dpcore/venv-torch-2.11.0, reused
 #      between runs: torch with CUDA is 5.5 GB), CUDA_HOME (default
-#      /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0).
+#      /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default 9.0), PYTEST_WORKERS
+#      (pytest-xdist workers, default auto: one per core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+venv_only=0
+for arg in "$@"; do
+  case $arg in
+  --venv-only) venv_only=1 ;;
+  *)
+    echo "error: unknown argument $arg (the only option is --venv-only)" >&2
+    exit 2
+    ;;
+  esac
+done
 torch_version=2.11.0
 torchvision_version=0.26.0
 timm_version=1.0.31
@@ -38,14 +53,19 @@ source "$venv/bin/activate"
 # does not load beside the CPU suite's torch 2.13.0 wheel), so the timm and
 # detection tests run here.
 python -m pip install -q "torch==$torch_version" "torchvision==$torchvision_version" "timm==$timm_version" \
-  pytest hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+  pytest "pytest-xdist==3.8.0" hypothesis numpy ninja setuptools wheel scikit-learn tqdm matplotlib
+if [ "$venv_only" = 1 ]; then
+  exit 0
+fi
 
 step "build dpcore with nvcc (DPCORE_CUDA=1, arch $TORCH_CUDA_ARCH_LIST)"
-# A fresh build tree: the CPU build's objects must not be reused.
+# A fresh build tree: the CPU build's objects must not be reused (nor are
+# the virtual environments and build folders copied).
 build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
-cp -r "$root/." "$build/src"
-rm -rf "$build/src/build" "$build/src/build-cmake" "$build/src/.venv"
+mkdir "$build/src"
+tar -C "$root" --exclude=./.git --exclude='./.venv*' --exclude=./build --exclude=./build-cmake \
+  --exclude=./build-asan -cf - . | tar -C "$build/src" -xf -
 DPCORE_CUDA=1 python -m pip install -q --no-build-isolation "$build/src"
 
 step "import check"
@@ -63,7 +83,9 @@ step "pytest against the CUDA build"
 cd "$root/tests"
 # In the suite's own (alphabetical) order: on a CUDA torch without a driver,
 # torch.library.opcheck (test_kernels) leaves the CUDA device count nonzero,
-# and test_comm's invisible-device checks must run before it.
-python -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
+# and test_comm's invisible-device checks must run before it. pytest-xdist
+# with --dist loadfile keeps that order: each worker takes whole files, in
+# the order given.
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile ${PYTEST_ARGS:-} \
   test_comm.py test_cuda_graphs.py test_detection.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
   test_link_check.py test_timm.py

@@ -1,3 +1,5 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "dpcore/grad_ready.h"
 
 #include <c10/util/Exception.h>

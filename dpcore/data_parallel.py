@@ -61,6 +61,10 @@ __all__ = ["DataParallel", "data_parallel"]
 TorchDataParallel = nn.DataParallel
 
 
+#: The wrapper's attributes that its loss rule reads (kept in step when one is set).
+_LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_output", "output_device"})
+
+
 class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the results
@@ -176,6 +180,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 )
 
     # -- attribute fall-through, state dicts, pickling ------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _LOSS_FIELDS and "_loss" in self.__dict__:  # options stay writable, as torch's attributes
+            setattr(self._loss, name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -528,7 +528,7 @@ def run(
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.0)  # a parameter update: every bucket must be copied again
-            dp._replicas(k)
+            dp._replica_cache().replicas(k)
 
         t_replicate = measure_step(refresh)
         t_infer, t_check = _check_cost(dp, x, measure_step)

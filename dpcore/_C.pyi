@@ -126,8 +126,8 @@ def start_parallel_apply(
     *,
     all_at_once: bool = False,
 ) -> ParallelRun: ...
-def replica_generator(device: torch.device) -> torch.Generator | None:
-    """This thread's stream generator for `device` inside a replica that has one, else None."""
+def replica_generator() -> torch.Generator | None:
+    """This thread's stream generator inside a replica that has one, else None."""
 
 def worker_thread_count() -> int: ...
 def worker_pool_count() -> int: ...

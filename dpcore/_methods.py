@@ -42,7 +42,7 @@ STEP_FIELDS = (
     "decoder_hidden_states",
 )
 _WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
-_WALKED = (pt.SEQUENCE, pt.MAPPING, pt.NAMEDTUPLE, pt.DATACLASS, pt.REGISTERED, pt.ITERABLE)
+_WALKED = (pt.NODE, pt.MAPPING, pt.ITERABLE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,17 +248,18 @@ def _padded(values: list[Any], dim: int, pad_value: float | None, label: str, pa
     first = values[0]
     if all(isinstance(v, torch.Tensor) for v in values):
         return _padded_tensors(values, dim, pad_value, label, path)
-    node = pt.kind(first)
-    if node not in _WALKED or any(type(v) is not type(first) for v in values):
+    node = pt.node_of(first)
+    if node.kind not in _WALKED or any(type(v) is not type(first) for v in values):
         return values
-    kids = [pt.children(v, node, path) for v in values]
-    paths = [p for p, _ in kids[0]]
-    if any([p for p, _ in k] != paths for k in kids[1:]):
+    flat = [node.flatten(v) for v in values]
+    kids = [list(children) for children, _ in flat]
+    keys = node.keys(first, flat[0][1], len(kids[0]))
+    if any(node.keys(v, c, len(k)) != keys for v, (_, c), k in zip(values[1:], flat[1:], kids[1:])):
         return values
-    columns = [_padded([k[i][1] for k in kids], dim, pad_value, label, p) for i, p in enumerate(paths)]
-    if all(column[j] is kids[j][i][1] for i, column in enumerate(columns) for j in range(len(values))):
+    columns = [_padded([k[i] for k in kids], dim, pad_value, label, path + key) for i, key in enumerate(keys)]
+    if all(column[j] is kids[j][i] for i, column in enumerate(columns) for j in range(len(values))):
         return values
-    return [pt.rebuild(v, node, [column[j] for column in columns]) for j, v in enumerate(values)]
+    return [node.unflatten([column[j] for column in columns], flat[j][1]) for j in range(len(values))]
 
 
 def _padded_tensors(values: list[torch.Tensor], dim: int, pad_value: float | None, label: str, path: str) -> list[Any]:

@@ -148,14 +148,7 @@ def _devices(
                     "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
                 )
             return [], None
-    devices = as_devices(device_ids, "device_ids")
-    if not devices:
-        raise ValueError("device_ids: expected at least one device, but the list is empty")
-    kinds = {d.type for d in devices}
-    if len(kinds) > 1:
-        raise ValueError(f"device_ids: expected devices of one type, but got {sorted(kinds)}: {devices}")
-    for i, d in enumerate(devices):
-        check_usable(d, f"device_ids[{i}]")
+    devices = check_device_list(device_ids, "device_ids")
     if cuda_graphs and devices[0].type != "cuda":
         raise ValueError(
             f"cuda_graphs=True needs a CUDA device list, but device_ids is {[str(d) for d in devices]}: "
@@ -165,6 +158,20 @@ def _devices(
     check_usable(out, "output_device")
     check_on_device(module, devices[0], "device_ids[0]")
     return devices, out
+
+
+def check_device_list(device_ids: Sequence[DeviceLike], arg: str) -> list[torch.device]:
+    """`device_ids` as devices: at least one, of one type, each the CPU or a
+    visible CUDA device; else ValueError/TypeError naming `arg` (and the index)."""
+    devices = as_devices(device_ids, arg)
+    if not devices:
+        raise ValueError(f"{arg}: expected at least one device, but the list is empty")
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ValueError(f"{arg}: expected devices of one type, but got {sorted(kinds)}: {devices}")
+    for i, d in enumerate(devices):
+        check_usable(d, f"{arg}[{i}]")
+    return devices
 
 
 def check_usable(device: torch.device, arg: str) -> None:

@@ -1,35 +1,21 @@
 """PackedSequence split by whole sequences and joined back (private).
 
-A ``torch.nn.utils.rnn.PackedSequence`` holds ``B`` sequences: ``data``
-(rows ordered by time step, then by position in the longest-first sorted
-order), ``batch_sizes`` (a CPU int64 tensor: how many sequences are still
-running at each step), ``sorted_indices`` (the original index of the
-sequence at each sorted position; None when the sequences were packed
-already sorted, ``enforce_sorted=True``) and ``unsorted_indices`` (its
-inverse). The one place for the index arithmetic of both directions:
+The one place for the index arithmetic of both directions (the rule:
+docs/samples.md; a PackedSequence's fields: torch.nn.utils.rnn):
 
-* :func:`split`: the sequences in their original order are cut into
-  consecutive chunks (the split sizes of the call), and each replica gets the
-  PackedSequence that ``pack_padded_sequence`` would make of its chunk: its
-  sequences in the global sorted order (longest first), its own
-  ``batch_sizes``, local ``sorted_indices``/``unsorted_indices`` (None where
-  the input had None). The rows are picked with one ``index_select`` of
-  ``data`` and sent with the differentiable Scatter, so gradients flow back
-  to ``data``.
-* :func:`join`: the replicas' PackedSequences (replica order = original
-  order of their sequences) become one: the sorted order is that of an input
-  PackedSequence of the call with the same sequence lengths (so the joined
-  output of an RNN is the one-device output, field by field), else the
-  stable longest-first order; rows are concatenated with the differentiable
-  Gather and put in place with one ``index_select``.
+* :func:`split`: the sequences, in their original order, cut into the
+  call's consecutive chunks; each replica gets the PackedSequence that
+  ``pack_padded_sequence`` would make of its chunk (rows picked with one
+  ``index_select`` and sent with the differentiable Scatter);
+* :func:`join`: the replicas' PackedSequences become one, in the sorted
+  order of an input PackedSequence of the call with the same lengths (so
+  an RNN's joined output is the one-device output), else the stable
+  longest-first order;
 * :func:`data_rows` and :func:`join_rows`: a tensor output that is each
-  replica's packed data (``out.data`` of an RNN: one row per packed row of
-  its PackedSequence input) is put back in the whole batch's packed order
-  (the rule and its one ambiguity: :func:`data_rows`).
+  replica's packed data (``out.data`` of an RNN) put back in the whole
+  batch's packed order (the rule and its one ambiguity: :func:`data_rows`).
 
-Index work runs on the host, on CPU int64 tensors (``batch_sizes`` is on
-the CPU already; ``sorted_indices`` on an accelerator is read once, as
-``pack_padded_sequence`` reads its lengths).
+Index work runs on the host, on CPU int64 tensors.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ in dpcore._dropin, the hybrid mode in dpcore.distributed.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,7 @@ from dpcore._options import check_not_compiled, check_options, overrides
 from dpcore._pytree import without_markers
 from dpcore._split import check_first_device
 from dpcore.distributed import DataParallelJoinHook, GradientSync
-from dpcore.parallel_apply import start_parallel_apply
+from dpcore.parallel_apply import CallGuard, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import (
@@ -60,6 +59,10 @@ __all__ = ["DataParallel", "data_parallel"]
 #: torch's own class, bound when dpcore is imported (before dpcore.patch_torch
 #: can rebind torch's public names to dpcore's class).
 TorchDataParallel = nn.DataParallel
+
+
+#: The wrapper's attributes that its loss rule reads (kept in step when one is set).
+_LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_output", "output_device"})
 
 
 class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
@@ -177,6 +180,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 )
 
     # -- attribute fall-through, state dicts, pickling ------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _LOSS_FIELDS and "_loss" in self.__dict__:  # options stay writable, as torch's attributes
+            setattr(self._loss, name, value)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -554,31 +562,7 @@ def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
         from dpcore._graphs import GraphRunner
 
         graphs = GraphRunner()
-    return {"_cache": None, "_calls": _CallGuard(), "_graphs": graphs}
-
-
-class _CallGuard:
-    """Serializes the calls of one DataParallel (``with guard:``), and holds
-    the run of a call interrupted while its replicas were still running: the
-    next call waits for those replicas first (interruptibly)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned: Any = None  # a dpcore._C.ParallelRun, or None
-
-    def __enter__(self) -> _CallGuard:
-        self.lock.acquire()
-        try:
-            if self.abandoned is not None:
-                self.abandoned.join()
-                self.abandoned = None
-        except BaseException:
-            self.lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.lock.release()
+    return {"_cache": None, "_calls": CallGuard(), "_graphs": graphs}
 
 
 def data_parallel(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,3 +107,27 @@ def start_parallel_apply(
         resolved,
         all_at_once=bool(all_at_once),
     )
+
+
+class CallGuard:
+    """Serializes the calls of one DataParallel (``with guard:``), and holds
+    the run of a call interrupted while its replicas were still running: the
+    next call waits for those replicas first (interruptibly)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned: Any = None  # a dpcore._C.ParallelRun, or None
+
+    def __enter__(self) -> CallGuard:
+        self.lock.acquire()
+        try:
+            if self.abandoned is not None:
+                self.abandoned.join()
+                self.abandoned = None
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()

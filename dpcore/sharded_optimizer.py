@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpcore._devices import DeviceLike, as_devices, normalize_device
+from dpcore._devices import DeviceLike, normalize_device
+from dpcore._options import check_device_list
 from dpcore.data_parallel import DataParallel
 from dpcore.parallel_apply import start_parallel_apply
 
@@ -415,13 +416,7 @@ def _placement(devices: Any) -> tuple[list[torch.device], nn.Module | None]:
         raise TypeError(
             f"devices: expected a dpcore.DataParallel or a list of devices, but got {type(devices).__name__}"
         )
-    result = as_devices(devices, "devices")
-    if not result:
-        raise ValueError("devices: expected at least one device, but got an empty list")
-    kinds = {d.type for d in result}
-    if len(kinds) > 1:
-        raise ValueError(f"devices: expected devices of one type, but got {sorted(kinds)}")
-    return result, None
+    return check_device_list(devices, "devices"), None
 
 
 def _as_list(params: Any) -> Any:

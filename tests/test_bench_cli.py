@@ -378,7 +378,8 @@ def test_graphed_rows_and_their_ratios(monkeypatch: pytest.MonkeyPatch, tmp_path
     # The warm-up calls, then measure()'s own warm-up call (quick, not an
     # overhead model: the short protocol) and at least one timed call.
     assert all(w.cuda_graphs and w.calls >= bench_step.GRAPH_WARMUP + 2 for w in _RecordingDataParallel.made)
-    plain, synced = result["rows"]
+    plain, synced, streams = result["rows"]  # the last: the random-streams row of a CPU list
+    assert streams["model"].endswith("random streams")
     for row in (plain, synced):
         assert row["graphed_ms"] > 0
         assert row["graphed_vs_plain"] == pytest.approx(row["graphed_ms"] / row["plain_full_batch_ms"])
@@ -428,6 +429,8 @@ def test_a_failing_graphed_wrapper_is_recorded_and_exits_1(
         exc.value.code == "bench_step: cuda_graphs=True failed on tiny MLP 1; tiny MLP 2 (graphed_error in the results)"
     )
     rows = json.loads(out.read_text())["rows"]
+    assert rows[-1]["model"].endswith("random streams")  # a CPU list's last row: not graphed
+    rows = rows[:-1]
     assert [r["graphed_error"] for r in rows] == [
         "RuntimeError: CUDA error: operation not permitted when stream is capturing"
     ] * 2

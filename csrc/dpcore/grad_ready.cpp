@@ -99,17 +99,17 @@ GradReadiness::GradReadiness(
   state_->remaining = std::move(sizes);
   state_->on_begin = std::move(on_begin);
   state_->on_ready = std::move(on_ready);
-  accumulators_.reserve(params.size());
-  keys_.reserve(params.size());
+  removers_.reserve(params.size());
   const std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(
         p.requires_grad() && p.is_leaf(),
         "GradReadiness: expected parameters that are leaves requiring grad, but parameter ", i, " is not");
-    c10::intrusive_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(p);
+    // A shared_ptr in torch 2.11, an intrusive_ptr in 2.13: kept as its own type.
+    auto accumulator = torch::autograd::impl::grad_accumulator(p);
     TORCH_CHECK(accumulator, "GradReadiness: parameter ", i, " has no gradient accumulator");
-    keys_.push_back(accumulator->add_post_hook(
+    const uintptr_t key = accumulator->add_post_hook(
         std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [weak, i](
                 const torch::autograd::variable_list& outputs,
@@ -118,8 +118,8 @@ GradReadiness::GradReadiness(
                 state->on_grad(i);
               }
               return outputs;
-            })));
-    accumulators_.push_back(std::move(accumulator));
+            }));
+    removers_.emplace_back([accumulator = std::move(accumulator), key] { accumulator->del_post_hook(key); });
   }
 }
 
@@ -144,11 +144,10 @@ int64_t GradReadiness::task() const {
 }
 
 void GradReadiness::remove() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(keys_[i]);
+  for (const std::function<void()>& remove_hook : removers_) {
+    remove_hook();
   }
-  accumulators_.clear();
-  keys_.clear();
+  removers_.clear();
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->armed = false;
 }

@@ -9,17 +9,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
-
-namespace torch::autograd {
-struct Node;
-} // namespace torch::autograd
 
 namespace dpcore {
 
@@ -53,8 +48,8 @@ class GradReadiness {
  private:
   struct State;
   std::shared_ptr<State> state_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> keys_;
+  // One per parameter: removes its hook (holding its gradient accumulator).
+  std::vector<std::function<void()>> removers_;
 };
 
 } // namespace dpcore

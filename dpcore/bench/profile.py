@@ -36,7 +36,7 @@ from torch import nn
 import dpcore
 from dpcore.bench._common import bench_command
 
-#: stage -> candidate "module:Class.attribute" names (the first found is timed).
+#: stage -> "module:Class.attribute" names (every one found is timed, into its stage).
 STAGES: dict[str, tuple[str, ...]] = {
     "scatter": ("dpcore.data_parallel:DataParallel.scatter",),
     "refresh": ("dpcore.replicate:ReplicaCache.replicas",),
@@ -48,7 +48,11 @@ STAGES: dict[str, tuple[str, ...]] = {
         "dpcore.distributed:GradientSync.after_forward",
     ),
     "reduce": ("dpcore._functions:BroadcastBucket.backward",),
-    "grad_hooks": ("dpcore.distributed:GradientSync._on_grad", "dpcore._buckets:Buckets.on_ready"),
+    "grad_hooks": (
+        "dpcore.distributed:GradientSync._on_grad",
+        "dpcore._buckets:BucketReducer._begin",
+        "dpcore._buckets:BucketReducer._ready",
+    ),
     "allreduce": ("dpcore.distributed:GradientSync._finish",),
 }
 

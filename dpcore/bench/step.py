@@ -1,84 +1,22 @@
 """Steady-state training-step time of dpcore.DataParallel against baselines
 measured in the same run.
 
-On a CPU device list of K entries the replicas together do K times the op
-count of one plain step on 1/K of the batch, so the fair baseline is K plain
-forward/backward passes on a 1/K batch each, run one after another, plus one
-optimizer step: the same arithmetic, with no scatter, replication, threads,
-gather or gradient reduction. ``ratio`` is dpcore's step time over that
-baseline (target for the MLP: at most 1.1). Also reported: the
-plain full-batch step, the time of replication alone (dpcore's cached
-refresh after a parameter update versus torch.nn.parallel.replicate, which
-runs only on CUDA), and on CUDA torch.nn.DataParallel on the same list.
-
-The check for writes no version counter sees (docs/design.md): ``infer
-ms`` is dpcore's inference call (eval mode, no grad) and ``check ms`` one
-check of every bucket (``ReplicaCache.check_now``; nothing changed between
-calls, so every bucket is compared: the check's worst case); ``check /
-infer`` is the check's amortized cost, check ms / (CHECK_INTERVAL_MAX x
-infer ms), the gap between checks in steady state (target: at most 1 %).
-
-The "small CNN + BatchNorm" row runs with ``sync_batchnorm=True``; its
-``x unsynced`` column is its step time over the same DataParallel step with
-``sync_batchnorm=False`` (per-replica statistics), measured alternately
-(target: at most 1.3 on CPU lists).
-
-Besides these overhead-dominated models, a wide MLP (50 Linear layers of
-1024) and a ResNet-18-style and a ResNet-50-style network (written here:
-BasicBlock / Bottleneck with BatchNorm, per-replica statistics, 100
-classes). On a CUDA list they run at their full sizes (MLP batch 512;
-resnet18-style 256 x 3 x 64 x 64; resnet50-style 128 x 3 x 128 x 128); on a
-CPU list at much smaller batches and images, and with ``--quick`` narrower
-too (MLP 50x128, ResNets an eighth as wide) and timed in one alternating
-round, so that a quick CPU run stays short. Each row's name states the
-widths, batch and image size it ran.
-
-CUDA graphs (``--cuda-graphs``, default ``auto``): on a CUDA list every
-model is also measured with ``dpcore.DataParallel(..., cuda_graphs=True)``,
-its own wrapper over the same model, after ``GRAPH_WARMUP`` untimed calls
-(its eager warm-up and capture happen there). Reported: its step time,
-``graphed x plain`` (graphed over the plain single-device full-batch step;
-target for resnet18 at batch 256 on [0, 0, 0, 0]: at most 1.5)
-and ``torch DP / graphed`` (torch.nn.DataParallel over graphed; targets: at
-least 4 for resnet18, the MLP 50x64 and the small CNN rows). A
-synchronized-BatchNorm row is graphed with per-replica statistics (CUDA
-graphs cannot capture synchronized BatchNorm; the row's note says so).
-Warnings raised during the warm-up (a fallback to eager, say) are recorded in
-the row; a RuntimeError of the graphed wrapper is recorded in the row's
-``graphed_error``, the other rows still run, and the command exits with
-status 1 after writing the results. On a CPU list graphed rows are not
-measured and the JSON's ``cuda_graphs`` entry says why; ``--cuda-graphs on``
-there exits with status 2, ``--cuda-graphs off`` skips them on a CUDA list
-too.
-
-Compiled row (``--compiled BACKEND``, default ``inductor``; ``off`` skips
-it): an MLP of 64-wide layers (50 of them, 4 with ``--quick`` to keep the
-compile short) under ``torch.compile(model, backend=BACKEND)``, at batch
-32: ``dpcore_ms`` is ``dpcore.DataParallel(torch.compile(model))``, where
-each replica runs code compiled from itself, against the same compiled
-model on one device (``K x 1/K plain ms``: K compiled passes on 1/K of the
-batch; ``plain ms``: the compiled full-batch step). The JSON row adds the
-eager dpcore step of the same model (``eager_dpcore_ms``) and the time of
-the untimed first steps, where the compiling happens (``compile_s``).
-
-Random-streams row (on a list whose replicas share a generator: a CPU list,
-a repeated CUDA device): the MLP 50x64 with a Dropout(0.1) after each of its
-50 layers, at batch 32. ``dpcore ms`` runs it with each replica on a random
-stream of its own (the default); ``streams off ms`` runs the same wrapper with
-``DPCORE_REPLICA_RNG=0``: the same draws, from the one shared generator (as
-torch.nn.DataParallel's replicas make them), nothing intercepted. ``x
-streams off`` is the cost of the streams (target: at most 1.05), measured
-alternately.
-
-Every ratio is between two figures measured in the same run, on the same
-model and batch. The JSON's ``targets`` lists the graphed-row targets
-(``GRAPH_TARGETS``) with the values measured and whether each is met; a
-missed target is reported, not a failure.
+On a CPU list of K entries the baseline is K plain forward/backward passes
+on 1/K of the batch plus one optimizer step (the same arithmetic with no
+scatter, threads, gather or reduction); ``ratio`` is dpcore's step over it.
+Also: the plain full-batch step, the replica refresh against torch's
+replicate (CUDA), torch.nn.DataParallel (CUDA), the check for writes no
+version counter sees (``check / infer``), synchronized BatchNorm against
+per-replica statistics (``x unsynced``), the random streams against
+``DPCORE_REPLICA_RNG=0`` (``x streams off``), a compiled MLP
+(``--compiled``) and, on CUDA lists, ``cuda_graphs=True`` (``--cuda-graphs``:
+its targets are in the JSON's ``targets``; a graphed failure is recorded and
+makes the exit status 1). Every ratio is between two figures of the same
+run, model and batch. What each row and column means, and the targets:
+docs/measured.md, "bench_step".
 
     python bench/bench_step.py --devices cpu:4 --json bench-results/step.json
     python bench/bench_step.py --devices 0,0,0,0 --repeats 10 --min-seconds 0.25
-
-docs/measured.md says what each figure means and quotes recorded runs.
 """
 
 from __future__ import annotations
@@ -590,7 +528,7 @@ def run(
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.0)  # a parameter update: every bucket must be copied again
-            dp._replicas(k)
+            dp._replica_cache().replicas(k)
 
         t_replicate = measure_step(refresh)
         t_infer, t_check = _check_cost(dp, x, measure_step)

@@ -57,6 +57,8 @@ step "Python: pytest"
 # Run from tests/ so that the installed dpcore (with its built _C), not the
 # source folder, is imported. pytest-xdist spreads the test files over the
 # cores; --dist loadfile keeps each file's tests in one worker, in the file's
-# order (as a serial run has them).
+# order (as a serial run has them). The tests marked serial (bounds on wall
+# time or on thread scheduling) run afterwards, alone.
 cd "$root/tests"
-python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile ${PYTEST_ARGS:-} .
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile -m "not serial" ${PYTEST_ARGS:-} .
+python -m pytest -q -p no:cacheprovider -m serial ${PYTEST_ARGS:-} .

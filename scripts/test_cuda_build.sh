@@ -85,7 +85,9 @@ cd "$root/tests"
 # torch.library.opcheck (test_kernels) leaves the CUDA device count nonzero,
 # and test_comm's invisible-device checks must run before it. pytest-xdist
 # with --dist loadfile keeps that order: each worker takes whole files, in
-# the order given.
-python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile ${PYTEST_ARGS:-} \
-  test_comm.py test_cuda_graphs.py test_detection.py test_host_cache.py test_host_transfer.py test_info.py test_kernels.py \
-  test_link_check.py test_timm.py
+# the order given. The tests marked serial run afterwards, alone.
+files=(test_comm.py test_cuda_graphs.py test_detection.py test_host_cache.py test_host_transfer.py test_info.py
+  test_kernels.py test_link_check.py test_timm.py)
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" --dist loadfile -m "not serial" ${PYTEST_ARGS:-} \
+  "${files[@]}"
+python -m pytest -q -p no:cacheprovider -m serial ${PYTEST_ARGS:-} "${files[@]}"

@@ -59,6 +59,11 @@ CUDA_PARAMS: list[Any] = [
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: the test runs on CUDA device lists (skips without a GPU)")
+    config.addinivalue_line(
+        "markers",
+        "serial: a bound on wall time or on thread scheduling; CI runs these alone, after the tests that "
+        "run in parallel (pytest -m serial)",
+    )
 
 
 @pytest.fixture(params=CPU_PARAMS)

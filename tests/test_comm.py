@@ -1353,11 +1353,13 @@ GIL_CHECKS: dict[str, Callable[[], None]] = {
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("op", list(GIL_CHECKS))
 def test_gil_released_during_collective(op: str) -> None:
     GIL_CHECKS[op]()
 
 
+@pytest.mark.serial
 def test_gil_probe_detects_a_held_gil() -> None:
     """The probe itself: a call that holds the GIL (pure Python busy work,
     which never releases it voluntarily with a long switch interval) lets the

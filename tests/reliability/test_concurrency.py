@@ -23,6 +23,9 @@ from conftest import TESTS_DIR, subprocess_env
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "concurrency_child.py")
 
+#: Ctrl-C must reach the caller within a second: measured on wall time.
+pytestmark = pytest.mark.serial
+
 
 def _run_child(scenario: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -10,6 +10,7 @@ small sweep sizes, no minimum measuring time) to finish in seconds."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import warnings
@@ -22,6 +23,7 @@ import torch
 from dpcore.bench import __main__ as bench_cli
 from dpcore.bench import comm as bench_comm
 from dpcore.bench import step as bench_step
+from dpcore.bench import targets as bench_targets
 from conftest import TESTS_DIR, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -467,3 +469,52 @@ def test_profile_times_every_stage_of_the_current_tree() -> None:
         assert row["stages_us"]["scatter"] > 0 and row["stages_us"]["combine"] > 0
         hybrid = row["setup"].startswith("hybrid")
         assert (row["stages_us"]["allreduce"] > 0) == hybrid and (row["stages_us"]["launch"] > 0) == (not hybrid)
+
+
+def test_targets_quick_run_reports_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_targets with the fewest steps (the figures are not checked):
+    every row of the issue's table, in order, each with positive finite
+    times and ratios, a spread that holds its median, the target and the
+    load around it; the JSON written is the result."""
+    out = tmp_path / "targets.json"
+    result = bench_targets.main(["--quick", "--repeats", "1", "--rounds", "3", "--json", str(out)])
+
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "targets" and (result["rounds"], result["repeats"]) == (3, 1)
+    env = result["env"]
+    assert env["torch"] == torch.__version__ and env["cpus"] > 0 and "commit" in env
+    assert [row["row"] for row in result["rows"]] == list(bench_targets.ROWS)
+    for row in result["rows"]:
+        figures = [row[k] for k in ("dpcore_ms", "baseline_ms", "ratio", "ratio_median", "ratio_min", "ratio_max")]
+        assert all(math.isfinite(v) and v > 0 for v in figures), row
+        assert row["ratio"] == pytest.approx(row["dpcore_ms"] / row["baseline_ms"])
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+        assert row["target"] == bench_targets.ROWS[row["row"]][1] and row["met"] == (row["ratio"] <= row["target"])
+        assert row["load_before"] >= 0 and row["load_after"] >= 0 and row["threads"] and row["baseline"]
+    printed = capsys.readouterr().out
+    assert "round min" in printed and "target <=" in printed and "wrote" in printed
+
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--rounds", "2"], "--rounds"),
+        (["--repeats", "0"], "--repeats"),
+        (["--only", "hybrid_mlp,nope"], "--only"),
+    ],
+)
+def test_targets_bad_options_exit_2_naming_the_option(
+    argv: list[str], option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_targets.main([*argv, "--json", str(tmp_path / "never.json")])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("bench_targets: error:") and option in last
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_targets_only_runs_the_rows_named() -> None:
+    """--only picks rows by name, reported in the table's order."""
+    result = bench_targets.main(["--only", "streams,split", "--rounds", "3", "--repeats", "1"])
+    assert [row["row"] for row in result["rows"]] == ["split", "streams"]

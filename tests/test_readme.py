@@ -374,7 +374,7 @@ def _parser_of(main: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> arg
 def _commands() -> dict[str, Callable[..., Any]]:
     from dpcore import demo
     from dpcore.bench import __main__ as bench_all
-    from dpcore.bench import comm, distributed, generate, kernels, optimizer, soak, step
+    from dpcore.bench import comm, distributed, generate, kernels, optimizer, soak, step, targets
 
     return {
         "python -m dpcore.demo": demo.main,
@@ -384,6 +384,7 @@ def _commands() -> dict[str, Callable[..., Any]]:
         "python bench/bench_step.py": step.main,
         "python bench/bench_optimizer.py": optimizer.main,
         "python bench/bench_distributed.py": distributed.main,
+        "python bench/bench_targets.py": targets.main,
         "python bench/soak.py": soak.main,
         "python bench/bench_generate.py": generate.main,
     }

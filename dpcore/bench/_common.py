@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -158,11 +159,31 @@ def ratio_spread(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, fl
     return {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
+def git_commit() -> str | None:
+    """The commit checked out in the source folder dpcore is imported from,
+    with "+dirty" when tracked files differ from it; None outside a git
+    checkout or without git."""
+    import dpcore
+
+    root = Path(dpcore.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts recorded next to every result, taken when
     the result is assembled (the end of the run): the date (UTC, ISO 8601),
     the CPU count and the 1-, 5- and 15-minute load averages (a shared
-    machine's figures are as noisy as its load)."""
+    machine's figures are as noisy as its load), and the git commit
+    (:func:`git_commit`)."""
     import dpcore
 
     return {
@@ -175,6 +196,7 @@ def environment() -> dict[str, Any]:
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "commit": git_commit(),
     }
 
 

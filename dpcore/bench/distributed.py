@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 import dpcore
 from dpcore.bench._common import environment, measure_against, measure_rounds, print_table, ratio_spread, write_json
@@ -65,18 +66,68 @@ def _cpu_timed(fn: Callable[[], Any], out: list[float]) -> Callable[[], None]:
     return run
 
 
+def join_workers() -> tuple[int, int, Any]:
+    """In a process of :func:`launch_workers`: sets cores / world intra-op
+    threads and joins the gloo group of the world (none for a world of 1).
+    Returns (world, rank, group or None)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # cores / processes
+    if world == 1:
+        return 1, 0, None
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    return world, dist.get_rank(), dist.group.WORLD
+
+
+def against_ddp(
+    dp: nn.Module,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rounds: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """`dp`'s training step (on `model`, `opt`) against DistributedDataParallel
+    (gloo, a new group of the world) on a copy of `model`, in the same
+    processes, in alternating rounds (:func:`measure_rounds`). Returns the
+    row's figures: ms and baseline_ms (medians of the rounds), ratio, the
+    per-round ratio spread, and the same for CPU time per step."""
+    import torch.distributed as dist
+
+    twin = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(twin, process_group=dist.new_group())
+    opt_twin = torch.optim.SGD(twin.parameters(), lr=1e-3)
+    cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
+    per_ours, per_theirs = measure_rounds(
+        _cpu_timed(lambda: _train_step(dp, opt, x, y), cpu["ours"]),
+        _cpu_timed(lambda: _train_step(ddp, opt_twin, x, y), cpu["theirs"]),
+        [torch.device("cpu")],
+        rounds=rounds,
+        repeats=repeats,
+    )
+    ours, theirs = statistics.median(per_ours), statistics.median(per_theirs)
+    cpu_ours, cpu_theirs = statistics.median(cpu["ours"]), statistics.median(cpu["theirs"])
+    return dict(
+        ms=ours * 1e3,
+        baseline="torch DDP (gloo), same processes",
+        baseline_ms=theirs * 1e3,
+        ratio=ours / theirs,
+        **ratio_spread(per_ours, per_theirs),
+        rounds=rounds,
+        cpu_ms=cpu_ours * 1e3,
+        baseline_cpu_ms=cpu_theirs * 1e3,
+        cpu_ratio=cpu_ours / cpu_theirs,
+    )
+
+
 def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
     """One rank of `config` ("ddp": hybrid against DDP, 2 x 1; "hybrid":
     2 x 2; "single": 1 x 4 plain DataParallel); rank 0 writes its rows."""
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # cores / processes
-    group = None
-    if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        group = dist.group.WORLD
-    rank = dist.get_rank() if group is not None else 0
+    world, rank, group = join_workers()
     replicas = {"ddp": 1, "hybrid": 2, "single": 4}[config]
     devices = [torch.device("cpu")] * replicas
     rows = []
@@ -93,30 +144,7 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         row: dict[str, Any] = {"config": config, "model": name, "processes": world, "replicas": replicas}
         if config == "ddp":
-            twin = copy.deepcopy(model)
-            ddp = torch.nn.parallel.DistributedDataParallel(twin, process_group=dist.new_group())
-            opt_twin = torch.optim.SGD(twin.parameters(), lr=1e-3)
-            cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
-            per_ours, per_theirs = measure_rounds(
-                _cpu_timed(lambda: _train_step(dp, opt, x, y), cpu["ours"]),
-                _cpu_timed(lambda: _train_step(ddp, opt_twin, x, y), cpu["theirs"]),
-                devices,
-                rounds=rounds,
-                repeats=repeats,
-            )
-            ours, theirs = statistics.median(per_ours), statistics.median(per_theirs)
-            cpu_ours, cpu_theirs = statistics.median(cpu["ours"]), statistics.median(cpu["theirs"])
-            row.update(
-                ms=ours * 1e3,
-                baseline="torch DDP (gloo), same processes",
-                baseline_ms=theirs * 1e3,
-                ratio=ours / theirs,
-                **ratio_spread(per_ours, per_theirs),
-                rounds=rounds,
-                cpu_ms=cpu_ours * 1e3,
-                baseline_cpu_ms=cpu_theirs * 1e3,
-                cpu_ratio=cpu_ours / cpu_theirs,
-            )
+            row.update(against_ddp(dp, model, opt, x, y, rounds, repeats))
         else:
             # Fixed step counts: every rank must run the same number of steps.
             ours, _ = measure_against(
@@ -133,6 +161,16 @@ def _worker(config: str, rounds: int, repeats: int, out: str) -> None:
 
 def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str, Any]]:
     """Runs `config` on `world` local processes; returns rank 0's rows."""
+    args = ["--worker", config, "--rounds", str(rounds), "--repeats", str(repeats)]
+    return launch_workers("dpcore.bench.distributed", args, world)
+
+
+def launch_workers(module: str, args: Sequence[str], world: int) -> Any:
+    """Runs ``python -m module *args --out FILE`` as `world` local processes
+    (ranks 0 .. world-1; gloo's rendezvous on 127.0.0.1, a free port;
+    OMP_NUM_THREADS cores / world, as torchrun sets it) and returns the JSON
+    that rank 0 wrote to FILE. Raises RuntimeError naming `module` and the
+    exit codes when a process fails."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         threads = str(max(1, (os.cpu_count() or 1) // world))  # as torchrun's OMP_NUM_THREADS
@@ -145,19 +183,7 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
         )
         if "lo" in [name for _, name in socket.if_nameindex()]:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the host name resolves to
-        cmd = [
-            sys.executable,
-            "-m",
-            "dpcore.bench.distributed",
-            "--worker",
-            config,
-            "--rounds",
-            str(rounds),
-            "--repeats",
-            str(repeats),
-            "--out",
-            out,
-        ]
+        cmd = [sys.executable, "-m", module, *args, "--out", out]
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
         try:
             codes = [p.wait(timeout=600) for p in procs]
@@ -166,7 +192,7 @@ def _launch(config: str, world: int, rounds: int, repeats: int) -> list[dict[str
                 if p.poll() is None:
                     p.kill()
         if any(codes):
-            raise RuntimeError(f"bench_distributed: {config} failed, exit codes {codes}")
+            raise RuntimeError(f"{module} {' '.join(args)} failed, exit codes {codes}")
         with open(out) as f:
             return json.load(f)
 

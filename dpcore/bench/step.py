@@ -22,11 +22,12 @@ docs/measured.md, "bench_step".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -390,36 +391,52 @@ def dropout_mlp(depth: int = 50, width: int = 64, p: float = 0.1) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _streams_row(devices: Sequence[torch.device], quick: bool, repeats: int) -> dict[str, Any]:
-    """The random-streams row (see the module docstring): the columns of the
-    other rows where they apply, plus ``streams_off_ms`` and ``streams_ratio``."""
+@contextlib.contextmanager
+def replica_rng_restored() -> Iterator[None]:
+    """On exit, DPCORE_REPLICA_RNG is as it was on entry (set or unset)."""
+    previous = os.environ.get("DPCORE_REPLICA_RNG")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("DPCORE_REPLICA_RNG", None)
+        else:
+            os.environ["DPCORE_REPLICA_RNG"] = previous
+
+
+def streams_steps(devices: Sequence[torch.device]) -> tuple[Callable[[str], None], Callable[[], None]]:
+    """(step, split) on dropout_mlp() at batch 32 on `devices`, one wrapper:
+    ``step("1")`` is a training step with the random streams on,
+    ``step("0")`` the same with DPCORE_REPLICA_RNG=0 (read at each parallel
+    call, so both alternate in one process); ``split()`` the sequential
+    1/K-batch baseline. `step` sets the variable: call it inside
+    :func:`replica_rng_restored`."""
     first = devices[0]
-    k = len(devices)
-    name = "MLP 50x64 + Dropout, batch 32, random streams"
     torch.manual_seed(0)
     model = dropout_mlp().to(first)
     x = torch.randn(32, 64, device=first)
     y = torch.randn(32, 64, device=first)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dp = dpcore.DataParallel(model, device_ids=devices)
-    xs, ys = x.chunk(k), y.chunk(k)
-    previous = os.environ.get("DPCORE_REPLICA_RNG")
+    xs, ys = x.chunk(len(devices)), y.chunk(len(devices))
 
     def step(streams: str) -> None:
         os.environ["DPCORE_REPLICA_RNG"] = streams
         _train_step(dp, opt, x, y)
 
+    return step, lambda: _split_step(model, opt, xs, ys)
+
+
+def _streams_row(devices: Sequence[torch.device], quick: bool, repeats: int) -> dict[str, Any]:
+    """The random-streams row (see the module docstring): the columns of the
+    other rows where they apply, plus ``streams_off_ms`` and ``streams_ratio``."""
+    k = len(devices)
+    name = "MLP 50x64 + Dropout, batch 32, random streams"
+    step, split = streams_steps(devices)
     rounds, each = (1 if quick else 5), max(2, repeats // 5)
-    try:
-        t_dp, t_split = measure_against(
-            lambda: step("1"), lambda: _split_step(model, opt, xs, ys), devices, rounds=rounds, repeats=each
-        )
+    with replica_rng_restored():
+        t_dp, t_split = measure_against(lambda: step("1"), split, devices, rounds=rounds, repeats=each)
         t_dp, t_off = measure_against(lambda: step("1"), lambda: step("0"), devices, rounds=rounds, repeats=each)
-    finally:
-        if previous is None:
-            os.environ.pop("DPCORE_REPLICA_RNG", None)
-        else:
-            os.environ["DPCORE_REPLICA_RNG"] = previous
     print(
         f"  {name}: dpcore {t_dp * 1e3:.2f} ms, DPCORE_REPLICA_RNG=0 {t_off * 1e3:.2f} ms, "
         f"streams/off {t_dp / t_off:.3f}; sequential split {t_split * 1e3:.2f} ms"

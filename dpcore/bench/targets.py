@@ -66,7 +66,7 @@ def lanes(replicas: int, threads: int) -> str:
     threads (the worker pool's rule, csrc/dpcore/worker_pool.cpp): at most
     `threads` at once, each with threads / lanes OpenMP threads."""
     at_once = min(replicas, threads)
-    return f"{replicas} replicas in {at_once} lanes of {max(1, threads // at_once)} intra-op threads"
+    return f"{replicas} CPU replica(s), {at_once} at a time, {max(1, threads // at_once)} intra-op thread(s) each"
 
 
 def _worker(kind: str, rows: Sequence[str], rounds: int, repeats: int, out: str) -> None:

@@ -187,16 +187,11 @@ def functional_call(
         raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
     if dp.process_group is not None:
         raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
-    dicts = (
-        [parameter_and_buffer_dicts] if isinstance(parameter_and_buffer_dicts, Mapping) else parameter_and_buffer_dicts
-    )
+    given = parameter_and_buffer_dicts
     tensors: dict[str, torch.Tensor] = {}
-    for d in dicts:
+    for d in [given] if isinstance(given, Mapping) else given:
         tensors.update(strip_module_prefix(dict(d), dp.module))
-    if args is None:
-        args = ()
-    elif not isinstance(args, tuple):
-        args = (args,)
+    args = () if args is None else args if isinstance(args, tuple) else (args,)
 
     def through(replica: nn.Module) -> Callable[..., Any]:
         def call(*a: Any, **k: Any) -> Any:

@@ -189,14 +189,8 @@ class _Generated:
             extra = []
             for step in longest[len(own) :]:
                 tensors, spec = pt.flatten(step)
-                extra.append(
-                    spec.unflatten(
-                        [
-                            torch.full((f.size(0), *t.shape[1:]), self.pad, dtype=t.dtype, device=f.device)
-                            for t, f in zip(tensors, first)
-                        ]
-                    )
-                )
+                shapes = [((f.size(0), *t.shape[1:]), t.dtype, f.device) for t, f in zip(tensors, first)]
+                extra.append(spec.unflatten([torch.full(n, self.pad, dtype=d, device=v) for n, d, v in shapes]))
             out.append(own + tuple(extra))
         return out
 

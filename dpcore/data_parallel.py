@@ -15,16 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_devices
-from dpcore._dropin import (
-    DDP_ONLY,
-    BareStateDict,
-    has_module_prefix,
-    NominalMeta,
-    SignedForward,
-    ddp_only_error,
-    split_of,
-    strip_module_prefix,
-)
+from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, ddp_only_error, has_module_prefix
+from dpcore._dropin import split_of, strip_module_prefix
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
@@ -34,15 +26,8 @@ from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import CallGuard, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import (
-    NO_HINTS,
-    GatherHints,
-    Scattered,
-    check_image_lists,
-    gather_with_hints,
-    image_list_model,
-    scatter_with_hints,
-)
+from dpcore.scatter_gather import NO_HINTS, Scattered, check_image_lists, gather_with_hints, image_list_model
+from dpcore.scatter_gather import scatter_with_hints
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -135,8 +120,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                     sync_batchnorm=sync_batchnorm,
                 )
 
-    # -- attribute fall-through, state dicts, pickling ------------------------
-
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         if name in _LOSS_FIELDS and "_loss" in self.__dict__:  # options stay writable, as torch's attributes
@@ -207,13 +190,14 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         """torch's attribute: ``device_ids[0]`` (None where the module runs as is)."""
         return self.device_ids[0] if self.device_ids else None
 
-    # -- torch.nn.DataParallel's extension points -----------------------------
-
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]) -> Any:
         """torch's ``scatter``: ``(inputs, kwargs)``, each replica's arguments
         split along ``dim`` by dpcore's rules; ``.call`` is the call's record."""
         scattered, hints = scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights)
-        return _ScatteredPair(scattered, hints, as_devices(device_ids, "device_ids"))
+        devices, used = as_devices(device_ids, "device_ids"), scattered.device_indices
+        pair = _ScatteredPair((scattered.args, scattered.kwargs))
+        pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
+        return pair
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """torch's ``replicate``: one module per device, the first ``module``
@@ -228,10 +212,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         """torch's ``parallel_apply``: ``replicas[i](*inputs[i], **kwargs[i])``
         for every i at once on the worker pool; one replica runs in this thread."""
         if len(replicas) == 1:
-            first = inputs[0]
-            return [
-                replicas[0](*(first if isinstance(first, (list, tuple)) else (first,)), **((kwargs or [{}])[0] or {}))
-            ]
+            first = inputs[0] if isinstance(inputs[0], (list, tuple)) else (inputs[0],)
+            return [replicas[0](*first, **((kwargs or [{}])[0] or {}))]
         call = getattr(replicas, "call", None)
         devices = call.devices if call is not None and len(call.devices) == len(replicas) else None
         return self._parallel_apply(replicas, inputs, kwargs, devices or self.device_ids[: len(replicas)])
@@ -244,8 +226,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def _overrides(self, name: str) -> bool:
         return overrides(type(self), DataParallel, name) or name in self.__dict__
-
-    # -- the pipeline ----------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._calls:
@@ -304,25 +284,20 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         make_call = self._loss.make_call
         if through is not None:
             make_call = lambda m: self._loss.make_call(through(m), call.method)  # noqa: E731
-        elif self._graphs is not None:
+        elif self._graphs is not None:  # combined: the outputs become new tensors (else the graphs clone them)
+            loss = self.criterion is not None or self.model_loss is not None
+            plain = not loss and self.gather_output and not call.hints.samples and not self._overrides("gather")
+            combined = plain or (len(call.used) > 1 and loss)
             outputs = self._graphs.step(
-                self._replica_cache(),
-                call.args,
-                call.kws,
-                call.used,
-                make_call,
-                combined=self._combines_graph_outputs(call),
+                self._replica_cache(), call.args, call.kws, call.used, make_call, combined=combined
             )
             if outputs is not None:
                 return outputs
         custom = len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply"))
         count = call.used[-1] + 1
         replicas = self.replicate(self.module, self.device_ids[:count])
-        if custom and (not isinstance(replicas, Sequence) or len(replicas) != count):
-            got = len(replicas) if isinstance(replicas, Sequence) else type(replicas).__name__
-            raise ValueError(
-                f"{type(self).__name__}.replicate: expected one replica per device ({count}), but got {got}"
-            )
+        if custom:
+            self._check_per("replicate", "replica per device", replicas, count)
         modules = [replicas[i] for i in call.used]
         calls = _PerCall([make_call(m) for m in modules], call)
         across = self._batchnorm_across(call.rows)
@@ -335,19 +310,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 return [calls[0](*call.args[0], **call.kws[0])]
             return self._parallel_apply(calls, call.args, call.kws, call.devices)
         outputs = self.parallel_apply(calls, call.args, call.kws)
-        if not isinstance(outputs, Sequence) or len(outputs) != len(calls):
-            got = len(outputs) if isinstance(outputs, Sequence) else type(outputs).__name__
-            raise ValueError(
-                f"{type(self).__name__}.parallel_apply: expected one output per replica ({len(calls)}), but got {got}"
-            )
+        self._check_per("parallel_apply", "output per replica", outputs, len(calls))
         return list(outputs)
 
-    def _combines_graph_outputs(self, call: Call) -> bool:
-        """Whether the replayed outputs become new tensors before they reach
-        the user (else the graphs clone them)."""
-        loss = self.criterion is not None or self.model_loss is not None
-        plain = not loss and self.gather_output and not call.hints.samples and not self._overrides("gather")
-        return plain or (len(call.used) > 1 and loss)
+    def _check_per(self, method: str, per: str, values: Any, count: int) -> None:
+        if not isinstance(values, Sequence) or len(values) != count:
+            got = len(values) if isinstance(values, Sequence) else type(values).__name__
+            raise ValueError(f"{type(self).__name__}.{method}: expected one {per} ({count}), but got {got}")
 
     def _gather(self, outputs: list[Any], call: Call) -> Any:
         if len(self.device_ids) == 1 and self._overrides("gather"):  # torch's wrapper does not gather then
@@ -390,8 +359,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
-
-    # -- DDP's process-group API (hybrid mode, docs/hybrid.md) ----------------
 
     @property
     def process_group(self) -> Any:
@@ -461,12 +428,6 @@ class _ScatteredPair(tuple):  # type: ignore[type-arg]
     """torch's pair ``(inputs, kwargs)``, with the call's record as ``.call``."""
 
     call: Call
-
-    def __new__(cls, scattered: Scattered, hints: GatherHints, devices: list[torch.device]) -> _ScatteredPair:
-        pair = super().__new__(cls, (scattered.args, scattered.kwargs))
-        used = scattered.device_indices
-        pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
-        return pair
 
 
 class _PerCall(list):  # type: ignore[type-arg]

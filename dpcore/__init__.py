@@ -1,11 +1,6 @@
-"""dpcore: single-process, multi-device data parallelism for PyTorch.
-
-The collectives and the worker pool are C++ (dpcore._C); this package is the
-thin Python front end. Device lists hold CUDA devices or CPU devices, repeats
-allowed: ``["cpu"] * 4`` runs four replicas on the CPU.
-
-    model = dpcore.DataParallel(model, device_ids=["cpu"] * 4)
-"""
+"""dpcore: single-process, multi-device data parallelism for PyTorch, a thin
+Python front end over a C++ core (dpcore._C). Device lists hold CUDA or CPU
+devices, repeats allowed: ``dpcore.DataParallel(model, ["cpu"] * 4)``."""
 
 from dpcore import comm
 from dpcore._loader import _C as _C

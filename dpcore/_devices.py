@@ -11,19 +11,13 @@ DeviceLike = Union[int, str, torch.device]
 
 
 def normalize_device(device: torch.device) -> torch.device:
-    """`device` as dpcore compares devices (the rule of the C++ core's
-    normalize_device): CPU devices lose their index ("cpu:0" is "cpu"),
-    others are returned as they are."""
+    """`device` as dpcore compares devices (the C++ core's rule): "cpu:0" is "cpu"."""
     return torch.device("cpu") if device.type == "cpu" else device
 
 
 def as_device(device: DeviceLike, arg: str) -> torch.device:
-    """One device: an int is a CUDA index (as in torch.cuda.comm), a str or
-    torch.device is taken as is; then normalize_device.
-
-    Raises TypeError naming `arg` for anything else, ValueError for a
-    negative index.
-    """
+    """One device, normalized: an int is a CUDA index (as in torch.cuda.comm),
+    a str or torch.device is taken as is; else TypeError naming `arg`."""
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise TypeError(
             f"{arg}: expected a device (an int CUDA index, a str such as 'cpu' or 'cuda:1', "
@@ -46,8 +40,8 @@ def as_devices(devices: Iterable[DeviceLike] | None, arg: str) -> list[torch.dev
 
 
 def as_destination(destination: DeviceLike | None, arg: str = "destination") -> torch.device | None:
-    """A destination device as torch.cuda.comm takes it: None is the current
-    device of the inputs' type, -1 is the CPU, otherwise as_device."""
+    """A destination as torch.cuda.comm takes it: None (the inputs' current
+    device) is returned as is, -1 is the CPU, else as_device."""
     if destination is None:
         return None
     if isinstance(destination, int) and not isinstance(destination, bool) and destination == -1:

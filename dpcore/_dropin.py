@@ -1,13 +1,7 @@
-"""What makes dpcore's wrapper stand where torch.nn.DataParallel stood.
-
-The one home of the shims that are about looking like torch's wrapper (the
-opt-in rebinding of torch's names is dpcore._patch): a ``forward`` whose
-signature is the module's, the pair an overridden ``scatter`` returns read
-by torch's rules, attribute errors for DDP-only names, the metaclass that
-keeps ``isinstance`` nominal, the state dict's bare keys, and
-:func:`functional_call` (``torch.func.functional_call`` refuses torch's
-wrapper, so dpcore's too).
-"""
+"""The shims that make dpcore's wrapper stand where torch.nn.DataParallel
+stood: the signed ``forward``, the bare-key state dict, DDP-only attribute
+errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by
+torch's rules, and :func:`functional_call`."""
 
 from __future__ import annotations
 
@@ -22,35 +16,20 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from dpcore._pytree import map_tensors
+from dpcore._pytree import flatten
 
 if TYPE_CHECKING:
     from dpcore.data_parallel import DataParallel
 
-#: Attributes of torch's DistributedDataParallel that dpcore's wrapper does
-#: not have: where the wrapped module lacks them too, the AttributeError
-#: names dpcore's wrapper, not the wrapped module.
+#: Attributes of torch's DistributedDataParallel that dpcore's wrapper lacks:
+#: where its module lacks them too, the AttributeError names the wrapper.
 DDP_ONLY = frozenset(
-    {
-        "_register_builtin_comm_hook",
-        "_register_fused_optim",
-        "reducer",
-        "logger",
-        "static_graph",
-        "_set_static_graph",
-        "find_unused_parameters",
-        "gradient_as_bucket_view",
-        "bucket_bytes_cap",
-        "broadcast_bucket_size",
-        "require_backward_grad_sync",
-        "require_forward_param_sync",
-        "will_sync_module_buffers",
-        "_get_ddp_logging_data",
-        "_register_buffer_comm_hook",
-        "mixed_precision",
-        "forward_sync_buffers",
-        "parameters_to_ignore",
-    }
+    (
+        "_register_builtin_comm_hook _register_fused_optim reducer logger static_graph _set_static_graph "
+        "find_unused_parameters gradient_as_bucket_view bucket_bytes_cap broadcast_bucket_size "
+        "require_backward_grad_sync require_forward_param_sync will_sync_module_buffers _get_ddp_logging_data "
+        "_register_buffer_comm_hook mixed_precision forward_sync_buffers parameters_to_ignore"
+    ).split()
 )
 
 
@@ -64,10 +43,9 @@ def ddp_only_error(name: str, module: nn.Module) -> AttributeError:
 
 
 class NominalMeta(type(Joinable)):  # type: ignore[misc]
-    """The wrapper's metaclass: ABCMeta (it is a Joinable), with plain
-    nominal isinstance/issubclass. ABCMeta would ask the subclasses too, so
-    dpcore.patch_torch's stand-in (whose check accepts torch's own
-    wrappers) would make torch's wrappers instances of dpcore's class."""
+    """ABCMeta (the wrapper is a Joinable) with plain nominal isinstance and
+    issubclass: ABCMeta would ask the subclasses, among them patch_torch's
+    stand-in, which accepts torch's own wrappers."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return type.__instancecheck__(cls, obj)
@@ -77,9 +55,8 @@ class NominalMeta(type(Joinable)):  # type: ignore[misc]
 
 
 class SignedForward:
-    """``DataParallel.forward`` as a descriptor: ``dp.forward`` is a bound
-    callable whose ``inspect.signature`` is the wrapped module's forward
-    signature (Hugging Face's Trainer reads it to pick the arguments)."""
+    """``DataParallel.forward`` as a descriptor: ``dp.forward``'s
+    ``inspect.signature`` is the module's forward's (Trainer reads it)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -124,9 +101,8 @@ class _BoundForward:
 
 
 def has_module_prefix(keys: Sequence[Any], module: nn.Module) -> bool:
-    """Whether state-dict `keys` carry torch.nn.DataParallel's ``module.``
-    prefix, rather than being `module`'s own keys (a module may well have a
-    child named ``module``)."""
+    """Whether state-dict `keys` carry torch's ``module.`` prefix, rather
+    than being `module`'s own keys (it may have a child named ``module``)."""
     if not keys or not all(isinstance(k, str) and k.startswith("module.") for k in keys):
         return False
     own = module.state_dict(keep_vars=True).keys()
@@ -134,16 +110,15 @@ def has_module_prefix(keys: Sequence[Any], module: nn.Module) -> bool:
 
 
 def strip_module_prefix(state_dict: Any, module: nn.Module) -> Any:
-    """`state_dict` without torch.nn.DataParallel's ``module.`` prefix where its keys carry it."""
+    """`state_dict` without torch's ``module.`` prefix where its keys carry it."""
     if not has_module_prefix(list(state_dict), module):
         return state_dict
     return {k[len("module.") :]: v for k, v in state_dict.items()}
 
 
 class BareStateDict(OrderedDict):  # type: ignore[type-arg]
-    """A DataParallel's state dict: the bare module's keys, on which keys(),
-    ``in`` and ``[]`` agree. Reading torch's ``module.``-prefixed key is a
-    KeyError that names the rule. Pickles, copies and deep-copies as a plain
+    """A DataParallel's state dict: the bare module's keys; a read by torch's
+    ``module.`` key is a KeyError naming the rule. Pickles as a plain
     OrderedDict with its ``_metadata`` (a checkpoint never needs dpcore)."""
 
     def __missing__(self, key: Any) -> Any:
@@ -161,11 +136,9 @@ class BareStateDict(OrderedDict):  # type: ignore[type-arg]
 
 
 def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[Any], list[int]]:
-    """(args, kwargs, rows) per replica from the pair ``(inputs, kwargs)`` an
-    overridden ``scatter`` returned, read as torch's forward reads it: the
-    replicas sit on the first devices, in order, and each one's rows are the
-    size along `dim` of the first tensor in its arguments. Raises naming
-    ``scatter`` for anything else."""
+    """(args, kwargs, rows) per replica from the pair an overridden
+    ``scatter`` returned, read as torch reads it: replicas on the first
+    devices; rows: the size along `dim` of the first tensor of each."""
     if not isinstance(result, Sequence) or len(result) != 2:
         raise TypeError(
             f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
@@ -187,19 +160,11 @@ def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[
 
 
 def _rows(tree: Any, dim: int) -> int:
-    """The size along `dim` of the first tensor in `tree` (0 where there is
-    none, or it has too few dimensions)."""
-    found: list[torch.Tensor] = []
-
-    def visit(t: torch.Tensor) -> torch.Tensor:
-        if not found:
-            found.append(t)
-        return t
-
-    map_tensors(visit, tree)
-    if not found or not -found[0].dim() <= dim < found[0].dim():
+    """The size along `dim` of the first tensor in `tree` (0 where none has that dimension)."""
+    tensors, _ = flatten(tree)
+    if not tensors or not -tensors[0].dim() <= dim < tensors[0].dim():
         return 0
-    return int(found[0].size(dim))
+    return int(tensors[0].size(dim))
 
 
 def functional_call(
@@ -211,30 +176,22 @@ def functional_call(
     tie_weights: bool = True,
     strict: bool = False,
 ) -> Any:
-    """``torch.func.functional_call`` for a dpcore wrapper, data parallel
-    (torch refuses its DataParallel instances): ``dp(*args, **kwargs)`` with
-    the module's parameters and buffers replaced by the given tensors, keyed
-    by the wrapper's names (``module.``-prefixed) or the module's. Each
-    replica runs ``torch.func.functional_call`` on its own module with the
-    tensors moved to its device (differentiably), so gradients with respect
-    to them, ``torch.autograd.grad`` or ``torch.func.grad``, are those of the
-    whole batch on one device. Not with a process group (ValueError)."""
+    """``torch.func.functional_call`` over a dpcore wrapper, data parallel
+    (torch refuses its DataParallel): ``dp(*args, **kwargs)`` with the
+    module's parameters and buffers replaced by the given tensors (keyed by
+    the module's names or torch's ``module.`` ones). Gradients with respect
+    to them are those of the whole batch on one device."""
     from dpcore.data_parallel import DataParallel as Wrapper  # the wrapper's module imports this one
 
     if not isinstance(dp, Wrapper):
         raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
     if dp.process_group is not None:
         raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
-    dicts = (
-        [parameter_and_buffer_dicts] if isinstance(parameter_and_buffer_dicts, Mapping) else parameter_and_buffer_dicts
-    )
+    given = parameter_and_buffer_dicts
     tensors: dict[str, torch.Tensor] = {}
-    for d in dicts:
+    for d in [given] if isinstance(given, Mapping) else given:
         tensors.update(strip_module_prefix(dict(d), dp.module))
-    if args is None:
-        args = ()
-    elif not isinstance(args, tuple):
-        args = (args,)
+    args = () if args is None else args if isinstance(args, tuple) else (args,)
 
     def through(replica: nn.Module) -> Callable[..., Any]:
         def call(*a: Any, **k: Any) -> Any:

@@ -1,35 +1,26 @@
-"""The loss rules: what one call returns from its replicas' results.
-
-:class:`LossRule` is built once from a DataParallel's checked options. It
-says what each replica runs (the module, or the module followed by the
-criterion) and combines the per-replica results into what the call returns:
-one scalar weighted so that it equals the single-device loss of the whole
-batch (``criterion=``), the gathered outputs with the model's own loss so
-combined (``model_loss=``), the per-replica outputs (``gather=False``), or
-the gathered outputs. The rules are in docs/losses.md.
-"""
+"""The loss rules: what one call returns from its replicas' results
+(docs/losses.md; :class:`LossRule`, built once from the checked options)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from dpcore._options import Options
 from dpcore._split import _as_weight
 
 
 @dataclasses.dataclass
 class Call:
     """One call's record, from its scatter to its result: each replica's
-    arguments, rows, and device (``used``: indices into the device list),
-    what the gather needs to know of the inputs (``hints``), and for a call
-    of another method than forward, its rule (``method``: a
-    :class:`dpcore._methods.Method`)."""
+    arguments, rows and device (``used``: indices into the device list), the
+    gather's ``hints``, and the rule of a call of another method than
+    forward (``method``: a :class:`dpcore._methods.Method`)."""
 
     args: list[Any]
     kws: list[Any]
@@ -41,14 +32,14 @@ class Call:
 
     @property
     def rows(self) -> int:
-        """The rows of this process in the call (the process group weighs processes by them)."""
+        """The rows of this process in the call."""
         return sum(self.sizes)
 
 
 class LossRule:
     """How the replicas' results of a call become what it returns."""
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: SimpleNamespace) -> None:
         self.criterion = options.criterion
         self.reduction = options.reduction
         self.model_loss = options.model_loss
@@ -58,14 +49,12 @@ class LossRule:
 
     @property
     def summed(self) -> bool:
-        """Whether the returned loss is summed over the batch, not averaged
-        (the process group weighs its processes by it)."""
+        """Whether the returned loss is summed over the batch, not averaged."""
         return self.reduction == "sum"
 
     def make_call(self, module: Callable[..., Any], method: Any = None) -> Callable[..., Any]:
-        """What a replica runs: `module`, or with a criterion (and no
-        `method`: a method's call has no loss), `module` on all but the last
-        argument followed by ``criterion(output, last argument)``."""
+        """What a replica runs: `module`, or with a criterion (and no `method`),
+        ``criterion(module(*args[:-1], **kwargs), args[-1])``."""
         criterion = self.criterion
         if criterion is None or method is not None:
             return module
@@ -77,8 +66,7 @@ class LossRule:
 
     def combine(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
         """What the call returns from the replicas' `outputs`; `gather` joins
-        a list of per-replica outputs on the output device. A method's call
-        is gathered by its own rule (or not, with ``gather=False``)."""
+        a list of per-replica outputs on the output device."""
         if call.method is not None:
             return call.method.combine(outputs, call, gather) if self.gather_output else outputs
         if self.criterion is not None:
@@ -114,7 +102,6 @@ class LossRule:
         return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
     def _counted(self, call: Call) -> list[float]:
-        """``loss_items`` of each replica's arguments, checked."""
         assert self.loss_items is not None
         return [
             _as_weight(self.loss_items(*a, **k), f"loss_items: the count of replica {j}")
@@ -123,11 +110,9 @@ class LossRule:
 
     def _criterion_counts(self, call: Call) -> list[Any] | None:
         """How many items each replica's mean criterion averages over, where
-        that is not its rows: ``loss_items`` where given; for torch's
-        CrossEntropyLoss and NLLLoss (mean, class-index targets) the targets
-        other than ``ignore_index``, each counted by its class weight, as
-        those losses divide (on the devices: no synchronization); else None.
-        A PackedSequence target of a mean criterion needs ``loss_items``."""
+        not its rows: ``loss_items``, or for torch's CrossEntropyLoss and
+        NLLLoss with class-index targets, their weighted valid targets (on the
+        devices); else None."""
         if self.loss_items is not None:
             return self._counted(call)
         if not self.summed and isinstance(call.args[0][-1], PackedSequence):
@@ -158,10 +143,8 @@ class LossRule:
         return counts
 
     def _with_model_loss(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
-        """The gathered `outputs` with the model's per-replica losses replaced
-        by one scalar on the output device, combined as model_loss declares;
-        for a loss dict, each entry so. Outputs without a loss on every
-        replica are gathered as they are."""
+        """The gathered `outputs` with the model's losses (or each entry of a
+        loss dict) replaced by one scalar, combined as model_loss declares."""
         if all(_is_loss_dict(o) for o in outputs):  # e.g. torchvision's detection models in training
             gathered = gather(outputs)
             combine = self._combiner(call)
@@ -185,9 +168,8 @@ class LossRule:
         return _with_loss_replaced(gather(outputs), combined)
 
     def _combiner(self, call: Call) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-        """A function of the per-replica losses that combines them as
-        model_loss declares, on the output device (the counts of "items"
-        taken once, for every loss it combines)."""
+        """Combines per-replica losses as model_loss declares, on the output
+        device (the "items" counts taken once, for every loss it combines)."""
         mode = self.model_loss
         if mode == "num_items_in_batch":
             passed = call.kws[0].get("num_items_in_batch") is not None
@@ -215,9 +197,8 @@ class LossRule:
 
 
 def _is_loss_dict(output: Any) -> bool:
-    """Whether `output` is a loss dict: a non-empty Mapping without a "loss"
-    key whose every value is a one-element tensor (torchvision's detection
-    models return one in training)."""
+    """Whether `output` is a loss dict (torchvision's detection models in
+    training): a non-empty Mapping of one-element tensors without "loss"."""
     return (
         isinstance(output, Mapping)
         and bool(output)
@@ -227,12 +208,9 @@ def _is_loss_dict(output: Any) -> bool:
 
 
 def _loss_of(output: Any, replica: int, device: torch.device, samples: bool) -> Any:
-    """The loss in one replica's output: the output itself if it is a
-    tensor, a Mapping's "loss" (ModelOutput included), a dataclass's or
-    namedtuple's ``loss`` field, else a tuple's or list's entry 0
-    (transformers' ``return_dict=False`` order). None where a Mapping has
-    no loss (or it is None), and for a list in a dpcore.Samples call (one
-    entry per sample). TypeError for an output of another kind."""
+    """The loss in one replica's output: a tensor itself, a Mapping's
+    "loss", a dataclass's or namedtuple's ``loss``, else a sequence's entry
+    0; None where a Mapping has none, and for a list in a Samples call."""
     where = f"replica {replica} (on {device})"
     if isinstance(output, torch.Tensor):
         return output
@@ -257,7 +235,7 @@ def _loss_of(output: Any, replica: int, device: torch.device, samples: bool) -> 
 
 
 def _with_loss_replaced(gathered: Any, loss: torch.Tensor) -> Any:
-    """`gathered` (the gathered output, of the kind _loss_of read) with its loss replaced by `loss`."""
+    """`gathered` with its loss (where _loss_of read it) replaced by `loss`."""
     if isinstance(gathered, Mapping):
         gathered["loss"] = loss  # a fresh container from gather (ModelOutput sets the attribute too)
         return gathered
@@ -269,10 +247,8 @@ def _with_loss_replaced(gathered: Any, loss: torch.Tensor) -> Any:
 
 
 def _weighted_mean(parts: Sequence[torch.Tensor], counts: Sequence[Any]) -> torch.Tensor:
-    """The mean over all items of per-replica means `parts` (one-element
-    tensors on one device) over `counts` items each. A replica with no item
-    adds nothing; no item at all gives NaN, as a mean over nothing does on
-    one device. One replica returns its own loss."""
+    """The mean over all items of per-replica means `parts` over `counts`
+    items each; no item at all gives NaN, as on one device."""
     parts = [p.reshape(()) for p in parts]
     if len(parts) == 1:
         return parts[0]

@@ -1,16 +1,5 @@
-"""Methods of the module other than forward, run data parallel.
-
-``dp.parallel(name)`` returns a callable that runs the module's method
-`name` through the wrapper's one pipeline: the arguments are scattered as
-forward's, each replica runs its own ``replica.<name>`` on its chunk, and
-the results are gathered as forward's, after :func:`pad_outputs` has padded
-tensors whose sizes differ beyond the batch dimension with the declared
-``pad_value``. No loss rule applies. ``dp.generate`` is
-``dp.parallel("generate")``; for a Hugging Face model (one with a
-``generation_config``) :class:`_Generated` first aligns the replicas'
-outputs as the bare model would have returned them for the whole batch.
-The rules are in docs/generate.md.
-"""
+"""Methods of the module other than forward, run data parallel through the
+wrapper's pipeline: ``dp.parallel(name)``, ``dp.generate`` (docs/generate.md)."""
 
 from __future__ import annotations
 
@@ -31,15 +20,9 @@ if TYPE_CHECKING:
 
 #: Module methods that ``dp.<name>`` runs data parallel (others fall through to the module).
 PARALLEL_BY_NAME = frozenset({"generate"})
-#: Fields of transformers' generate outputs that hold one entry per generation step.
-STEP_FIELDS = (
-    "scores",
-    "logits",
-    "attentions",
-    "hidden_states",
-    "decoder_attentions",
-    "cross_attentions",
-    "decoder_hidden_states",
+#: Fields of transformers' generate outputs with one entry per generation step.
+STEP_FIELDS = tuple(
+    "scores logits attentions hidden_states decoder_attentions cross_attentions decoder_hidden_states".split()
 )
 _WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
 _WALKED = (pt.NODE, pt.MAPPING, pt.ITERABLE)
@@ -47,9 +30,8 @@ _WALKED = (pt.NODE, pt.MAPPING, pt.ITERABLE)
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A method call's rule, carried in its :class:`Call` record: how the
-    replicas' results become one (`align`, then padding with `pad_value`
-    along every dimension but `dim`, then the wrapper's gather)."""
+    """A method call's rule (in its :class:`Call`): `align` the replicas'
+    results, pad them with `pad_value` beyond `dim`, then gather."""
 
     label: str
     dim: int
@@ -114,21 +96,16 @@ class ParallelMethod:
 
 
 def _bound_to(target: Any, module: nn.Module) -> bool:
-    """Whether `target` is a method bound to `module` or to one of its
-    submodules (a torch.compile wrapper hands out its inner module's)."""
+    """Whether `target` is a method bound to `module` or one of its submodules."""
     owner = getattr(target, "__self__", None) if inspect.ismethod(target) else None
     return owner is module or (isinstance(owner, nn.Module) and any(owner is m for m in module.modules()))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Generated:
-    """transformers' ``generate``: the replicas' outputs as the bare model
-    returns them for the whole batch. Token ids are right-padded with the
-    value the bare model fills finished rows with (`fill`; None where it
-    keeps generating for them); ``beam_indices`` are moved into the whole
-    batch's beams (`beams` per input row) and padded with -1, as
-    transformers pads them; per-step tuples get the steps of the longest
-    replica, the missing ones of the others filled with `pad`."""
+    """transformers' ``generate``: the replicas' outputs aligned as the bare
+    model returns them for the whole batch (`fill`: its pad of finished
+    rows, None where it keeps generating; `beams` per row; `pad`: missing steps)."""
 
     label: str
     fill: int | None
@@ -137,7 +114,7 @@ class _Generated:
 
     @classmethod
     def rule(cls, parallel: ParallelMethod, kwargs: dict[str, Any]) -> Method:
-        """The rule of one call of `parallel` (a model's generate) with `kwargs`."""
+        """The rule of one call of `parallel` with `kwargs`."""
         dp = parallel.dp
         if dp.dim != 0:
             raise ValueError(
@@ -204,9 +181,7 @@ class _Generated:
         return _pad_dim1(sequences, self.fill)
 
     def _steps(self, steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Per-step tuples extended to the longest one's steps: a missing
-        step is the longest replica's, with the replica's own rows (those of
-        its first step) and every value `pad`."""
+        """Per-step tuples extended to the longest one's steps, filled with `pad`."""
         longest = max(steps, key=len)
         out = []
         for own in steps:
@@ -214,14 +189,8 @@ class _Generated:
             extra = []
             for step in longest[len(own) :]:
                 tensors, spec = pt.flatten(step)
-                extra.append(
-                    spec.unflatten(
-                        [
-                            torch.full((f.size(0), *t.shape[1:]), self.pad, dtype=t.dtype, device=f.device)
-                            for t, f in zip(tensors, first)
-                        ]
-                    )
-                )
+                shapes = [((f.size(0), *t.shape[1:]), t.dtype, f.device) for t, f in zip(tensors, first)]
+                extra.append(spec.unflatten([torch.full(n, self.pad, dtype=d, device=v) for n, d, v in shapes]))
             out.append(own + tuple(extra))
         return out
 
@@ -235,16 +204,10 @@ def _pad_dim1(tensors: list[torch.Tensor], fill: Any) -> list[torch.Tensor]:
     ]
 
 
-def pad_outputs(outputs: list[Any], dim: int, pad_value: float | None, label: str) -> list[Any]:
-    """The replicas' `outputs` with every tensor that differs from the same
-    one of another replica only in sizes other than `dim` padded at the end
-    of those dimensions to the largest, with `pad_value` (ValueError naming
-    the path where None). Where structures differ they are left for the
-    gather to report."""
-    return _padded(list(outputs), dim, pad_value, label, "output")
-
-
-def _padded(values: list[Any], dim: int, pad_value: float | None, label: str, path: str) -> list[Any]:
+def pad_outputs(values: list[Any], dim: int, pad_value: float | None, label: str, path: str = "output") -> list[Any]:
+    """The replicas' outputs `values`, each tensor that differs from another
+    replica's beyond `dim` padded at the end to the largest with `pad_value`
+    (ValueError naming the path where None); other differences are left."""
     first = values[0]
     if all(isinstance(v, torch.Tensor) for v in values):
         return _padded_tensors(values, dim, pad_value, label, path)
@@ -256,7 +219,7 @@ def _padded(values: list[Any], dim: int, pad_value: float | None, label: str, pa
     keys = node.keys(first, flat[0][1], len(kids[0]))
     if any(node.keys(v, c, len(k)) != keys for v, (_, c), k in zip(values[1:], flat[1:], kids[1:])):
         return values
-    columns = [_padded([k[i] for k in kids], dim, pad_value, label, path + key) for i, key in enumerate(keys)]
+    columns = [pad_outputs([k[i] for k in kids], dim, pad_value, label, path + key) for i, key in enumerate(keys)]
     if all(column[j] is kids[j][i] for i, column in enumerate(columns) for j in range(len(values))):
         return values
     return [node.unflatten([column[j] for column in columns], flat[j][1]) for j in range(len(values))]

@@ -1,16 +1,12 @@
-"""DataParallel's options, checked in one place.
-
-:func:`check_options` takes every argument of ``DataParallel.__init__`` and
-returns :class:`Options`, or raises TypeError/ValueError naming the option
-(and, for lists, the index and the value). Every rule that ties options
-together is here; nothing else in the package re-checks them.
-"""
+"""DataParallel's options and every rule that ties them together, checked
+once at construction (:func:`check_options`); errors name the option (and,
+for lists, the index and the value)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,8 +20,7 @@ from dpcore.replicate import check_on_device, check_replica_refresh
 
 #: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
 CRITERION_REDUCTIONS = ("mean", "sum")
-#: A loss module's own ``.reduction`` -> the reduction over the batch it means
-#: ("batchmean", KLDivLoss's, is a mean over rows; "none" is refused per call).
+#: A loss module's own ``.reduction`` -> its reduction over the batch ("none" is refused per call).
 _OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
 #: What ``model_loss=`` takes.
 MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
@@ -33,99 +28,53 @@ MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
 EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The checked options of one DataParallel. ``devices`` is empty where
-    the module runs as is (no list and no accelerator); ``reduction`` is how
-    the returned loss is reduced over the batch ("mean", "sum", "none" for a
-    criterion that does not reduce, refused per call; None without a loss)."""
-
-    devices: list[torch.device]
-    output_device: torch.device | None
-    dim: int
-    chunk_sizes: list[int] | None
-    weights: list[float] | None
-    criterion: Callable[..., Any] | None
-    reduction: str | None
-    model_loss: str | None
-    loss_items: Callable[..., Any] | None
-    gather: bool
-    bucket_bytes: int
-    sync_batchnorm: bool
-    cuda_graphs: bool
-    replica_refresh: str
-
-
-def check_options(
-    cls: type,
-    module: nn.Module,
-    device_ids: Sequence[DeviceLike] | None,
-    output_device: DeviceLike | None,
-    dim: int,
-    *,
-    chunk_sizes: Sequence[int] | None,
-    weights: Sequence[float] | None,
-    criterion: Callable[..., Any] | None,
-    criterion_reduction: str | None,
-    model_loss: str | None,
-    loss_items: Callable[..., Any] | None,
-    gather: bool,
-    bucket_bytes: int,
-    sync_batchnorm: bool,
-    process_group: Any,
-    cuda_graphs: bool,
-    replica_refresh: str,
-    base: type,
-) -> Options:
-    """The checked options of a `cls` wrapper of `module` (`base`: dpcore's
-    own class, against which overridden extension points are found)."""
+def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNamespace:
+    """`args` (the arguments of a `cls` wrapper's ``__init__``, by name),
+    checked, as attributes, plus ``devices`` (empty where the module runs as
+    is) and ``reduction`` (how the returned loss reduces over the batch; None
+    without a loss). `base`: dpcore's class, to find overridden methods."""
+    o = SimpleNamespace(**{k: v for k, v in args.items() if k != "self"})
+    module, criterion, loss_items = o.module, o.criterion, o.loss_items
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
-    for name, value in (("sync_batchnorm", sync_batchnorm), ("cuda_graphs", cuda_graphs), ("gather", gather)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected True or False, but got {value!r}")
-    if cuda_graphs and sync_batchnorm:
+    for name in ("sync_batchnorm", "cuda_graphs", "gather"):
+        if not isinstance(getattr(o, name), bool):
+            raise TypeError(f"{name}: expected True or False, but got {getattr(o, name)!r}")
+    if o.cuda_graphs and o.sync_batchnorm:
         raise ValueError(
             "cuda_graphs=True cannot be combined with sync_batchnorm=True: synchronized BatchNorm's replicas "
             "meet on the host inside forward, which a CUDA graph cannot capture"
         )
-    if cuda_graphs:
+    if o.cuda_graphs:
         check_not_compiled(module)
-    bypass = {"criterion=": criterion is not None, "gather=False": not gather, "model_loss=": model_loss is not None}
-    _check_overrides(cls, base, cuda_graphs, sync_batchnorm, next((k for k, on in bypass.items() if on), None))
-    chunks, split_weights = check_split(chunk_sizes, weights)
-    model_loss = _check_model_loss(model_loss, loss_items, criterion, gather, process_group)
-    reduction = _criterion_reduction(criterion, criterion_reduction) or ("sum" if model_loss == "sum" else None)
+    bypass = {
+        "criterion=": criterion is not None,
+        "gather=False": not o.gather,
+        "model_loss=": o.model_loss is not None,
+    }
+    _check_overrides(cls, base, o.cuda_graphs, o.sync_batchnorm, next((k for k, on in bypass.items() if on), None))
+    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights)
+    o.model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
+    reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
     if criterion is not None and loss_items is not None:
         if reduction != "mean":
             raise ValueError(
                 f"loss_items: with criterion=, only for a mean criterion (its reduction is {reduction!r}): "
                 f"it counts the items each replica's loss averages over"
             )
-        if process_group is not None:
+        if o.process_group is not None:
             raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
-    size = as_int(bucket_bytes, "bucket_bytes")
-    if size <= 0:
-        raise ValueError(f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {size}")
-    devices, out = _devices(module, device_ids, output_device, cuda_graphs, process_group)
-    if devices:
-        check_split(chunks, split_weights, len(devices))
-    return Options(
-        devices=devices,
-        output_device=out,
-        dim=dim,
-        chunk_sizes=chunks,
-        weights=split_weights,
-        criterion=criterion,
-        reduction=reduction,
-        model_loss=model_loss,
-        loss_items=loss_items,
-        gather=gather,
-        bucket_bytes=size,
-        sync_batchnorm=sync_batchnorm,
-        cuda_graphs=cuda_graphs,
-        replica_refresh=check_replica_refresh(replica_refresh),
-    )
+    o.reduction = reduction
+    o.bucket_bytes = as_int(o.bucket_bytes, "bucket_bytes")
+    if o.bucket_bytes <= 0:
+        raise ValueError(
+            f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {o.bucket_bytes}"
+        )
+    o.devices, o.output_device = _devices(module, o.device_ids, o.output_device, o.cuda_graphs, o.process_group)
+    if o.devices:
+        check_split(o.chunk_sizes, o.weights, len(o.devices))
+    o.replica_refresh = check_replica_refresh(o.replica_refresh)
+    return o
 
 
 def _devices(
@@ -135,9 +84,8 @@ def _devices(
     cuda_graphs: bool,
     process_group: Any,
 ) -> tuple[list[torch.device], torch.device | None]:
-    """The checked device list and output device. With a process group and
-    no list: the module's device (one per process, as DDP); with neither a
-    list nor a GPU: no devices (the module runs as is)."""
+    """The checked devices and output device; with a process group and no
+    list, the module's device (as DDP); with neither a list nor a GPU, none."""
     if device_ids is None and process_group is not None:
         device_ids = [_module_device(module)]
     if device_ids is None:
@@ -161,8 +109,7 @@ def _devices(
 
 
 def check_device_list(device_ids: Sequence[DeviceLike], arg: str) -> list[torch.device]:
-    """`device_ids` as devices: at least one, of one type, each the CPU or a
-    visible CUDA device; else ValueError/TypeError naming `arg` (and the index)."""
+    """`device_ids` as devices: at least one, of one type, each the CPU or a visible CUDA device."""
     devices = as_devices(device_ids, arg)
     if not devices:
         raise ValueError(f"{arg}: expected at least one device, but the list is empty")
@@ -185,8 +132,7 @@ def check_usable(device: torch.device, arg: str) -> None:
 
 
 def check_not_compiled(module: nn.Module) -> None:
-    """Raises ValueError where `module` or a submodule is torch.compile'd:
-    cuda_graphs=True captures eager replicas only."""
+    """Raises ValueError where `module` or a submodule is torch.compile'd (for cuda_graphs=True)."""
     if has_compiled(module):
         raise ValueError(
             "cuda_graphs=True does not capture torch.compile'd modules, and the module (or one of its submodules) "
@@ -204,8 +150,7 @@ def _check_overrides(
     cls: type, base: type, cuda_graphs: bool, sync_batchnorm: bool, bypasses_gather: str | None
 ) -> None:
     """Raises ValueError where an option would silently skip a method that
-    `cls` overrides; `bypasses_gather` names the option that returns without
-    calling gather, if one was given."""
+    `cls` overrides; `bypasses_gather`: the option that skips gather, if given."""
     overridden = [name for name in EXTENSION_POINTS if overrides(cls, base, name)]
     if bypasses_gather is not None and "gather" in overridden:
         raise ValueError(
@@ -233,9 +178,8 @@ def _describe(fn: Any) -> str:
 
 
 def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) -> str | None:
-    """How `criterion` reduces its chunk ("mean", "sum", or "none"); None
-    without a criterion. Never guessed: `declared` or the criterion's own
-    string ``.reduction`` (torch's loss modules); both given must agree."""
+    """How `criterion` reduces its chunk ("mean", "sum", "none"; None without
+    one): `declared`, or the criterion's own ``.reduction``; never guessed."""
     if declared is not None:
         if not isinstance(declared, str):
             raise TypeError(
@@ -271,7 +215,7 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
 
 
 def _check_model_loss(model_loss: Any, loss_items: Any, criterion: Any, gather: Any, process_group: Any) -> str | None:
-    """The checked ``model_loss`` (None, or one of MODEL_LOSSES), with its ``loss_items``."""
+    """The checked ``model_loss`` (None or one of MODEL_LOSSES), with its ``loss_items``."""
     if model_loss is None and loss_items is not None and criterion is None:
         raise ValueError(
             "loss_items: given without criterion= or model_loss='items' / 'num_items_in_batch', which use it"

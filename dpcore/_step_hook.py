@@ -1,28 +1,5 @@
-"""Optimizer steps made visible to cached replicas (private).
-
-Cached replicas (dpcore.replicate.ReplicaCache) copy a bucket of master
-tensors to the replicas only when one of them changed, and "changed" means a
-new storage or a new version counter value. Most in-place updates bump the
-version counter, but some optimizer steps do not: the fused kernels of
-``torch.optim.Adam/AdamW/SGD(fused=True)`` (the default of Hugging Face
-Trainer), and any ``step()`` that writes through ``p.data``. Without help the
-replicas would keep training on stale weights, silently.
-
-This module closes that gap with one process-wide optimizer step post-hook
-(``torch.optim.optimizer.register_optimizer_step_post_hook``): after every
-``step()`` of any ``torch.optim.Optimizer`` (created before or after the
-wrapper, fused or not), the parameters of its ``param_groups`` that a live
-replica cache tracks get their version counters bumped
-(``torch.autograd.graph.increment_version``), exactly as a non-fused step
-would have done. A forward that follows no step copies nothing; other
-models' parameters and frozen ones are never touched.
-
-The hook is registered the first time a replica cache with replicas is
-built (never at import), and stays registered; with no cache alive it only
-walks the stepping optimizer's parameter list. It skips an optimizer whose
-class sets ``_marks_own_changes`` (dpcore.ShardedOptimizer: its shards'
-steps and its in-place copies into the masters mark them already).
-"""
+"""The process-wide optimizer step post-hook that makes fused and ``.data``
+steps visible to cached replicas (docs/design.md, "Optimizer steps")."""
 
 from __future__ import annotations
 
@@ -38,16 +15,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ["track"]
 
 _lock = threading.Lock()
-#: id() of every tracked master tensor -> how many live caches track it. A
-#: cache keeps its master tensors alive, so an id here always names a live
-#: tracked tensor (it is removed when the last cache tracking it dies).
+#: id() of every tracked master tensor -> how many live caches (which keep it alive) track it.
 _tracked: collections.Counter[int] = collections.Counter()
 _handle: Any = None
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The post-hook: bumps the version counters of the stepped optimizer's
-    tracked parameters."""
+    """Bumps the version counters of the stepped optimizer's tracked parameters."""
     if not _tracked or getattr(optimizer, "_marks_own_changes", False):
         return
     changed = [p for group in optimizer.param_groups for p in group["params"] if id(p) in _tracked]
@@ -56,10 +30,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def track(owner: object, tensors: Iterable[torch.Tensor]) -> None:
-    """Marks ``tensors`` as master tensors of ``owner`` (a replica cache) until
-    ``owner`` is garbage collected: from now on, an optimizer step over any
-    of them bumps its version counter, so that the owner's next refresh
-    copies it. Registers the process-wide post-hook on first use."""
+    """Until ``owner`` (a replica cache) is collected, an optimizer step over
+    any of ``tensors`` bumps its version counter. Registers the hook on first use."""
     global _handle
     ids = [id(t) for t in tensors]
     with _lock:

@@ -1,13 +1,7 @@
-"""dpcore.DataParallel: torch.nn.DataParallel's signature and semantics over
-cached replicas, a persistent C++ worker pool and CPU device lists.
-
-One pipeline, through torch's four extension points: ``scatter`` makes the
-call's record (:class:`dpcore._loss.Call`), ``replicate`` gives the cached
-replicas, ``parallel_apply`` runs them on the pool, and the loss rule
-(:class:`dpcore._loss.LossRule`) combines their results, through
-``gather``. Options are checked in dpcore._options, the drop-in shims live
-in dpcore._dropin, the hybrid mode in dpcore.distributed.
-"""
+"""dpcore.DataParallel: torch.nn.DataParallel over cached replicas, a C++ worker
+pool and CPU device lists. One pipeline through torch's four extension points:
+``scatter`` (the call's record), ``replicate``, ``parallel_apply``, and the loss
+rule's combine through ``gather`` (docs/design.md, "Semantics")."""
 
 from __future__ import annotations
 
@@ -21,16 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_devices
-from dpcore._dropin import (
-    DDP_ONLY,
-    BareStateDict,
-    has_module_prefix,
-    NominalMeta,
-    SignedForward,
-    ddp_only_error,
-    split_of,
-    strip_module_prefix,
-)
+from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, ddp_only_error, has_module_prefix
+from dpcore._dropin import split_of, strip_module_prefix
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
@@ -40,15 +26,8 @@ from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import CallGuard, start_parallel_apply
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import (
-    NO_HINTS,
-    GatherHints,
-    Scattered,
-    check_image_lists,
-    gather_with_hints,
-    image_list_model,
-    scatter_with_hints,
-)
+from dpcore.scatter_gather import NO_HINTS, Scattered, check_image_lists, gather_with_hints, image_list_model
+from dpcore.scatter_gather import scatter_with_hints
 from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
 
 if TYPE_CHECKING:
@@ -56,11 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DataParallel", "data_parallel"]
 
-#: torch's own class, bound when dpcore is imported (before dpcore.patch_torch
-#: can rebind torch's public names to dpcore's class).
+#: torch's own class, bound before dpcore.patch_torch can rebind torch's names.
 TorchDataParallel = nn.DataParallel
-
-
 #: The wrapper's attributes that its loss rule reads (kept in step when one is set).
 _LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_output", "output_device"})
 
@@ -69,40 +45,26 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the results
     are combined on ``output_device``. A drop-in for torch.nn.DataParallel
-    and an instance of it (torch's ``__init__`` never runs; every method
-    torch's class defines is dpcore's own). The options are in the README's
-    table; docs/losses.md, docs/hybrid.md, docs/sync_batchnorm.md,
-    docs/cuda_graphs.md and docs/samples.md give their rules.
+    and an instance of it. The options are in the README's table; the pages
+    of docs/ give their rules.
 
-    Extension points, as torch's: ``forward`` calls ``scatter(inputs,
-    kwargs, device_ids)``, ``replicate(module, device_ids)``,
-    ``parallel_apply(replicas, inputs, kwargs)`` and ``gather(outputs,
-    output_device)`` with torch's signatures, so a subclass written for
-    torch's wrapper works unchanged; where none is overridden, dpcore's fast
-    paths run (cached replicas, the worker pool, ``sync_batchnorm``,
-    ``cuda_graphs``). An overridden ``scatter`` returns ``(inputs,
-    kwargs)``, one entry per replica on the first devices, each replica's
-    rows the size along ``dim`` of the first tensor of its arguments.
-    Options that would silently skip an override are errors.
+    ``forward`` calls ``scatter``, ``replicate``, ``parallel_apply`` and
+    ``gather`` with torch's signatures, so a subclass written for torch's
+    wrapper works unchanged; where none is overridden, dpcore's fast paths
+    run. An overridden ``scatter`` returns ``(inputs, kwargs)``, one entry
+    per replica on the first devices. Options that would silently skip an
+    override are errors.
 
     Guarantees: outputs and parameter gradients equal the single-device ones
     (up to floating-point summation order); a parameter no replica used
     keeps ``.grad`` None; tensors whose batch sizes disagree raise
-    ValueError naming both; replicas are cached and refreshed only where the
-    master changed; the first replica is ``module`` itself. A torch.compile'd
-    module gives every replica code compiled from the replica itself.
-
-    Threads: calls of one wrapper from several threads are serialized; each
-    equals the same call made alone. Signals: Ctrl-C during a call stops the
-    replicas at their next bytecode and skips those not started; once the
-    exception reaches the caller nothing this wrapper started still touches
-    the module.
+    ValueError naming both; the first replica is ``module`` itself. Calls
+    from several threads are serialized; after Ctrl-C reaches the caller,
+    nothing this wrapper started still touches the module.
     """
 
-    # The wrapper's private per-instance state: its replica cache, its call
-    # guard and its CUDA-graph runner. A replica of this wrapper (nested in a
-    # replicated model) keeps its own (ReplicaSet reads this name); a pickle
-    # holds none of it; each is made by _fresh_private_state.
+    # Per-instance state that a replica of this wrapper and a pickle never
+    # share (ReplicaSet reads this name); made by _fresh_private_state.
     _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
     def __init__(
@@ -127,31 +89,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         cuda_graphs: bool = False,
         replica_refresh: str = "auto",
     ) -> None:
-        # torch.nn.DataParallel.__init__ must not run (it would resolve CUDA
-        # indices, move the module and warn): only nn.Module's.
-        nn.Module.__init__(self)
-        Joinable.__init__(self)  # the join context's per-instance state (disabled outside Join)
+        nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
+        Joinable.__init__(self)
         self.__dict__.update(_fresh_private_state(cuda_graphs=False))
-        options = check_options(
-            type(self),
-            module,
-            device_ids,
-            output_device,
-            dim,
-            chunk_sizes=chunk_sizes,
-            weights=weights,
-            criterion=criterion,
-            criterion_reduction=criterion_reduction,
-            model_loss=model_loss,
-            loss_items=loss_items,
-            gather=gather,
-            bucket_bytes=bucket_bytes,
-            sync_batchnorm=sync_batchnorm,
-            process_group=process_group,
-            cuda_graphs=cuda_graphs,
-            replica_refresh=replica_refresh,
-            base=DataParallel,
-        )
+        options = check_options(type(self), DataParallel, locals())  # locals(): exactly the arguments here
         self.module = module
         self.device_ids: list[torch.device] = options.devices
         self.output_device = options.output_device
@@ -164,7 +105,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
         self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
-        self._image_lists = image_list_model(module)  # a torchvision detection model's class name, else None
+        self._image_lists = image_list_model(module)
         self._sync: GradientSync | None = None
         if self.device_ids:
             self.__dict__.update(_fresh_private_state(cuda_graphs))
@@ -178,8 +119,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                     bucket_bytes=self.bucket_bytes,
                     sync_batchnorm=sync_batchnorm,
                 )
-
-    # -- attribute fall-through, state dicts, pickling ------------------------
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -201,16 +140,15 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             return self.parallel(name) if name in PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
-        """The module's method `name`, run data parallel: scattered and gathered
-        as forward (no loss rule), outputs whose sizes differ beyond ``dim``
-        padded with `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
+        """The module's method `name`, run data parallel as forward (no loss
+        rule); outputs whose sizes differ beyond ``dim`` are padded with
+        `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
         return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The bare module's state dict (no ``module.`` prefix: keys(), ``in``
-        and ``[]`` agree on the bare keys; a read by torch's prefixed key is
-        a KeyError that says so). With a ``destination``, the module's
-        entries are written into it, as nn.Module does."""
+        """The bare module's state dict (no ``module.`` prefix; a read by
+        torch's prefixed key is a KeyError that says so). With a
+        ``destination``, the module's entries are written into it."""
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
         kwargs.pop("destination", None)
@@ -227,10 +165,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # Reached when this wrapper is a submodule of a module whose
-        # load_state_dict runs: its state_dict() wrote our entries without the
-        # "module." segment, but the loader descends into self.module with
-        # prefix + "module.": rename them here (children read this same dict).
+        # As a submodule: our entries were saved without "module.", but the
+        # loader descends into self.module with prefix + "module.".
         keys = [k for k in state_dict if k.startswith(prefix)]
         if keys and not has_module_prefix([k[len(prefix) :] for k in keys], self.module):
             for k in keys:
@@ -238,18 +174,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for name in self._replica_private_attrs:  # a lock, CUDA graphs, streams: each copy gets its own
-            state[name] = None
-        return state
+        return {**self.__dict__, **dict.fromkeys(self._replica_private_attrs)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.update(_fresh_private_state(bool(state.get("cuda_graphs"))))
 
     def _replicate_for_data_parallel(self) -> DataParallel:
-        # A replica of this wrapper (nested in a replicated model) runs its
-        # own replicas, concurrently with the master's: never share them.
         replica = super()._replicate_for_data_parallel()
         replica.__dict__.update(_fresh_private_state(self.cuda_graphs))
         return replica
@@ -259,20 +190,19 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         """torch's attribute: ``device_ids[0]`` (None where the module runs as is)."""
         return self.device_ids[0] if self.device_ids else None
 
-    # -- torch.nn.DataParallel's extension points -----------------------------
-
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]) -> Any:
-        """torch's ``scatter``: ``(inputs, kwargs)``, each replica's arguments,
-        split along ``dim`` by dpcore's rules (:func:`dpcore.scatter_kwargs`).
-        The pair's ``.call`` is the call's record (rows, devices, hints)."""
+        """torch's ``scatter``: ``(inputs, kwargs)``, each replica's arguments
+        split along ``dim`` by dpcore's rules; ``.call`` is the call's record."""
         scattered, hints = scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights)
-        return _ScatteredPair(scattered, hints, as_devices(device_ids, "device_ids"))
+        devices, used = as_devices(device_ids, "device_ids"), scattered.device_indices
+        pair = _ScatteredPair((scattered.args, scattered.kwargs))
+        pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
+        return pair
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """torch's ``replicate``: one module per device, the first ``module``
-        itself, gradients flowing back to it (none under no_grad). For this
-        wrapper's module on a leading part of its devices: the cached
-        replicas, refreshed; else fresh ones."""
+        itself (cached and refreshed for this wrapper's module on a leading
+        part of its devices)."""
         devices = as_devices(device_ids, "device_ids")
         if module is self.module and devices and devices == self.device_ids[: len(devices)]:
             return self._replica_cache().replicas(len(devices))
@@ -280,30 +210,22 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def parallel_apply(self, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         """torch's ``parallel_apply``: ``replicas[i](*inputs[i], **kwargs[i])``
-        for every i at once on the worker pool, each on its replica's device
-        in this call (else ``device_ids[i]``); one replica runs in this thread."""
+        for every i at once on the worker pool; one replica runs in this thread."""
         if len(replicas) == 1:
-            first = inputs[0]
-            return [
-                replicas[0](*(first if isinstance(first, (list, tuple)) else (first,)), **((kwargs or [{}])[0] or {}))
-            ]
+            first = inputs[0] if isinstance(inputs[0], (list, tuple)) else (inputs[0],)
+            return [replicas[0](*first, **((kwargs or [{}])[0] or {}))]
         call = getattr(replicas, "call", None)
         devices = call.devices if call is not None and len(call.devices) == len(replicas) else None
         return self._parallel_apply(replicas, inputs, kwargs, devices or self.device_ids[: len(replicas)])
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike | None) -> Any:
         """torch's ``gather``: the outputs joined along ``dim`` on
-        ``output_device`` (:func:`dpcore.gather`), by the hints of the call's
-        inputs (``dpcore.Samples`` lists concatenated, PackedSequences in
-        their input's order)."""
+        ``output_device`` (:func:`dpcore.gather`), by the hints of the call's inputs."""
         call = getattr(outputs, "call", None)
         return gather_with_hints(outputs, output_device, self.dim, call.hints if call is not None else NO_HINTS)
 
     def _overrides(self, name: str) -> bool:
-        """Whether this wrapper's class (or the instance) replaces the extension point `name`."""
         return overrides(type(self), DataParallel, name) or name in self.__dict__
-
-    # -- the pipeline ----------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self._calls:
@@ -322,13 +244,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         through: Callable[[Any], Any] | None = None,
         method: Method | None = None,
     ) -> tuple[Any, int]:
-        """The call's result and this process's rows: scatter, run, combine.
-        `through(replica)` gives what runs in place of each replica (the
-        functional call's, a method's; it runs eagerly); a `method` call
-        (dpcore._methods) is combined by its rule, with no loss rule."""
+        """The call's result and this process's rows. `through(replica)` runs
+        in place of each replica, eagerly; a `method` call has no loss rule."""
         if self.criterion is not None and not inputs and method is None:
             raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-        if not self.device_ids:  # the module as is, given the values inside Broadcast and Samples markers
+        if not self.device_ids:  # the module as is, on the values inside Broadcast and Samples markers
             inputs, kwargs = without_markers((inputs, kwargs))
             module = self.module if through is None else through(self.module)
             return self._loss.make_call(module, method)(*inputs, **kwargs), 0
@@ -338,7 +258,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self._loss.combine(outputs, call, lambda outs: self._gather(outs, call)), call.rows
 
     def _scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-        """The call's record, from ``scatter`` (dpcore's, or an override's pair)."""
         if self._image_lists is not None:
             check_image_lists(self._image_lists, inputs, kwargs)
         result = self.scatter(inputs, kwargs, self.device_ids)
@@ -360,31 +279,25 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return call
 
     def _run(self, call: Call, through: Callable[[Any], Any] | None = None) -> list[Any]:
-        """Each used replica's result on its chunk: replayed graphs, or eagerly
-        through ``replicate`` and ``parallel_apply`` (synchronized BatchNorm's
-        replicas all at once; a lone replica in this thread)."""
+        """Each used replica's result on its chunk: replayed CUDA graphs, or
+        eagerly through ``replicate`` and ``parallel_apply``."""
         make_call = self._loss.make_call
         if through is not None:
             make_call = lambda m: self._loss.make_call(through(m), call.method)  # noqa: E731
-        elif self._graphs is not None:
+        elif self._graphs is not None:  # combined: the outputs become new tensors (else the graphs clone them)
+            loss = self.criterion is not None or self.model_loss is not None
+            plain = not loss and self.gather_output and not call.hints.samples and not self._overrides("gather")
+            combined = plain or (len(call.used) > 1 and loss)
             outputs = self._graphs.step(
-                self._replica_cache(),
-                call.args,
-                call.kws,
-                call.used,
-                make_call,
-                combined=self._combines_graph_outputs(call),
+                self._replica_cache(), call.args, call.kws, call.used, make_call, combined=combined
             )
             if outputs is not None:
                 return outputs
         custom = len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply"))
         count = call.used[-1] + 1
         replicas = self.replicate(self.module, self.device_ids[:count])
-        if custom and (not isinstance(replicas, Sequence) or len(replicas) != count):
-            got = len(replicas) if isinstance(replicas, Sequence) else type(replicas).__name__
-            raise ValueError(
-                f"{type(self).__name__}.replicate: expected one replica per device ({count}), but got {got}"
-            )
+        if custom:
+            self._check_per("replicate", "replica per device", replicas, count)
         modules = [replicas[i] for i in call.used]
         calls = _PerCall([make_call(m) for m in modules], call)
         across = self._batchnorm_across(call.rows)
@@ -397,25 +310,16 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 return [calls[0](*call.args[0], **call.kws[0])]
             return self._parallel_apply(calls, call.args, call.kws, call.devices)
         outputs = self.parallel_apply(calls, call.args, call.kws)
-        if not isinstance(outputs, Sequence) or len(outputs) != len(calls):
-            got = len(outputs) if isinstance(outputs, Sequence) else type(outputs).__name__
-            raise ValueError(
-                f"{type(self).__name__}.parallel_apply: expected one output per replica ({len(calls)}), but got {got}"
-            )
+        self._check_per("parallel_apply", "output per replica", outputs, len(calls))
         return list(outputs)
 
-    def _combines_graph_outputs(self, call: Call) -> bool:
-        """Whether the replayed outputs become new tensors before they reach
-        the user (dpcore's own gather of tensors copies; several replicas'
-        losses are summed): otherwise the graphs clone them."""
-        loss = self.criterion is not None or self.model_loss is not None
-        plain = not loss and self.gather_output and not call.hints.samples and not self._overrides("gather")
-        return plain or (len(call.used) > 1 and loss)
+    def _check_per(self, method: str, per: str, values: Any, count: int) -> None:
+        if not isinstance(values, Sequence) or len(values) != count:
+            got = len(values) if isinstance(values, Sequence) else type(values).__name__
+            raise ValueError(f"{type(self).__name__}.{method}: expected one {per} ({count}), but got {got}")
 
     def _gather(self, outputs: list[Any], call: Call) -> Any:
-        """``gather`` of the call's outputs (with one device and an overridden
-        gather, the output as is, as torch)."""
-        if len(self.device_ids) == 1 and self._overrides("gather"):
+        if len(self.device_ids) == 1 and self._overrides("gather"):  # torch's wrapper does not gather then
             return outputs[0]
         return self.gather(_PerCall(outputs, call), self.output_device)
 
@@ -442,9 +346,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self._cache
 
     def _batchnorm_across(self, rows: int) -> AcrossProcesses | None:
-        """Synchronized BatchNorm's link to the other processes for a forward
-        of `rows` rows here (hybrid mode with ``sync_batchnorm``, in a
-        forward that can synchronize gradients), else None."""
+        """Synchronized BatchNorm's link to the other processes (hybrid mode with ``sync_batchnorm``), else None."""
         if self._sync is None or not self.sync_batchnorm:
             return None
         return self._sync.batchnorm_across(rows, self._loss.summed)
@@ -452,16 +354,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every
         replica: call it after writes that bypass version counters outside
-        an optimizer step (``p.data.add_(...)``, an EMA copied in through
-        ``.data``, numpy). Without it such a write is still found, at the
-        checks of ``replica_refresh="auto"``, with a warning; in-place
-        updates under ``torch.no_grad()``, new storages, ``load_state_dict``
-        and every ``torch.optim`` step are seen without it."""
+        an optimizer step (``p.data.add_(...)``, numpy); without it such a
+        write is found at the checks of ``replica_refresh="auto"``, with a warning."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
-
-    # -- DDP's process-group API (hybrid mode, docs/hybrid.md) ----------------
 
     @property
     def process_group(self) -> Any:
@@ -478,17 +375,15 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """DDP's ``register_comm_hook``: each gradient bucket is sent by
-        ``hook(state, bucket)`` (a :class:`dpcore.distributed.GradBucket`),
-        which returns a Future of the reduced gradient; torch's own hooks
-        work unchanged. One hook, on every rank, before the first backward."""
+        ``hook(state, bucket)``, which returns a Future of the reduced
+        gradient; torch's own hooks work. One hook, before the first backward."""
         self._require_group("register_comm_hook", "there is no gradient communication to hook").register_comm_hook(
             state, hook
         )
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
-        """The hook with which ``Join`` lets ranks that ran out of inputs
-        shadow the others' collectives, as DDP's
-        (``divide_by_initial_world_size``, default True, as DDP)."""
+        """DDP's ``join_hook``: lets ranks that ran out of inputs shadow the
+        others' collectives (``divide_by_initial_world_size``, default True)."""
         sync = self._require_group("Join")
         if sync.batchnorm_group is not None:
             raise ValueError(
@@ -496,7 +391,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 "across processes (it does not run the model); give every rank the same number of batches "
                 "(e.g. a DistributedSampler with drop_last=True), or drop sync_batchnorm"
             )
-        # Other keyword arguments are for the context's other joinables (as DDP, ignored here).
         return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -512,7 +406,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def join(
         self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
     ) -> Join:
-        """DDP's ``join()``: ``Join([self], ...)`` (see :meth:`join_hook`)."""
+        """DDP's ``join()``: ``Join([self], ...)``."""
         self._require_group("join()")
         return Join(
             [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
@@ -520,9 +414,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's ``no_sync``: backward passes of forwards run inside accumulate
-        into ``.grad`` in this process only; the first backward of a forward
-        outside all-reduces them. Without a process group: nothing to skip."""
+        """DDP's ``no_sync``: backward passes of forwards run inside
+        accumulate ``.grad`` in this process only. Without a process group:
+        nothing to skip."""
         if self._sync is None:
             yield
         else:
@@ -531,22 +425,14 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
 
 class _ScatteredPair(tuple):  # type: ignore[type-arg]
-    """What DataParallel.scatter returns: torch's pair ``(inputs, kwargs)``,
-    with the call's record as ``.call``."""
+    """torch's pair ``(inputs, kwargs)``, with the call's record as ``.call``."""
 
     call: Call
 
-    def __new__(cls, scattered: Scattered, hints: GatherHints, devices: list[torch.device]) -> _ScatteredPair:
-        pair = super().__new__(cls, (scattered.args, scattered.kwargs))
-        used = scattered.device_indices
-        pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
-        return pair
-
 
 class _PerCall(list):  # type: ignore[type-arg]
-    """A list of one entry per replica (replica calls, outputs) that carries
-    its call's record as ``.call``: how per-call state reaches torch's
-    ``parallel_apply`` and ``gather``, whose signatures have no place for it."""
+    """One entry per replica, with the call's record as ``.call`` (for
+    torch's ``parallel_apply`` and ``gather``, whose signatures have no place for it)."""
 
     def __init__(self, items: Sequence[Any], call: Call) -> None:
         super().__init__(items)
@@ -554,9 +440,7 @@ class _PerCall(list):  # type: ignore[type-arg]
 
 
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
-    """A new value for each of DataParallel._replica_private_attrs: no
-    replica cache yet, a call guard of its own, and a CUDA-graph runner
-    where ``cuda_graphs`` (dpcore._graphs is imported only then)."""
+    """New values of DataParallel._replica_private_attrs."""
     graphs: GraphRunner | None = None
     if cuda_graphs:
         from dpcore._graphs import GraphRunner
@@ -574,9 +458,8 @@ def data_parallel(
     module_kwargs: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
-    """torch.nn.parallel.data_parallel's contract: ``module(*inputs,
-    **module_kwargs)`` in parallel over ``device_ids``, by a one-off
-    DataParallel (nothing cached between calls)."""
+    """torch.nn.parallel.data_parallel: ``module(*inputs, **module_kwargs)``
+    in parallel over ``device_ids``, by a one-off DataParallel."""
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if module_kwargs is not None and not isinstance(module_kwargs, Mapping):

@@ -1,6 +1,4 @@
-"""dpcore's markers of how an argument is passed: :class:`Broadcast` (whole
-to every replica) and :class:`Samples` (split between samples). The walk
-that reads them is :mod:`dpcore._pytree`."""
+"""dpcore's markers of how an argument is passed: :class:`Broadcast` and :class:`Samples`."""
 
 from __future__ import annotations
 
@@ -13,23 +11,12 @@ T = TypeVar("T")
 
 
 class Broadcast(Generic[T]):
-    """Marks an argument to be passed whole to every replica instead of split.
+    """Marks an argument (or anything inside one) to be passed whole to every replica, not split.
 
-    ``Broadcast(x)`` as a positional or keyword argument (or anywhere inside
-    one) gives every replica the whole of ``x``:
-
-    * a tensor is copied to each replica's device (``comm.broadcast``): the
-      first replica on the tensor's own device gets the tensor object itself,
-      the others get copies that own their memory; if it requires grad, the
-      copies are differentiable and their gradients are summed back into it;
-    * a value that contains no tensor is passed by reference (every replica
-      gets ``x`` itself);
-    * a container holding tensors is rebuilt per replica with each tensor
-      broadcast as above and every other leaf passed by reference; an
-      iterable that is a container only by torch DP's rebuild rule (not
-      registered with ``torch.utils._pytree``) is passed by reference.
-
-    Tensors inside a Broadcast take no part in the batch-size check.
+    A tensor is copied to each replica's device (the replica on its own device gets the tensor
+    itself; gradients of the copies are summed back into it), a value without tensors is passed
+    by reference, and a container is rebuilt per replica with its tensors copied so. Tensors
+    inside a Broadcast take no part in the batch-size check.
     """
 
     __slots__ = ("value",)
@@ -42,25 +29,12 @@ class Broadcast(Generic[T]):
 
 
 class Samples(Generic[T]):
-    """Marks a list (or tuple) as the batch itself: one entry per sample.
+    """Marks a list (or tuple) as the batch itself, one entry per sample (docs/samples.md).
 
-    ``Samples(images)`` as a positional or keyword argument (or anywhere
-    inside one) is split between its samples, never inside one: each
-    replica gets a ``list`` (a ``tuple`` for a tuple) of consecutive
-    samples, in order, each sample's tensors moved whole to the replica's
-    device (differentiably; a tensor already there is passed as is) and
-    every other value passed by reference. How many samples each replica
-    gets is the call's split (balanced, ``chunk_sizes``, ``weights``) over
-    the number of samples, which is the batch size: every other batched
-    input of the call (another Samples list, a PackedSequence, a tensor
-    split along ``dim``) must agree with it. Replicas that would get no
-    sample do not run. In the outputs of such a call every ``list`` is taken
-    to hold one entry per sample and is joined by concatenation in replica
-    order (see :func:`dpcore.scatter_gather.gather_with_hints`).
-
-    For models that take a list of variable-size samples: torchvision's
-    detection and segmentation models (a list of images, in training also a
-    list of target dicts), or any list of per-sample dicts.
+    The call's split is over the samples: each replica gets a list (a tuple for a tuple) of
+    consecutive samples, their tensors moved whole to its device, and in the outputs every list
+    holds one entry per sample (joined in replica order). Every other batched input of the call
+    must have the same number of samples.
     """
 
     __slots__ = ("value",)

@@ -1,17 +1,8 @@
-"""Which objects are pytree nodes for dpcore, and how each is taken apart
-and rebuilt (private; the walk is :mod:`dpcore._pytree`).
+"""Which objects are pytree nodes for dpcore and how each comes apart and is rebuilt (private).
 
-Containers come from torch's pytree registry (``torch.utils._pytree``):
-tuples, lists, dicts, OrderedDict, defaultdict, deque, namedtuples (a
-PackedSequence is one), types that users and libraries register, and
-dpcore's :class:`Broadcast` and :class:`Samples`, registered on first use.
-dpcore adds only what torch leaves whole but DataParallel walks (the rules:
-docs/design.md, "Scatter/gather walk pytrees"): dataclasses, Mappings and
-list or tuple subclasses that are not registered, and other sized iterables
-(``type(obj)(iterator over the elements)``, torch.nn.DataParallel's gather
-rule). Leaves: tensors, None, ``torch.Size``, strings, sets, ranges, dict
-views, iterators, modules, datasets, data loaders, samplers, array-likes,
-enum classes, and everything else.
+Torch's pytree registry first (the markers are registered there on first use), then
+DataParallel's own rules for what torch leaves whole: the rules and the leaves are in
+docs/design.md ("Scatter/gather walk pytrees"). The walk itself is :mod:`dpcore._pytree`.
 """
 
 from __future__ import annotations
@@ -32,22 +23,19 @@ from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._markers import Broadcast, Samples
 
-# The kinds of pytree nodes: MAPPING and NODE are containers (MAPPING: keyed,
-# its keys given by mapping_keys); ITERABLE one by torch DP's rebuild rule.
+# The kinds of nodes: MAPPING (keyed, see mapping_keys) and NODE are containers; ITERABLE one by
+# torch DP's rebuild rule.
 TENSOR, LEAF, BROADCAST, SAMPLES, PACKED = "tensor", "leaf", "broadcast", "samples", "packed"
 MAPPING, NODE, ITERABLE = "mapping", "node", "iterable"
 
-#: Iterables that are never iterated (leaves).
 _NEVER_ITERATED = (str, bytes, bytearray, memoryview, range, AbstractSet, MappingView, nn.Module, enum.EnumMeta)
 _NEVER_ITERATED += (torch_data.Dataset, torch_data.DataLoader, torch_data.Sampler)
 _ARRAY_PROTOCOLS = ("__array__", "__array_interface__", "__cuda_array_interface__")
-#: torch's registered mappings whose context is their keys (defaultdict: [factory, keys]).
-_DICTS = (dict, OrderedDict, defaultdict)
+_DICTS = (dict, OrderedDict, defaultdict)  # torch's mappings, context: the keys ([factory, keys] for defaultdict)
 
 
 class RebuildError(TypeError):
-    """An iterable that cannot be rebuilt from its elements (torch DP's rule);
-    ``node`` is its spec once raised by a rebuild (see Spec.trail_to)."""
+    """An iterable that cannot be rebuilt from its elements; ``node``: its Spec, set on the way up."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -55,9 +43,8 @@ class RebuildError(TypeError):
 
 
 class Node:
-    """How one type is taken apart and rebuilt: ``flatten(obj)`` gives
-    ``(children, context)``, ``unflatten(values, context)`` the object, and
-    ``keys(obj, context, count)`` the path suffixes of its children."""
+    """How one type comes apart and is rebuilt: ``flatten(obj) -> (children, context)``,
+    ``unflatten(values, context) -> obj``, ``keys(obj, context, count)`` the children's path suffixes."""
 
     __slots__ = ("kind", "flatten", "unflatten", "keys")
 
@@ -82,11 +69,15 @@ def _registered_keys(node_type: Any) -> Callable[[Any, Any, int], list[str]]:
     return keys
 
 
+def mapping_keys(cls: type, context: Any) -> list[Any]:
+    """The keys in a mapping node's `context` (``[default_factory, keys]`` for a defaultdict)."""
+    return context[1] if issubclass(cls, defaultdict) else context
+
+
 @dataclasses.dataclass(frozen=True)
 class _Fields:
-    """A dataclass node's context: the names of its fields that are set, and
-    (not compared) a field-less copy of the instance where InitVars make the
-    constructor unusable."""
+    """A dataclass node's context: its set fields, and (not compared) a field-less copy of the
+    instance where InitVars make the constructor unusable."""
 
     names: tuple[str, ...]
     template: Any = dataclasses.field(compare=False)
@@ -104,7 +95,7 @@ def _dataclass_node(cls: type) -> Node:
     def flatten(obj: Any) -> tuple[list[Any], _Fields]:
         names = tuple(f.name for f in fields if hasattr(obj, f.name))  # an init=False field may be unset
         template = None
-        if initvars:  # InitVar arguments cannot be recovered: rebuilt from a copy without its fields
+        if initvars:
             template = copy.copy(obj)
             for name in names:
                 object.__delattr__(template, name)
@@ -138,7 +129,7 @@ def _mapping_node(cls: type) -> Node:
         return cls(dict(zip(context, values)))
 
     def keys(obj: Any, context: list[Any], count: int) -> list[str]:
-        return [f"[{k!r}]" for k in (context[1] if issubclass(cls, defaultdict) else context)]
+        return [f"[{k!r}]" for k in mapping_keys(cls, context)]
 
     return Node(MAPPING, flatten, unflatten, keys)
 
@@ -160,7 +151,6 @@ def _iterable_node(cls: type) -> Node:
 
 
 def _make_node(obj: Any) -> Node:
-    """The Node of `obj`'s type (see the module doc for the order of the rules)."""
     t = type(obj)
     if issubclass(t, torch.Tensor):
         return Node(TENSOR)
@@ -193,14 +183,12 @@ def _make_node(obj: Any) -> Node:
     return _iterable_node(t)
 
 
-# The Node of each type met; dropped when torch's pytree registry changes.
-NODES: dict[type, Node] = {}
+NODES: dict[type, Node] = {}  # the Node of each type met, dropped when torch's registry changes
 _registry_size = -1
 
 
 def check_registry() -> None:
-    """Registers the markers with torch's pytree (once), and drops the known
-    nodes when the registry changed."""
+    """Registers the markers with torch's pytree (once); drops the known nodes when the registry changed."""
     global _registry_size
     if len(torch_pytree.SUPPORTED_NODES) != _registry_size:
         for marker, flatten, unflatten in (
@@ -215,6 +203,7 @@ def check_registry() -> None:
 
 
 def node_of(obj: Any) -> Node:
+    """How `obj`'s type comes apart (after check_registry)."""
     node = NODES.get(type(obj))
     if node is None:
         node = NODES[type(obj)] = _make_node(obj)

@@ -1,31 +1,24 @@
-"""Pytrees as dpcore walks them (private), on ``torch.utils._pytree``.
+"""Pytrees as dpcore walks them (private): the one walk of nested inputs and outputs.
 
-Every walk of nested inputs and outputs (scatter, gather, the CUDA-graph
-signature, ``map_tensors``) is :func:`flatten`: the tree's tensors in a
-fixed order and a hashable :class:`Spec` that rebuilds the tree around any
-tensors of that count (per replica too: :meth:`Spec.unflatten_replicas`).
-Which objects are containers, and how each comes apart and is rebuilt, is
-:mod:`dpcore._nodes` (torch's pytree registry, and DataParallel's own rules).
-
-Paths such as ``inputs[1]['mask']`` name values in error messages; they are
-computed only when a message needs one (:func:`path_at`, :class:`LazyPath`).
+:func:`flatten` gives a tree's tensors in a fixed order and a hashable :class:`Spec` that
+rebuilds the tree around any tensors of that count (per replica too); which objects are
+containers is :mod:`dpcore._nodes`. Paths such as ``inputs[1]['mask']`` name values in error
+messages and are computed only when a message needs one.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dpcore._nodes import BROADCAST, ITERABLE, LEAF, MAPPING, NODE, PACKED, SAMPLES, TENSOR  # noqa: F401 - the kinds
-from dpcore._nodes import NODES, Node, RebuildError, check_registry, node_of
+from dpcore._nodes import NODES, Node, RebuildError, check_registry, mapping_keys, node_of  # noqa: F401
 
 
 def _context_hash(context: Any) -> int:
-    """A hash of a node's context: lists as tuples; an unhashable context of
-    a registered type counts as None (it is still compared), as torch hashes."""
+    """As torch hashes a context: lists as tuples, an unhashable one as None (still compared)."""
     try:
         return hash(context)
     except TypeError:
@@ -35,16 +28,12 @@ def _context_hash(context: Any) -> int:
 
 
 class Spec:
-    """The structure of a flattened pytree: what rebuilds it around its tensors.
+    """The structure of a flattened pytree: ``spec.unflatten(tensors)`` rebuilds the tree.
 
-    Guarantees: ``flatten(tree)`` gives ``(tensors, spec)`` with
-    ``spec.unflatten(tensors)`` equal to ``tree`` (containers rebuilt with
-    their own type and form, other leaves the same objects); two specs are
-    equal when their trees have the same containers (types, keys, field
-    names, registered contexts), tensors at the same places and equal
-    non-tensor leaves of the same types. A spec is hashable (the key of a
-    CUDA graph) unless a non-tensor leaf is unhashable (TypeError). A spec
-    keeps the tree's non-tensor leaves, never its tensors.
+    Two specs are equal when their trees have the same containers (types, keys, contexts),
+    tensors at the same places and equal non-tensor leaves; a spec is hashable unless such a
+    leaf is not (TypeError). It keeps the tree's non-tensor leaves (``context`` of a LEAF),
+    never its tensors.
     """
 
     __slots__ = ("kind", "type", "context", "children", "num_tensors", "node", "_hash")
@@ -54,7 +43,7 @@ class Spec:
     ) -> None:
         self.kind = kind
         self.type = cls
-        self.context = context  # a leaf's value
+        self.context = context
         self.children = kids
         self.num_tensors = num_tensors
         self.node = node  # how to rebuild it (neither compared nor hashed)
@@ -87,7 +76,7 @@ class Spec:
         return f"{getattr(self.type, '__name__', self.type)}({', '.join(map(repr, self.children))})"
 
     def rebuild(self, values: list[Any]) -> Any:
-        """This container holding `values` (RebuildError with ``node`` set)."""
+        """This container holding `values` (a RebuildError gets ``node`` set)."""
         try:
             return self.node.unflatten(values, self.context)
         except RebuildError as e:
@@ -96,107 +85,72 @@ class Spec:
             raise
 
     def unflatten(self, tensors: Sequence[torch.Tensor], *, unwrap_broadcast: bool = False) -> Any:
-        """The tree with ``tensors`` (in flatten order) in place of its
-        tensors; with ``unwrap_broadcast`` every marker replaced by its value.
-        RebuildError (its ``node`` set) for an iterable that cannot be rebuilt."""
+        """The tree with `tensors` (in flatten order) in its tensors' places; with
+        ``unwrap_broadcast`` every marker replaced by its value."""
         if len(tensors) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} tensors to unflatten, but got {len(tensors)}")
         return _build(self, iter(tensors), unwrap_broadcast)
 
-    def unflatten_replicas(
-        self,
-        columns: Sequence[Sequence[torch.Tensor]],
-        count: int,
-        *,
-        unwrap_broadcast: bool = True,
-        sizes: Sequence[int] | None = None,
-    ) -> list[Any]:
-        """``count`` trees in one walk, tree ``j`` holding ``columns[i][j]`` in
-        place of tensor ``i`` (what scatter hands the replicas: containers
-        rebuilt per tree, other leaves shared, by default markers replaced by
-        their values); a :class:`Samples` node gives tree ``j`` the next
-        ``sizes[j]`` samples, built from entry ``j`` of their columns."""
+    def unflatten_replicas(self, columns: Sequence[Sequence[torch.Tensor]], count: int, sizes: Sequence[int]) -> list:
+        """`count` trees, tree ``j`` holding ``columns[i][j]`` as tensor ``i``, markers replaced by
+        their values and other leaves shared; a Samples node gives tree ``j`` its next ``sizes[j]``
+        samples, built from entry ``j`` of their columns."""
         if len(columns) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} columns of tensors to unflatten, but got {len(columns)}")
-        return _build_replicas(self, iter(columns), count, unwrap_broadcast, sizes)
+        return _build_replicas(self, iter(columns), count, sizes)
 
-    def tensor_trail(self, index: int) -> list[int]:
-        """The child indices from the root to tensor ``index`` (flatten order)."""
-        trail: list[int] = []
-        spec = self
-        while spec.kind is not TENSOR:
-            for i, child in enumerate(spec.children):
-                if index < child.num_tensors:
-                    trail.append(i)
-                    spec = child
-                    break
-                index -= child.num_tensors
-            else:
-                raise IndexError(index)
+    def walk(self, trail: tuple[int, ...] = (), start: int = 0) -> Iterator[tuple[tuple[int, ...], Spec, int]]:
+        """(child indices from the root, node, index of its first tensor) of every node, depth first."""
+        yield trail, self, start
+        for i, child in enumerate(self.children):
+            yield from child.walk((*trail, i), start)
+            start += child.num_tensors
+
+    def tensor_trail(self, index: int) -> tuple[int, ...]:
+        """The child indices from the root to tensor `index` (IndexError if there is none)."""
+        trail = next((t for t, s, start in self.walk() if s.kind is TENSOR and start == index), None)
+        if trail is None:
+            raise IndexError(index)
         return trail
 
-    def trail_to(self, node: Spec) -> list[int]:
-        """The child indices from the root to the container `node` (by identity)."""
-        if self is node:
-            return []
-        for i, child in enumerate(self.children):
-            try:
-                return [i, *child.trail_to(node)]
-            except LookupError:
-                pass
-        raise LookupError(node)
+    def trail_to(self, node: Spec) -> tuple[int, ...]:
+        """The child indices from the root to `node` (by identity; LookupError if absent)."""
+        trail = next((t for t, s, _ in self.walk() if s is node), None)
+        if trail is None:
+            raise LookupError(node)
+        return trail
 
-    def unhashable_leaf(self) -> tuple[list[int], Any] | None:
+    def unhashable_leaf(self) -> tuple[tuple[int, ...], Any] | None:
         """(trail, value) of the first non-tensor leaf that cannot be hashed, or None."""
-        if self.kind is LEAF:
-            try:
-                hash(self.context)
-            except TypeError:
-                return [], self.context
-            return None
-        for i, child in enumerate(self.children):
-            found = child.unhashable_leaf()
-            if found is not None:
-                found[0].insert(0, i)
-                return found
+        for trail, s, _ in self.walk():
+            if s.kind is LEAF and not _hashable(s.context):
+                return trail, s.context
         return None
 
 
-_TENSOR = Spec(TENSOR, None, None, (), 1)
-_NONE = Spec(LEAF, type(None), None, (), 0)
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
-def mapping_keys(spec: Spec) -> list[Any]:
-    """The keys of a MAPPING node, in its children's order (torch's context
-    form: the keys, or ``[default_factory, keys]`` for a defaultdict)."""
-    return spec.context[1] if issubclass(spec.type, defaultdict) else spec.context
-
-
-def node_for(obj: Any) -> Node:
-    """How `obj`'s type is taken apart and rebuilt (for specs built without a flatten)."""
-    check_registry()
-    return node_of(obj)
-
-
-def is_none(spec: Spec) -> bool:
-    """Whether `spec` is the spec of None."""
-    return spec.kind is LEAF and spec.type is type(None)
+TENSOR_SPEC = Spec(TENSOR, None, None, (), 1)
+NONE_SPEC = Spec(LEAF, type(None), None, (), 0)
 
 
 class Marks:
-    """What :func:`flatten_marked` found besides the tensors, in flatten order
-    (``start``: the index of a node's first tensor): ``broadcast``, the
-    ``[start, end)`` of each :class:`Broadcast`'s tensors; ``samples``,
-    ``(node, start)`` of each :class:`Samples` outside markers; ``packed``,
-    ``(node, start, inside)`` of each PackedSequence (``inside``: the marker
-    around it, or None); ``misplaced``, ``(node, outer kind)`` of each marker
-    inside another; ``lists``, ``(node, start)`` of each ``list`` outside
-    markers with two tensor entries or more."""
+    """What :func:`flatten_marked` found besides the tensors (``start``: a node's first tensor):
+    ``broadcast``, ``[start, end)`` of each Broadcast's tensors; ``samples``, ``(node, start)`` of
+    each Samples; ``packed``, ``(node, start, marker around it or None)`` of each PackedSequence;
+    ``misplaced``, ``(node, outer kind)`` of each marker in another; ``lists``, ``(node, start)``
+    of each ``list`` with two tensor entries or more (all outside markers unless said)."""
 
     __slots__ = ("broadcast", "samples", "packed", "misplaced", "lists", "any_marker")
 
     def __init__(self) -> None:
-        self.any_marker = False  # whether any Broadcast or Samples was met
+        self.any_marker = False
         self.broadcast: list[tuple[int, int]] = []
         self.samples: list[tuple[Spec, int]] = []
         self.packed: list[tuple[Spec, int, str | None]] = []
@@ -205,30 +159,30 @@ class Marks:
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | None = None) -> Spec:
-    # (the caller has checked the registry); `inside`: the marker around obj, if any
+    # `inside`: the marker around obj, if any
     t = type(obj)
     node = NODES.get(t) or node_of(obj)
     kind = node.kind
     if kind is TENSOR:
         tensors.append(obj)
-        return _TENSOR
+        return TENSOR_SPEC
     if kind is LEAF:
-        return _NONE if obj is None else Spec(LEAF, t, obj, (), 0)
+        return NONE_SPEC if obj is None else Spec(LEAF, t, obj, (), 0)
     start = len(tensors)
     if kind is BROADCAST:
         marks.any_marker = True
-        inner = _flatten(obj.value, tensors, marks, BROADCAST if inside is None else inside)
+        inner = _flatten(obj.value, tensors, marks, inside or BROADCAST)
         if len(tensors) == start:  # nothing to copy: every replica gets the value itself
             inner = Spec(LEAF, type(obj.value), obj.value, (), 0)
         else:
             marks.broadcast.append((start, len(tensors)))
         spec = Spec(BROADCAST, t, None, (inner,), len(tensors) - start, node)
-        if inside is SAMPLES:  # (a Broadcast inside a Broadcast is whole anyway)
+        if inside is SAMPLES:
             marks.misplaced.append((spec, inside))
         return spec
-    if kind is ITERABLE and inside is BROADCAST:  # passed whole, by reference, as an unknown object always was
+    if kind is ITERABLE and inside is BROADCAST:  # passed whole, by reference
         return Spec(LEAF, t, obj, (), 0)
-    if t is tuple or t is list:  # torch's flatten of the builtins, inlined (the common case)
+    if t is tuple or t is list:  # torch's flatten of the builtins, inlined
         kids, context = obj, None
     elif t is dict:
         kids, context = obj.values(), list(obj)
@@ -252,25 +206,14 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
             marks.misplaced.append((spec, inside))
     elif kind is PACKED:
         marks.packed.append((spec, start, inside))
-    elif inside is None and issubclass(t, list) and specs.count(_TENSOR) > 1:
+    elif inside is None and issubclass(t, list) and specs.count(TENSOR_SPEC) > 1:
         marks.lists.append((spec, start))
     return spec
 
 
-def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
-    """``(tensors, spec)`` of `tree`: every tensor in it, depth first in child
-    order (marker contents included), and the :class:`Spec` that rebuilds
-    it. One walk of the tree."""
-    check_registry()
-    tensors: list[torch.Tensor] = []
-    return tensors, _flatten(tree, tensors, Marks())
-
-
 def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
-    """As :func:`flatten`, also returning the :class:`Marks`: where the
-    tensors inside a :class:`Broadcast` are, the :class:`Samples` lists,
-    PackedSequences and lists of tensors, and markers misplaced inside
-    another."""
+    """Every tensor of `tree`, depth first in child order (marker contents included), the
+    :class:`Spec` that rebuilds it and the :class:`Marks`, in one walk."""
     check_registry()
     tensors: list[torch.Tensor] = []
     marks = Marks()
@@ -278,17 +221,19 @@ def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
     return tensors, spec, marks
 
 
+def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
+    """``(tensors, spec)`` of `tree`, as :func:`flatten_marked` gives them."""
+    tensors, spec, _ = flatten_marked(tree)
+    return tensors, spec
+
+
 def without_markers(tree: Any) -> Any:
-    """`tree` with every :class:`Broadcast` and :class:`Samples` replaced by
-    its value (what a module run as is gets); `tree` itself where it holds
-    neither."""
+    """`tree` with every Broadcast and Samples replaced by its value (`tree` itself without any)."""
     tensors, spec, marks = flatten_marked(tree)
-    if not marks.any_marker:
-        return tree
-    return spec.unflatten(tensors, unwrap_broadcast=True)
+    return spec.unflatten(tensors, unwrap_broadcast=True) if marks.any_marker else tree
 
 
-def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
+def _build(spec: Spec, tensors: Iterator[torch.Tensor], unwrap: bool) -> Any:
     kind = spec.kind
     if kind is TENSOR:
         return next(tensors)
@@ -302,27 +247,25 @@ def _build(spec: Spec, tensors: Any, unwrap: bool) -> Any:
     return spec.rebuild(values)
 
 
-def _build_replicas(
-    spec: Spec, columns: Any, count: int, unwrap: bool, sizes: Sequence[int] | None = None
-) -> list[Any]:
+def _build_replicas(spec: Spec, columns: Iterator[Sequence[Any]], count: int, sizes: Sequence[int]) -> list[Any]:
     kind = spec.kind
     if kind is TENSOR:
         return list(next(columns))
     if kind is LEAF:
         return [spec.context] * count
     if kind is SAMPLES:  # replica j: the next sizes[j] samples, built from entry j of their columns
-        if sizes is None or sum(sizes) != len(spec.children):
+        if sum(sizes) != len(spec.children):
             raise ValueError(f"cannot split {len(spec.children)} samples between replicas of sizes {sizes}")
         samples, out = iter(spec.children), []
         for j, size in enumerate(sizes):
             values = []
             for child in (next(samples) for _ in range(size)):
-                values.append(_build(child, iter([next(columns)[j] for _ in range(child.num_tensors)]), unwrap))
-            out.append(spec.context(values) if unwrap else spec.rebuild(values))
+                values.append(_build(child, iter([next(columns)[j] for _ in range(child.num_tensors)]), True))
+            out.append(spec.context(values))
         return out
-    kids = [_build_replicas(child, columns, count, unwrap, sizes) for child in spec.children]
+    kids = [_build_replicas(child, columns, count, sizes) for child in spec.children]
     if kind is BROADCAST:
-        return kids[0] if unwrap else [spec.rebuild(list(v)) for v in zip(*kids)]
+        return kids[0]
     if not kids:
         return [spec.rebuild([]) for _ in range(count)]
     rows = zip(*kids)
@@ -331,33 +274,29 @@ def _build_replicas(
     if spec.type is list:
         return [list(row) for row in rows]
     if spec.type is dict:
-        keys = spec.context
-        return [dict(zip(keys, row)) for row in rows]
+        return [dict(zip(spec.context, row)) for row in rows]
     return [spec.rebuild(list(row)) for row in rows]
 
 
 def path_at(tree: Any, trail: Sequence[int], root: str) -> str:
-    """The path (``root`` followed by keys) of the node of `tree` reached by
-    the child indices `trail` (as Spec.tensor_trail gives them)."""
+    """The path (`root` followed by keys) of the node of `tree` reached by the child indices `trail`."""
     check_registry()
     path = root
-    node = tree
     for index in trail:
-        kind = node_of(node)
-        kids, context = kind.flatten(node)
-        path += kind.keys(node, context, len(kids))[index]
-        node = kids[index]
+        node = node_of(tree)
+        kids, context = node.flatten(tree)
+        path += node.keys(tree, context, len(kids))[index]
+        tree = kids[index]
     return path
 
 
 def tensor_path(tree: Any, spec: Spec, index: int, root: str) -> str:
-    """The path of tensor ``index`` (flatten order) of `tree`, whose spec is `spec`."""
+    """The path of tensor `index` (flatten order) of `tree`, whose spec is `spec`."""
     return path_at(tree, spec.tensor_trail(index), root)
 
 
 class LazyPath:
-    """The path of tensor number `at` (or of the node `at`, a Spec) of the
-    flattened `tree`, computed only when a message formats it."""
+    """The path of tensor number `at` (or of the node `at`) of `tree`, computed when formatted."""
 
     __slots__ = ("tree", "spec", "at", "root")
 
@@ -377,8 +316,7 @@ class LazyPath:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """``obj`` with every tensor ``t`` replaced by ``fn(t)``, containers
-    rebuilt with their own type (as gather does); other leaves are kept."""
+    """`obj` with every tensor ``t`` replaced by ``fn(t)``, containers rebuilt with their own type."""
     tensors, spec = flatten(obj)
     if spec.kind is LEAF:
         return obj

@@ -189,8 +189,26 @@ def plan_split(
        scatter then checks that the rows left over repeat the first: :func:`check_repeated_rows`).
     4. Any other disagreement is a ValueError naming two paths and their sizes, ended by `hint`.
     """
-    if units:
-        return _plan_units(entries, n_devices, chunk_sizes, weights, dim, units, hint)
+    if units:  # 0.
+        first_path, batch, noun = units[0]
+        for path, count, what in units[1:]:
+            if count != batch:
+                raise ValueError(
+                    f"{path} has {count} {what} but {first_path} has {batch} {noun}: every input that is split "
+                    f"between samples (dpcore.Samples lists, PackedSequences) in one call must hold the batch's "
+                    f"number of them"
+                )
+        sizes = _sizes(batch, n_devices, chunk_sizes, weights)
+        replicas = _replicas(sizes)
+        for path, size in entries:
+            if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
+                raise ValueError(
+                    f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
+                    f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one "
+                    f"row per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to "
+                    f"pass it whole to every replica){hint}"
+                )
+        return SplitPlan(batch, sizes, replicas)
     sized = [(path, size) for path, size in entries if size is not None]
     if not sized:
         return SplitPlan(None, [], 1)
@@ -213,16 +231,15 @@ def plan_split(
             return SplitPlan(batch, sizes, _replicas(sizes))
     # Name the first tensor whose size is neither the first's nor the replica count that gives.
     try:
-        replicas: int | None = _replicas(_sizes(first, n_devices, chunk_sizes, weights))
+        per: int | None = _replicas(_sizes(first, n_devices, chunk_sizes, weights))
     except (TypeError, ValueError):
-        replicas = None
+        per = None
     path, size = next(
-        ((p, s) for p, s in sized if s != first and s != replicas),
-        next((p, s) for p, s in sized if s != first),
+        ((p, s) for p, s in sized if s != first and s != per), next((p, s) for p, s in sized if s != first)
     )
     per_replica = (
-        f" or, to be split one row per replica, the number of replicas used ({replicas} for a batch of {first})"
-        if replicas is not None
+        f" or, to be split one row per replica, the number of replicas used ({per} for a batch of {first})"
+        if per is not None
         else ""
     )
     raise ValueError(
@@ -230,36 +247,6 @@ def plan_split(
         f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
         f"to pass it whole to every replica){hint}"
     )
-
-
-def _plan_units(
-    entries: Sequence[tuple[Any, int | None]],
-    n_devices: int,
-    chunk_sizes: Sequence[int] | None,
-    weights: Sequence[float] | None,
-    dim: int,
-    units: Sequence[tuple[Any, int, str]],
-    hint: Any,
-) -> SplitPlan:
-    """plan_split's rule 0."""
-    first_path, batch, noun = units[0]
-    for path, count, what in units[1:]:
-        if count != batch:
-            raise ValueError(
-                f"{path} has {count} {what} but {first_path} has {batch} {noun}: every input that is split between "
-                f"samples (dpcore.Samples lists, PackedSequences) in one call must hold the batch's number of them"
-            )
-    sizes = _sizes(batch, n_devices, chunk_sizes, weights)
-    replicas = _replicas(sizes)
-    for path, size in entries:
-        if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
-            raise ValueError(
-                f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
-                f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one row "
-                f"per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to pass "
-                f"it whole to every replica){hint}"
-            )
-    return SplitPlan(batch, sizes, replicas)
 
 
 def check_first_device(

@@ -74,15 +74,6 @@ def _nonempty_device_list(devices: Sequence[DeviceLike], arg: str) -> list[torch
     return devs
 
 
-def _misplaced(tree: Any, spec: pt.Spec, node: pt.Spec, outer: str, path: str) -> TypeError:
-    what = "dpcore.Samples" if node.kind is pt.SAMPLES else "dpcore.Broadcast"
-    around = "a dpcore.Samples list (a sample goes whole to one replica)" if outer is pt.SAMPLES else "dpcore.Broadcast"
-    return TypeError(
-        f"{pt.LazyPath(tree, spec, node, path)} is a {what} inside {around}: a marker says how a whole "
-        f"argument is passed, so markers cannot be nested"
-    )
-
-
 def _split_trees(
     trees: Sequence[tuple[Any, str]],
     devices: list[torch.device],
@@ -103,28 +94,39 @@ def _split_trees(
     packs: list[PackedSequence] = []
     for (tree, path), (tensors, spec, m) in zip(trees, flats):
         if m.misplaced:
-            raise _misplaced(tree, spec, *m.misplaced[0], path)
+            node, outer = m.misplaced[0]
+            what = "dpcore.Samples" if node.kind is pt.SAMPLES else "dpcore.Broadcast"
+            around = (
+                "a dpcore.Samples list (a sample goes whole to one replica)"
+                if outer is pt.SAMPLES
+                else "dpcore.Broadcast"
+            )
+            raise TypeError(
+                f"{pt.lazy_path(tree, spec, node, path)} is a {what} inside {around}: a marker says how a whole "
+                f"argument is passed, so markers cannot be nested"
+            )
         tags: dict[int, tuple[Any, ...]] = {i: ("whole",) for start, end in m.broadcast for i in range(start, end)}
         for node, start in m.samples:
-            units.append((pt.LazyPath(tree, spec, node, path), len(node.children), "samples"))
+            units.append((pt.lazy_path(tree, spec, node, path), len(node.children), "samples"))
             for number, child in enumerate(node.children):  # every Samples list of the call numbered from 0
                 tags.update((i, ("sample", number)) for i in range(start, start + child.num_tensors))
                 start += child.num_tensors
         for node, start, inside in m.packed:
             if inside is None:
                 packed = node.unflatten(tensors[start : start + node.num_tensors])
-                units.append((pt.LazyPath(tree, spec, node, path), _packed.sequences(packed), "sequences"))
+                units.append((pt.lazy_path(tree, spec, node, path), _packed.sequences(packed), "sequences"))
                 tags.update((start + field, ("packed", len(packs), field)) for field in range(node.num_tensors))
                 packs.append(packed)
             else:
                 tags[start + node.children[0].num_tensors] = ("keep",)
         special.append(tags)
-        leaves.extend((pt.LazyPath(tree, spec, i, path), t) for i, t in enumerate(tensors) if i not in tags)
+        leaves.extend((pt.lazy_path(tree, spec, i, path), t) for i, t in enumerate(tensors) if i not in tags)
     entries = [(path, _batch_size(path, t, dim)) for path, t in leaves]
     for (tree, path), (tensors, spec, m) in zip(trees, flats):
         for node, start in m.lists:
             _check_list(tree, spec, node, tensors, start, dim, path)
-    plan = plan_split(entries, len(devices), chunk_sizes, weights, dim, units, _SamplesHint(flats))
+    hint = pt.Lazy(lambda: _SAMPLES_HINT if any(_holds_list(spec) for _, spec, _ in flats) else "")
+    plan = plan_split(entries, len(devices), chunk_sizes, weights, dim, units, hint)
     used = plan.devices(without_tensors)
     used_sizes = [plan.sizes[i] for i in used] if plan.batch is not None else [0] * len(used)
     used_devices = [devices[i] for i in used]
@@ -191,7 +193,7 @@ def _check_list(
             other = seen.setdefault(t.dim(), t)
             if -t.dim() <= dim < t.dim() and t.size(dim) == other.size(dim) and t.shape != other.shape:
                 raise ValueError(
-                    f"{pt.LazyPath(tree, spec, node, path)} is a list of tensors of one size along dim {dim} whose "
+                    f"{pt.lazy_path(tree, spec, node, path)} is a list of tensors of one size along dim {dim} whose "
                     f"shapes differ otherwise ({list(other.shape)} and {list(t.shape)}), so it is not one batch: a "
                     f"list of samples (images of different sizes) goes in dpcore.Samples(list), which splits it "
                     f"between samples, while torch.nn.DataParallel's rule would split every tensor of the list along "
@@ -200,19 +202,10 @@ def _check_list(
         start += child.num_tensors
 
 
-class _SamplesHint:
-    """The end of a batch-size error where a tensor sits in a plain list (walked when formatted)."""
-
-    def __init__(self, flats: list[tuple[list[torch.Tensor], pt.Spec, pt.Marks]]) -> None:
-        self.flats = flats
-
-    def __format__(self, format_spec: str) -> str:
-        if not any(_holds_list(spec) for _, spec, _ in self.flats):
-            return ""
-        return (
-            "; a list with one entry per sample (images of different sizes, their target dicts) goes in "
-            "dpcore.Samples(list), which splits it between samples"
-        )
+_SAMPLES_HINT = (
+    "; a list with one entry per sample (images of different sizes, their target dicts) goes in "
+    "dpcore.Samples(list), which splits it between samples"
+)
 
 
 def _holds_list(spec: pt.Spec) -> bool:

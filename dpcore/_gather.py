@@ -1,6 +1,5 @@
-"""The gather of the replicas' outputs into one (private): their specs merged node by node,
-tensors concatenated by the differentiable Gather, and the joins that the scatter's
-:class:`GatherHints` call for. The rules: :func:`dpcore.scatter_gather.gather_with_hints`."""
+"""The gather of the replicas' outputs into one (private): their specs merged node by node and
+the joins the scatter's hints call for; the rules: :func:`dpcore.scatter_gather.gather_with_hints`."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ def _moved(t: torch.Tensor, destination: DeviceLike | None) -> torch.Tensor:
 
 
 class _Merger:
-    """The replicas' specs merged into the gathered output's; ``flats[j]``: replica j's tensors.
-    :meth:`merge` appends to ``columns`` one :data:`_Column` per tensor of the spec it returns."""
+    """The replicas' specs (``flats[j]``: replica j's tensors) merged into the gathered output's."""
 
     def __init__(self, flats: list[list[torch.Tensor]], destination: DeviceLike | None, dim: int, hints: GatherHints):
         self.flats, self.destination, self.dim, self.hints = flats, destination, dim, hints
@@ -74,8 +72,8 @@ class _Merger:
         return [s.unflatten(f[i : i + s.num_tensors]) for s, f, i in zip(specs, self.flats, starts)]
 
     def merge(self, specs: list[pt.Spec], starts: list[int]) -> pt.Spec:
-        """The gathered output's spec at one node, from the replicas' specs there (``starts[j]``:
-        where replica j's tensors of the node begin); _Mismatch where they differ."""
+        """The gathered spec at one node from the replicas' (``starts[j]``: replica j's first tensor
+        there), one _Column per tensor appended to ``columns``; _Mismatch where they differ."""
         first = specs[0]
         kind, cls = first.kind, first.type
         if kind is TENSOR:
@@ -146,8 +144,7 @@ class _Merger:
         return pt.Spec(PACKED, type(joined), type(joined), kids, len(fields), specs[0].node)
 
     def merge_samples(self, specs: list[pt.Spec], starts: list[int]) -> pt.Spec:
-        """Lists of one entry per sample: their entries concatenated in replica order, untouched
-        but for their tensors, each moved to the destination."""
+        """Lists of one entry per sample, concatenated in replica order (their tensors moved)."""
         for s, flat, start in zip(specs, self.flats, starts):
             mine = flat[start : start + s.num_tensors]
             self.columns.append(lambda mine=mine: [_moved(t, self.destination) for t in mine])
@@ -158,8 +155,7 @@ class _Merger:
         return pt.Spec(NODE, list, None, kids, total, pt.node_of([]))
 
     def packed_data(self, column: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-        """A column joined in the batch's packed order where it is a PackedSequence input's packed
-        data (:func:`dpcore._packed.data_rows` decides, when the gather runs), else concatenated."""
+        """A column joined in the batch's packed order where it is packed data (:func:`_packed.data_rows`)."""
 
         def make() -> list[torch.Tensor]:
             rows = _packed.data_rows(column, self.hints.rows, self.dim)
@@ -192,7 +188,7 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
         try:
             gathered.extend(column() if callable(column) else [Gather.apply(target_device, dim, *column)])
         except _WRAPPABLE as e:
-            _reraise(e, f"gather: {_output_path(first, spec, len(gathered))}: ")
+            _reraise(e, f"gather: {pt.lazy_path(first, spec, len(gathered), 'output')}: ")
     try:
         return spec.unflatten(gathered)
     except pt.RebuildError as e:
@@ -202,16 +198,8 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
         ) from e
 
 
-def _output_path(first: Any, spec: pt.Spec, index: int) -> str:
-    """The path of gathered tensor `index`, through replica 0's output `first` ("output" where they differ)."""
-    try:
-        return pt.tensor_path(first, spec, index, "output")
-    except (IndexError, LookupError, TypeError, AttributeError):
-        return "output"
-
-
 def _describe(spec: pt.Spec, tensor: torch.Tensor | None = None) -> str:
-    """The node `spec` (its first tensor `tensor`) in a few words ("a list of length 2")."""
+    """The node `spec` (first tensor `tensor`) in a few words ("a list of length 2")."""
     kind = spec.kind
     if kind is TENSOR:
         return "a tensor" if tensor is None else f"a tensor of shape {list(tensor.shape)}"

@@ -1,11 +1,7 @@
-"""Pytrees as dpcore walks them (private): the one walk of nested inputs and outputs.
-
-Containers are those of torch's pytree registry (the markers registered on first use) plus
-DataParallel's own rules for what torch leaves whole (docs/design.md, "Scatter/gather walk
-pytrees"). :func:`flatten` gives a tree's tensors in a fixed order and a hashable :class:`Spec`
-that rebuilds the tree around any tensors of that count (per replica too). Paths such as
-``inputs[1]['mask']`` name values in error messages, computed only when a message needs one.
-"""
+"""The one walk of nested inputs and outputs (private), on torch's pytree registry plus
+DataParallel's own rules (docs/design.md, "Scatter/gather walk pytrees"): :func:`flatten` gives
+a tree's tensors and a hashable :class:`Spec` that rebuilds it; paths such as
+``inputs[1]['mask']`` name values in error messages."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._markers import Broadcast, Samples
 
-# The kinds of nodes: MAPPING (keyed, see mapping_keys) and NODE are containers; ITERABLE one by
-# torch DP's rebuild rule.
+# The kinds of nodes; MAPPING, NODE and ITERABLE (torch DP's rebuild rule) are containers.
 TENSOR, LEAF, BROADCAST, SAMPLES, PACKED = "tensor", "leaf", "broadcast", "samples", "packed"
 MAPPING, NODE, ITERABLE = "mapping", "node", "iterable"
 
@@ -78,8 +73,7 @@ def mapping_keys(cls: type, context: Any) -> list[Any]:
 
 @dataclasses.dataclass(frozen=True)
 class _Fields:
-    """A dataclass node's context: its set fields, and (not compared) a field-less copy of the
-    instance where InitVars make the constructor unusable."""
+    """A dataclass's context: its set fields, and a field-less copy where InitVars bar the constructor."""
 
     names: tuple[str, ...]
     template: Any = dataclasses.field(compare=False)
@@ -105,12 +99,10 @@ def _dataclass_node(cls: type) -> Node:
 
     def unflatten(values: Iterable[Any], context: _Fields) -> Any:
         pairs = list(zip(context.names, values))
-        if context.template is not None:
-            new = copy.copy(context.template)
-        else:
-            new = cls(**{name: value for name, value in pairs if name in init})
+        template = context.template
+        new = cls(**{n: v for n, v in pairs if n in init}) if template is None else copy.copy(template)
         for name, value in pairs:
-            if context.template is not None or name not in init:
+            if template is not None or name not in init:
                 object.__setattr__(new, name, value)
         return new
 
@@ -223,24 +215,16 @@ def _context_hash(context: Any) -> int:
 
 
 class Spec:
-    """The structure of a flattened pytree: ``spec.unflatten(tensors)`` rebuilds the tree.
-
-    Two specs are equal when their trees have the same containers (types, keys, contexts),
-    tensors at the same places and equal non-tensor leaves; a spec is hashable unless such a
-    leaf is not (TypeError). It keeps the tree's non-tensor leaves (``context`` of a LEAF),
-    never its tensors.
-    """
+    """The structure of a flattened pytree, which ``unflatten(tensors)`` rebuilds: equal for the same
+    containers, tensors at the same places and equal non-tensor leaves (which it keeps, never the
+    tensors); hashable unless such a leaf is not."""
 
     __slots__ = ("kind", "type", "context", "children", "num_tensors", "node", "_hash")
 
     def __init__(
         self, kind: str, cls: Any, context: Any, kids: tuple[Spec, ...], num_tensors: int, node: Node | None = None
     ) -> None:
-        self.kind = kind
-        self.type = cls
-        self.context = context
-        self.children = kids
-        self.num_tensors = num_tensors
+        self.kind, self.type, self.context, self.children, self.num_tensors = kind, cls, context, kids, num_tensors
         self.node = node  # how to rebuild it (neither compared nor hashed)
         self._hash: int | None = None
 
@@ -273,16 +257,14 @@ class Spec:
             raise
 
     def unflatten(self, tensors: Sequence[torch.Tensor], *, unwrap_broadcast: bool = False) -> Any:
-        """The tree with `tensors` (in flatten order) in its tensors' places; with
-        ``unwrap_broadcast`` every marker replaced by its value."""
+        """The tree holding `tensors` (flatten order); with ``unwrap_broadcast``, markers unwrapped."""
         if len(tensors) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} tensors to unflatten, but got {len(tensors)}")
         return _build(self, iter(tensors), unwrap_broadcast)
 
     def unflatten_replicas(self, columns: Sequence[Sequence[torch.Tensor]], count: int, sizes: Sequence[int]) -> list:
-        """`count` trees, tree ``j`` holding ``columns[i][j]`` as tensor ``i``, markers replaced by
-        their values and other leaves shared; a Samples node gives tree ``j`` its next ``sizes[j]``
-        samples, built from entry ``j`` of their columns."""
+        """`count` trees, tree ``j`` holding ``columns[i][j]`` as tensor ``i`` (markers unwrapped, other
+        leaves shared); a Samples node gives tree ``j`` its next ``sizes[j]`` samples."""
         if len(columns) != self.num_tensors:
             raise ValueError(f"expected {self.num_tensors} columns of tensors to unflatten, but got {len(columns)}")
         return _build_replicas(self, iter(columns), count, sizes)
@@ -304,17 +286,12 @@ class Spec:
     def unhashable_leaf(self) -> tuple[tuple[int, ...], Any] | None:
         """(trail, value) of the first non-tensor leaf that cannot be hashed, or None."""
         for trail, s, _ in self.walk():
-            if s.kind is LEAF and not _hashable(s.context):
-                return trail, s.context
+            if s.kind is LEAF:
+                try:
+                    hash(s.context)
+                except TypeError:
+                    return trail, s.context
         return None
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 TENSOR_SPEC = Spec(TENSOR, None, None, (), 1)
@@ -322,11 +299,10 @@ NONE_SPEC = Spec(LEAF, type(None), None, (), 0)
 
 
 class Marks:
-    """What :func:`flatten_marked` found besides the tensors (``start``: a node's first tensor):
-    ``broadcast``, ``[start, end)`` of each Broadcast's tensors; ``samples``, ``(node, start)`` of
-    each Samples; ``packed``, ``(node, start, marker around it or None)`` of each PackedSequence;
-    ``misplaced``, ``(node, outer kind)`` of each marker in another; ``lists``, ``(node, start)``
-    of each ``list`` with two tensor entries or more (all outside markers unless said)."""
+    """What :func:`flatten_marked` found besides the tensors (``start``: a node's first tensor index),
+    outside markers unless said: ``broadcast``, ``(start, end)`` of each Broadcast; ``samples``,
+    ``(node, start)`` of each Samples; ``packed``, ``(node, start, marker around it)``; ``misplaced``,
+    ``(node, outer kind)`` of each marker in another; ``lists`` with two tensors or more."""
 
     __slots__ = ("broadcast", "samples", "packed", "misplaced", "lists", "any_marker")
 
@@ -393,8 +369,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
 
 
 def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
-    """Every tensor of `tree`, depth first in child order (marker contents included), the
-    :class:`Spec` that rebuilds it and the :class:`Marks`, in one walk."""
+    """Every tensor of `tree` (depth first, marker contents included), its Spec and Marks, in one walk."""
     check_registry()
     tensors: list[torch.Tensor] = []
     marks = Marks()
@@ -497,7 +472,7 @@ def lazy_path(tree: Any, spec: Spec, at: int | Spec, root: str) -> Lazy:
     def make() -> str:
         try:
             return path_at(tree, spec.trail_to(at), root)
-        except LookupError:
+        except (LookupError, TypeError, AttributeError):  # `tree` is not the tree of `spec` there
             return root
 
     return Lazy(make)

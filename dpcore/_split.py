@@ -1,12 +1,6 @@
-"""How many rows of a batch each device gets, and the checks of ``chunk_sizes`` and ``weights`` (private).
-
-The one home of the split rules: DataParallel checks the arguments at construction
-(:func:`check_split`), ``comm.scatter`` converts its chunk sizes with :func:`as_int_list`, and
-:func:`plan_split` decides, for the tensors of one call, the batch and how each tensor is split.
-An int is anything ``operator.index`` takes but a bool; a weight a finite real ``>= 0`` (or a
-one-element real tensor), not a bool, the weights summing to more than 0. Errors name the
-argument, and the index and value of the entry.
-"""
+"""How many rows of a batch each device gets (private): the checks of ``chunk_sizes`` and ``weights``
+(an int is what ``operator.index`` takes, a weight a finite real ``>= 0``, never a bool; errors name
+the argument, index and value), the split itself, and :func:`plan_split`, the scatter's rules."""
 
 from __future__ import annotations
 
@@ -55,7 +49,7 @@ def _check_count(values: list[Any], count: int | None, arg: str, what: str) -> N
 
 
 def as_int_list(values: Any, arg: str = "chunk_sizes") -> list[int]:
-    """`values` (any sequence) as a list of ints (not checked as sizes)."""
+    """`values` (any sequence) as a list of ints."""
     return _as_list(values, arg, "int", as_int)
 
 
@@ -93,8 +87,7 @@ def check_weights(weights: Any, count: int | None = None, arg: str = "weights") 
 def check_split(
     chunk_sizes: Any = None, weights: Any = None, count: int | None = None
 ) -> tuple[list[int] | None, list[float] | None]:
-    """The checked ``(chunk_sizes, weights)`` of a split over `count` devices (any count when
-    None); ValueError where both are given."""
+    """The checked ``(chunk_sizes, weights)`` of a split over `count` devices (any when None)."""
     if chunk_sizes is not None and weights is not None:
         raise ValueError("give at most one of 'chunk_sizes' and 'weights', but got both")
     return (
@@ -104,7 +97,7 @@ def check_split(
 
 
 def _proportional(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights` by the largest remainder, ties to the lower index (exact)."""
+    """`total` split in proportion to `weights` by the largest remainder, ties to the lower index."""
     fractions = [Fraction(w) for w in weights]
     whole = sum(fractions, Fraction(0))
     quotas = [total * f / whole for f in fractions]
@@ -118,12 +111,8 @@ def _proportional(total: int, weights: Sequence[float]) -> list[int]:
 def split_sizes(
     batch: int, n_devices: int, chunk_sizes: Sequence[int] | None = None, weights: Sequence[float] | None = None
 ) -> list[int]:
-    """How many of `batch` rows each of `n_devices` devices gets: `n_devices` ints summing to `batch`.
-
-    Balanced by default (sizes differ by at most one, the larger first: the C++ core's rule);
-    ``chunk_sizes`` as given (they must sum to `batch`); ``weights`` in proportion, by the
-    largest remainder. Errors (ValueError, TypeError for a wrong kind of value) name the argument.
-    """
+    """How many of `batch` rows each device gets: balanced (sizes differing by at most one, larger
+    first), ``chunk_sizes`` as given (summing to `batch`), or in proportion to ``weights``."""
     batch = as_int(batch, "batch")
     n_devices = as_int(n_devices, "n_devices")
     if batch < 0:
@@ -152,15 +141,14 @@ def _replicas(sizes: Sequence[int]) -> int:
 
 
 class SplitPlan(NamedTuple):
-    """What :func:`plan_split` decided: the batch (None without a batch tensor), the rows of
-    each device (empty without a batch) and the number of replicas (devices with rows, at least 1)."""
+    """The batch (None without a batch tensor), each device's rows, and the replicas (at least 1)."""
 
     batch: int | None
     sizes: list[int]
     replicas: int
 
     def devices(self, without_batch: Sequence[int]) -> list[int]:
-        """The indices of the devices that get a replica (`without_batch` where there is no batch)."""
+        """The indices of the devices that get a replica (`without_batch` without a batch)."""
         if self.batch is None:
             return list(without_batch)
         return [i for i, s in enumerate(self.sizes) if s > 0] or [0]
@@ -232,15 +220,13 @@ def plan_split(
     # Name the first tensor whose size is neither the first's nor the replica count that gives.
     try:
         per: int | None = _replicas(_sizes(first, n_devices, chunk_sizes, weights))
+        per_replica = (
+            f" or, to be split one row per replica, the number of replicas used ({per} for a batch of {first})"
+        )
     except (TypeError, ValueError):
-        per = None
+        per, per_replica = None, ""
     path, size = next(
         ((p, s) for p, s in sized if s != first and s != per), next((p, s) for p, s in sized if s != first)
-    )
-    per_replica = (
-        f" or, to be split one row per replica, the number of replicas used ({per} for a batch of {first})"
-        if per is not None
-        else ""
     )
     raise ValueError(
         f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
@@ -250,14 +236,9 @@ def plan_split(
 
 
 def check_first_device(
-    sizes: Sequence[int],
-    devices: Sequence[int],
-    n_devices: int,
-    chunk_sizes: Sequence[int] | None,
-    weights: Sequence[float] | None,
+    sizes: Sequence[int], devices: Sequence[int], n_devices: int, chunk_sizes: Any, weights: Any
 ) -> None:
-    """ValueError naming the split argument where the replicas' `sizes` on the device indices
-    `devices` leave out device 0 (DataParallel's rule: the device holding the module gets rows)."""
+    """ValueError naming the split argument where the replicas on `devices` leave out device 0."""
     if not devices or devices[0] == 0:
         return
     given = "chunk_sizes" if chunk_sizes is not None else "weights"
@@ -272,8 +253,7 @@ def check_first_device(
 
 
 def check_repeated_rows(t: torch.Tensor, dim: int, replicas: int, path: Any) -> torch.Tensor:
-    """The first `replicas` rows of `t` (rule 3b of :func:`plan_split`), after checking that every
-    row equals the first (ValueError naming `path` otherwise); reads the values only then."""
+    """The first `replicas` rows of `t` (rule 3b of plan_split); ValueError unless all rows are equal."""
     first = t.narrow(dim, 0, 1)
     if not bool((t == first).all()):
         raise ValueError(

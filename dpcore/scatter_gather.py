@@ -1,12 +1,6 @@
-"""Scatter of inputs and gather of outputs for data parallelism, over pytrees.
-
-:func:`scatter_kwargs` splits a call's arguments into one ``(args, kwargs)`` pair per replica
-(how many rows each device gets: :func:`dpcore._split.plan_split`); :func:`scatter` and
-:func:`gather` are torch.nn.parallel's functions with their arguments; the merge of the
-replicas' outputs is :mod:`dpcore._gather`. Tensors move through the differentiable Scatter
-and Gather, containers are rebuilt with their own type (the walk: :mod:`dpcore._pytree`), and
-errors name the pytree path of the value, e.g. ``inputs[1]['mask']`` or ``output['logits'][0]``.
-"""
+"""Scatter of inputs and gather of outputs for data parallelism, over pytrees: tensors through the
+differentiable Scatter and Gather, containers rebuilt with their own type, errors naming the
+pytree path of the value (``inputs[1]['mask']``, ``output['logits'][0]``)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,16 @@ from dpcore._gather import NO_HINTS, GatherHints, gather_outputs
 from dpcore._markers import Broadcast, Samples, is_namedtuple
 from dpcore._split import check_repeated_rows, check_split, plan_split
 
-__all__ = ["Broadcast", "Samples", "Scattered", "GatherHints", "scatter_kwargs", "scatter_with_hints"]
-__all__ += ["scatter", "gather"]
+__all__ = [
+    "Broadcast",
+    "Samples",
+    "Scattered",
+    "GatherHints",
+    "scatter_kwargs",
+    "scatter_with_hints",
+    "scatter",
+    "gather",
+]
 
 
 class Scattered(NamedTuple):
@@ -43,10 +45,8 @@ def _broadcast_tensor(tensor: torch.Tensor, devices: list[torch.device]) -> list
         return list(comm.broadcast(tensor, devices))
     outs = list(BroadcastTensor.apply(devices, tensor))
     source = normalize_device(tensor.device)
-    for i, device in enumerate(devices):
-        if device == source:
-            outs[i] = tensor  # the source replica gets the object itself
-            break
+    if source in devices:
+        outs[devices.index(source)] = tensor  # the source replica gets the object itself
     return outs
 
 
@@ -82,9 +82,8 @@ def _split_trees(
     weights: Sequence[float] | None,
     without_tensors: list[int],
 ) -> tuple[list[list[Any]], list[int], list[int], GatherHints]:
-    """Each (tree, path) of `trees` split into one value per replica, each tree flattened once:
-    (per tree, its values), the replicas' sizes and device indices (`without_tensors` where no
-    tensor is split), and the hints for the gather of the call's outputs."""
+    """Per (tree, path) of `trees` its value per replica (each tree flattened once), the replicas' sizes
+    and device indices (`without_tensors` where no tensor is split), and the hints for the gather."""
     flats = [pt.flatten_marked(tree) for tree, _ in trees]
     leaves: list[tuple[Any, torch.Tensor]] = []  # (path, tensor) of the tensors to split along dim
     units: list[tuple[Any, int, str]] = []  # (path, count, noun) of the inputs split between samples
@@ -164,28 +163,24 @@ def _split_trees(
 
     values = []
     for (tree, path), (tensors, spec, _), tags in zip(trees, flats, special):
+        columns = [column(t, tags.get(i)) for i, t in enumerate(tensors)]
         try:
-            values.append(
-                spec.unflatten_replicas([column(t, tags.get(i)) for i, t in enumerate(tensors)], count, used_sizes)
-            )
+            values.append(spec.unflatten_replicas(columns, count, used_sizes))
         except pt.RebuildError as e:
             raise TypeError(
                 f"{pt.path_at(tree, spec.trail_to(e.node), path)} {e}; or wrap it in dpcore.Broadcast to pass it whole "
                 f"to every replica"
             ) from e
-    hints = GatherHints(
-        any(noun == "samples" for _, _, noun in units),
-        tuple(s[1] for s in split_packs),
-        tuple(s[2] for s in split_packs),
-    )
+    samples = any(noun == "samples" for _, _, noun in units)
+    hints = GatherHints(samples, tuple(s[1] for s in split_packs), tuple(s[2] for s in split_packs))
     return values, used_sizes, used, hints
 
 
 def _check_list(
     tree: Any, spec: pt.Spec, node: pt.Spec, tensors: list[torch.Tensor], start: int, dim: int, path: str
 ) -> None:
-    """ValueError naming dpcore.Samples where two tensors of the list `node` (its tensors from
-    `start`) have one rank and one size along `dim` but differ otherwise: samples, not a batch."""
+    """ValueError naming dpcore.Samples where two tensors of the list `node` have one rank and one
+    size along `dim` but differ otherwise (samples, not a batch)."""
     seen: dict[int, torch.Tensor] = {}  # the first entry of each rank
     for child in node.children:
         if child is pt.TENSOR_SPEC and tensors[start].dim() > 0:

@@ -38,15 +38,6 @@ def _reraise(e: Exception, prefix: str) -> NoReturn:
     raise e
 
 
-class _Mismatch(Exception):
-    """Replica ``replica``'s output differs from replica 0's at ``trail``."""
-
-    def __init__(self, replica: int, got: str, expected: str, what: str = "") -> None:
-        super().__init__()
-        self.replica, self.got, self.expected, self.what = replica, got, expected, what
-        self.trail: list[int] = []
-
-
 def _moved(t: torch.Tensor, destination: DeviceLike | None) -> torch.Tensor:
     """`t` on the gather's destination (as comm.gather resolves it), differentiably."""
     device = as_destination(destination)
@@ -58,41 +49,41 @@ def _moved(t: torch.Tensor, destination: DeviceLike | None) -> torch.Tensor:
 class _Merger:
     """The replicas' specs (``flats[j]``: replica j's tensors) merged into the gathered output's."""
 
-    def __init__(self, flats: list[list[torch.Tensor]], destination: DeviceLike | None, dim: int, hints: GatherHints):
-        self.flats, self.destination, self.dim, self.hints = flats, destination, dim, hints
+    def __init__(self, output: Any, flats: list[list[torch.Tensor]], destination: Any, dim: int, hints: GatherHints):
+        self.output, self.flats, self.destination, self.dim, self.hints = output, flats, destination, dim, hints
         self.columns: list[_Column] = []
 
-    def mismatch(self, specs: list[pt.Spec], starts: list[int], j: int, what: str = "") -> _Mismatch:
+    def mismatch(
+        self, specs: list[pt.Spec], starts: list[int], trail: tuple[int, ...], j: int, what: str = ""
+    ) -> ValueError:
         def describe(k: int) -> str:
             return _describe(specs[k], self.flats[k][starts[k]] if specs[k].kind is TENSOR else None)
 
-        return _Mismatch(j, describe(j), describe(0), what)
+        return ValueError(
+            f"gather: {pt.path_at(self.output, trail, 'output')} of replica {j} is {describe(j)} but replica 0's is "
+            f"{describe(0)}{what}; every replica must return the same structure"
+        )
 
     def subtrees(self, specs: list[pt.Spec], starts: list[int]) -> list[Any]:
         return [s.unflatten(f[i : i + s.num_tensors]) for s, f, i in zip(specs, self.flats, starts)]
 
-    def merge(self, specs: list[pt.Spec], starts: list[int]) -> pt.Spec:
-        """The gathered spec at one node from the replicas' (``starts[j]``: replica j's first tensor
-        there), one _Column per tensor appended to ``columns``; _Mismatch where they differ."""
+    def merge(self, specs: list[pt.Spec], starts: list[int], trail: tuple[int, ...] = ()) -> pt.Spec:
+        """The gathered spec at `trail` from the replicas' there (``starts[j]``: replica j's first
+        tensor there), one _Column per tensor appended to ``columns``; ValueError where they differ."""
         first = specs[0]
         kind, cls = first.kind, first.type
+        plain = kind is LEAF or kind is BROADCAST  # None if every replica gave None, else a list of the values
+        for j, s in enumerate(specs):
+            if not ((s.kind is LEAF or s.kind is BROADCAST) if plain else (s.kind is kind and s.type is cls)):
+                raise self.mismatch(specs, starts, trail, j)
         if kind is TENSOR:
-            for j, s in enumerate(specs):
-                if s.kind is not TENSOR:
-                    raise self.mismatch(specs, starts, j)
             column = [flat[start] for flat, start in zip(self.flats, starts)]
             self.columns.append(self.packed_data(column) if self.hints.rows else column)
             return first
-        if kind is LEAF or kind is BROADCAST:  # None if every replica gave None, else a list of the values
-            for j, s in enumerate(specs):
-                if s.kind is not LEAF and s.kind is not BROADCAST:
-                    raise self.mismatch(specs, starts, j)
+        if plain:
             if all(s == pt.NONE_SPEC for s in specs):
                 return first
             return pt.Spec(LEAF, list, self.subtrees(specs, starts), (), 0)
-        for j, s in enumerate(specs):
-            if s.kind is not kind or s.type is not cls:
-                raise self.mismatch(specs, starts, j)
         if kind is PACKED:
             return self.merge_packed(specs, starts)
         if kind is SAMPLES or (self.hints.samples and kind is NODE and issubclass(cls, list)):
@@ -105,31 +96,25 @@ class _Merger:
                 if set(other) != set(keys):
                     missing = [k for k in keys if k not in set(other)]
                     extra = [k for k in other if k not in set(keys)]
-                    raise self.mismatch(specs, starts, j, f" (missing keys {missing}, extra keys {extra})")
+                    raise self.mismatch(specs, starts, trail, j, f" (missing keys {missing}, extra keys {extra})")
                 position = {k: i for i, k in enumerate(other)}
                 picks.append([position[k] for k in keys])
                 continue
             if kind is NODE and (s.context,) != (first.context,):
                 what = f" (its structure differs: {s.context!r} against replica 0's {first.context!r})"
-                raise self.mismatch(specs, starts, j, what)
+                raise self.mismatch(specs, starts, trail, j, what)
             if len(s.children) != count:
-                raise self.mismatch(specs, starts, j)
+                raise self.mismatch(specs, starts, trail, j)
             picks.append(range(count))
         offsets = [
-            list(itertools.accumulate([c.num_tensors for c in s.children], initial=start))
-            for s, start in zip(specs, starts)
+            list(itertools.accumulate([c.num_tensors for c in s.children], initial=i)) for s, i in zip(specs, starts)
         ]
-        kids = []
-        for c in range(count):
-            try:
-                kids.append(
-                    self.merge(
-                        [s.children[p[c]] for s, p in zip(specs, picks)], [o[p[c]] for o, p in zip(offsets, picks)]
-                    )
-                )
-            except _Mismatch as e:
-                e.trail.insert(0, c)
-                raise
+        kids = [
+            self.merge(
+                [s.children[p[c]] for s, p in zip(specs, picks)], [o[p[c]] for o, p in zip(offsets, picks)], (*trail, c)
+            )
+            for c in range(count)
+        ]
         return pt.Spec(kind, cls, first.context, tuple(kids), sum(k.num_tensors for k in kids), first.node)
 
     def merge_packed(self, specs: list[pt.Spec], starts: list[int]) -> pt.Spec:
@@ -175,14 +160,8 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
         except _WRAPPABLE as e:
             _reraise(e, "gather: output: ")
     flats = [pt.flatten(v) for v in values]
-    merger = _Merger([t for t, _ in flats], target_device, dim, hints)
-    try:
-        spec = merger.merge([s for _, s in flats], [0] * len(values))
-    except _Mismatch as e:
-        raise ValueError(
-            f"gather: {pt.path_at(first, e.trail, 'output')} of replica {e.replica} is {e.got} but replica 0's is "
-            f"{e.expected}{e.what}; every replica must return the same structure"
-        ) from None
+    merger = _Merger(first, [t for t, _ in flats], target_device, dim, hints)
+    spec = merger.merge([s for _, s in flats], [0] * len(values))
     gathered: list[torch.Tensor] = []
     for column in merger.columns:
         try:

@@ -41,14 +41,10 @@ class Samples(Generic[T]):
 
     def __init__(self, value: Sequence[T]) -> None:
         if not isinstance(value, (list, tuple)) or is_namedtuple(value):
+            tensor = " (a tensor is split along dim already; Samples is for a list of samples)"
             raise TypeError(
                 f"dpcore.Samples: expected a list or tuple with one entry per sample, but got "
-                f"{type(value).__name__}"
-                + (
-                    " (a tensor is split along dim already; Samples is for a list of samples)"
-                    if isinstance(value, torch.Tensor)
-                    else ""
-                )
+                f"{type(value).__name__}{tensor if isinstance(value, torch.Tensor) else ''}"
             )
         self.value: Sequence[T] = value
 

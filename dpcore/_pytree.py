@@ -55,13 +55,10 @@ def _indices(obj: Any, context: Any, count: int) -> list[str]:
 
 def _registered_keys(node_type: Any) -> Callable[[Any, Any, int], list[str]]:
     def keys(obj: Any, context: Any, count: int) -> list[str]:
-        with_keys = torch_pytree.SUPPORTED_NODES[node_type].flatten_with_keys_fn
-        if with_keys is not None:
-            try:
-                return [str(key) for key, _ in with_keys(obj)[0]]
-            except Exception:  # noqa: BLE001 - only a name for a message
-                pass
-        return _indices(obj, context, count)
+        try:  # flatten_with_keys_fn may be None, or fail: only a name for a message
+            return [str(key) for key, _ in torch_pytree.SUPPORTED_NODES[node_type].flatten_with_keys_fn(obj)[0]]
+        except Exception:  # noqa: BLE001
+            return _indices(obj, context, count)
 
     return keys
 
@@ -461,9 +458,6 @@ class Lazy:
 
     def __str__(self) -> str:
         return self.make()
-
-    def __format__(self, format_spec: str) -> str:
-        return format(self.make(), format_spec)
 
 
 def lazy_path(tree: Any, spec: Spec, at: int | Spec, root: str) -> Lazy:

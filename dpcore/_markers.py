@@ -11,13 +11,9 @@ T = TypeVar("T")
 
 
 class Broadcast(Generic[T]):
-    """Marks an argument (or anything inside one) to be passed whole to every replica, not split.
-
-    A tensor is copied to each replica's device (the replica on its own device gets the tensor
-    itself; gradients of the copies are summed back into it), a value without tensors is passed
-    by reference, and a container is rebuilt per replica with its tensors copied so. Tensors
-    inside a Broadcast take no part in the batch-size check.
-    """
+    """Marks an argument (or anything inside one) to be passed whole to every replica, not split:
+    its tensors copied to each replica's device (differentiably; the replica on a tensor's own
+    device gets the tensor itself), other values passed by reference, containers rebuilt."""
 
     __slots__ = ("value",)
 
@@ -29,13 +25,9 @@ class Broadcast(Generic[T]):
 
 
 class Samples(Generic[T]):
-    """Marks a list (or tuple) as the batch itself, one entry per sample (docs/samples.md).
-
-    The call's split is over the samples: each replica gets a list (a tuple for a tuple) of
-    consecutive samples, their tensors moved whole to its device, and in the outputs every list
-    holds one entry per sample (joined in replica order). Every other batched input of the call
-    must have the same number of samples.
-    """
+    """Marks a list (or tuple) as the batch itself, one entry per sample (docs/samples.md): each
+    replica gets consecutive samples, their tensors moved whole to its device, and every list in
+    the outputs is taken to hold one entry per sample (joined in replica order)."""
 
     __slots__ = ("value",)
 

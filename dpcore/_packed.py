@@ -77,9 +77,8 @@ def layout(packed: PackedSequence) -> Layout:
 def split(
     packed: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]
 ) -> tuple[list[PackedSequence], Layout, Rows]:
-    """`packed` cut into the PackedSequences that ``pack_padded_sequence`` makes of its next
-    ``sizes[i]`` sequences (original order) on ``devices[i]``, differentiably; with its Layout
-    and the parts' Rows. ``sizes`` sum to the sequences, all positive unless there is one."""
+    """`packed` cut into the PackedSequences of its next ``sizes[i]`` sequences on ``devices[i]``
+    (differentiably), its Layout and the parts' Rows."""
     info = layout(packed)
     batch_sizes = _cpu_long(packed.batch_sizes)
     times, positions = _row_times(batch_sizes)
@@ -97,14 +96,12 @@ def split(
     starts = [0, *bounds.tolist()[:-1]]
     out = []
     for j, device in enumerate(devices):
-        local_sizes = per_step[j]
-        local_sizes = local_sizes[local_sizes > 0]
-        sorted_indices = unsorted_indices = None
-        if info.given_sorted:
-            mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
-            sorted_indices = mine.to(device)
-            unsorted_indices = _inverse(mine).to(device)
-        out.append(PackedSequence(parts[j], local_sizes, sorted_indices, unsorted_indices))
+        local_sizes = per_step[j][per_step[j] > 0]
+        if not info.given_sorted:
+            out.append(PackedSequence(parts[j], local_sizes, None, None))
+            continue
+        mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
+        out.append(PackedSequence(parts[j], local_sizes, mine.to(device), _inverse(mine).to(device)))
     return out, info, Rows(tuple(rows), tuple(sizes), None if _is_identity(order) else order)
 
 
@@ -142,9 +139,8 @@ def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike
 def join(
     packs: Sequence[PackedSequence], destination: DeviceLike | None, layouts: Sequence[Layout] = ()
 ) -> PackedSequence:
-    """One PackedSequence of the sequences of `packs` in replica order, on `destination`: sorted
-    as the first of `layouts` with their lengths, else stably longest first (``sorted_indices``
-    None where every part had None and that order is the original one)."""
+    """One PackedSequence of the sequences of `packs` on `destination`, sorted as the first of
+    `layouts` with their lengths, else stably longest first."""
     lengths, sources = [], []
     offset = 0
     for pack in packs:
@@ -170,8 +166,6 @@ def join(
     targets = torch.cat([step_starts[t] + position[i] for t, i in sources])  # joined row of each gathered row
     gathered = Gather.apply(destination, 0, *[p.data for p in packs])
     data = gathered.index_select(0, _inverse(targets).to(gathered.device))
-    sorted_indices = unsorted_indices = None
-    if given:
-        sorted_indices = order.to(data.device)
-        unsorted_indices = position.to(data.device)
-    return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)
+    if not given:
+        return PackedSequence(data, batch_sizes, None, None)
+    return PackedSequence(data, batch_sizes, order.to(data.device), position.to(data.device))

@@ -11,7 +11,7 @@ import enum
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -39,14 +39,14 @@ class RebuildError(TypeError):
         self.node: Any = None
 
 
-class Node:
+class Node(NamedTuple):
     """How one type comes apart and is rebuilt: ``flatten(obj) -> (children, context)``,
     ``unflatten(values, context) -> obj``, ``keys(obj, context, count)`` the children's path suffixes."""
 
-    __slots__ = ("kind", "flatten", "unflatten", "keys")
-
-    def __init__(self, kind: str, flatten: Any = None, unflatten: Any = None, keys: Any = None) -> None:
-        self.kind, self.flatten, self.unflatten, self.keys = kind, flatten, unflatten, keys
+    kind: str
+    flatten: Any = None
+    unflatten: Any = None
+    keys: Any = None
 
 
 def _indices(obj: Any, context: Any, count: int) -> list[str]:
@@ -376,8 +376,7 @@ def flatten_marked(tree: Any) -> tuple[list[torch.Tensor], Spec, Marks]:
 
 def flatten(tree: Any) -> tuple[list[torch.Tensor], Spec]:
     """``(tensors, spec)`` of `tree`, as :func:`flatten_marked` gives them."""
-    tensors, spec, _ = flatten_marked(tree)
-    return tensors, spec
+    return flatten_marked(tree)[:2]
 
 
 def without_markers(tree: Any) -> Any:
@@ -419,9 +418,7 @@ def _build_replicas(spec: Spec, columns: Iterator[Sequence[Any]], count: int, si
     kids = [_build_replicas(child, columns, count, sizes) for child in spec.children]
     if kind is BROADCAST:
         return kids[0]
-    if not kids:
-        return [spec.rebuild([]) for _ in range(count)]
-    rows = zip(*kids)
+    rows = zip(*kids) if kids else [()] * count
     if spec.type is tuple:
         return list(rows)
     if spec.type is list:
@@ -475,6 +472,4 @@ def lazy_path(tree: Any, spec: Spec, at: int | Spec, root: str) -> Lazy:
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """`obj` with every tensor ``t`` replaced by ``fn(t)``, containers rebuilt with their own type."""
     tensors, spec = flatten(obj)
-    if spec.kind is LEAF:
-        return obj
-    return spec.unflatten([fn(t) for t in tensors])
+    return obj if spec.kind is LEAF else spec.unflatten([fn(t) for t in tensors])

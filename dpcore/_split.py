@@ -113,8 +113,7 @@ def split_sizes(
 ) -> list[int]:
     """How many of `batch` rows each device gets: balanced (sizes differing by at most one, larger
     first), ``chunk_sizes`` as given (summing to `batch`), or in proportion to ``weights``."""
-    batch = as_int(batch, "batch")
-    n_devices = as_int(n_devices, "n_devices")
+    batch, n_devices = as_int(batch, "batch"), as_int(n_devices, "n_devices")
     if batch < 0:
         raise ValueError(f"batch: expected a non-negative size, but got {batch}")
     if n_devices < 1:
@@ -163,20 +162,13 @@ def plan_split(
     units: Sequence[tuple[Any, int, str]] = (),
     hint: Any = "",
 ) -> SplitPlan:
-    """The scatter rules for one call's tensors: `entries` holds ``(path, size along dim)`` of
-    each (None when 0-dim), `units` ``(path, count, noun)`` of each input split between whole
-    samples or sequences; `chunk_sizes` and `weights` come checked (:func:`check_split`).
-
-    0. With units, the first one's count is the batch: other units must have it, and every
-       tensor the batch's size, the replica count (or, as in 3b, the device count), or 0 dims.
-    1. A 0-dim tensor goes whole to every replica.
-    2. Where all other tensors have one size, it is the batch.
-    3. Else there are two sizes ``b`` and ``r``, ``r`` the replicas a batch of ``b`` runs on:
-       ``b`` is the batch and a tensor of size ``r`` is split one row per replica;
-       3b. failing that, ``r`` may be the device count where ``b`` runs on fewer replicas (the
-       scatter then checks that the rows left over repeat the first: :func:`check_repeated_rows`).
-    4. Any other disagreement is a ValueError naming two paths and their sizes, ended by `hint`.
-    """
+    """The scatter rules for one call: `entries` holds ``(path, size along dim or None if 0-dim)`` of
+    each tensor, `units` ``(path, count, noun)`` of each input split by whole samples; the split
+    arguments come checked. 0. The first unit's count is the batch, which the others must have.
+    1. A 0-dim tensor goes whole to every replica. 2. One size is the batch. 3. Of two sizes ``b``
+    and ``r``, ``b`` is the batch where a batch of ``b`` runs on ``r`` replicas (a tensor of size
+    ``r``: one row per replica), 3b. or on fewer than ``r``, the device count (rows left over
+    must repeat the first). 4. Other sizes are a ValueError naming two paths, ended by `hint`."""
     if units:  # 0.
         first_path, batch, noun = units[0]
         for path, count, what in units[1:]:

@@ -68,8 +68,7 @@ def _batch_size(path: Any, t: torch.Tensor, dim: int) -> int | None:
 
 
 def _nonempty_device_list(devices: Sequence[DeviceLike], arg: str) -> list[torch.device]:
-    devs = as_devices(devices, arg)
-    if not devs:
+    if not (devs := as_devices(devices, arg)):
         raise ValueError(f"{arg}: expected at least one device, but got an empty list")
     return devs
 
@@ -220,19 +219,12 @@ def scatter_kwargs(
     chunk_sizes: Sequence[int] | None = None,
     weights: Sequence[float] | None = None,
 ) -> Scattered:
-    """Splits a call's positional arguments `inputs` (a tuple; None: none; any other value is the
-    one argument) and keyword arguments `kwargs` across `devices`.
-
-    Returns :class:`Scattered` lists of one length R: replica j is called as
-    ``f(*args[j], **kwargs[j])`` on ``devices[device_indices[j]]`` and got ``sizes[j]`` rows.
-    Tensors outside :class:`Broadcast` are split along `dim` (balanced, or by `chunk_sizes` or
-    `weights`; the rules on their sizes: :func:`dpcore._split.plan_split`), differentiably;
-    :class:`Samples` lists and PackedSequences between whole samples and sequences. Devices
-    with an empty chunk get no replica; with no tensor to split or a batch of 0 rows there is
-    one replica, on ``devices[0]``. Containers (anything torch's pytree registers, Mappings,
-    dataclasses, other iterables rebuilt as ``type(obj)(iterator)``) are rebuilt for every
-    replica; other leaves are passed by reference. Errors name the pytree path of the value.
-    """
+    """Splits a call's positional arguments `inputs` (a tuple, None for none, else the one argument)
+    and `kwargs` across `devices`: replica j is called as ``f(*args[j], **kwargs[j])`` on
+    ``devices[device_indices[j]]`` with ``sizes[j]`` rows, only devices with rows get one (at least
+    ``devices[0]``). Tensors outside Broadcast are split along `dim` (balanced, `chunk_sizes` or
+    `weights`; the rules: docs/design.md), Samples and PackedSequences by whole samples, containers
+    rebuilt per replica; other leaves are passed by reference."""
     scattered, _ = scatter_with_hints(inputs, kwargs, devices, dim, chunk_sizes, weights)
     return scattered
 
@@ -248,23 +240,17 @@ def scatter_with_hints(
     """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of the call's outputs."""
     devs = _nonempty_device_list(devices, "devices")
     chunk_sizes, weights = check_split(chunk_sizes, weights, len(devs))  # the one check of the call
-    if inputs is None:
-        inputs = ()
-    elif not isinstance(inputs, tuple) or is_namedtuple(inputs):
-        inputs = (inputs,)
-    if kwargs is None:
-        kwargs = {}
-    elif not isinstance(kwargs, Mapping):
+    inputs = () if inputs is None else inputs if isinstance(inputs, tuple) and not is_namedtuple(inputs) else (inputs,)
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs: expected a mapping of keyword arguments, but got {type(kwargs).__name__}")
-    (args, kws), sizes, used, hints = _split_trees(
-        [(tuple(inputs), "inputs"), (kwargs, "kwargs")], devs, dim, chunk_sizes, weights, [0]
-    )
+    trees = [(tuple(inputs), "inputs"), (kwargs, "kwargs")]
+    (args, kws), sizes, used, hints = _split_trees(trees, devs, dim, chunk_sizes, weights, [0])
     return Scattered(args, kws, sizes, used), hints
 
 
 def image_list_model(module: torch.nn.Module) -> str | None:
-    """The class name of `module` where it holds torchvision's ``GeneralizedRCNNTransform`` (a
-    detection model, which batches a list of images itself), else None."""
+    """`module`'s class name where it holds torchvision's ``GeneralizedRCNNTransform``, else None."""
     for m in module.modules():
         t = type(m)
         if t.__name__ == "GeneralizedRCNNTransform" and t.__module__.startswith("torchvision."):
@@ -276,9 +262,8 @@ def check_image_lists(model: str, inputs: tuple[Any, ...], kwargs: Mapping[str, 
     """ValueError naming dpcore.Samples where the images or targets of the detection model
     `model` are a plain list or tuple (torch's rule would split every image along its channels)."""
     for index, name in enumerate(("images", "targets")):
-        path, value = (
-            (f"inputs[{index}]", inputs[index]) if len(inputs) > index else (f"kwargs[{name!r}]", kwargs.get(name))
-        )
+        given = len(inputs) > index
+        path, value = (f"inputs[{index}]", inputs[index]) if given else (f"kwargs[{name!r}]", kwargs.get(name))
         if isinstance(value, (list, tuple)) and not is_namedtuple(value):
             raise ValueError(
                 f"{path} is a plain {type(value).__name__} of {name} given to {model}, a torchvision detection model, "
@@ -289,36 +274,26 @@ def check_image_lists(model: str, inputs: tuple[Any, ...], kwargs: Mapping[str, 
 
 
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
-    """Splits `inputs` across `target_gpus` (torch.nn.parallel.scatter's arguments; any device
-    list dpcore takes): a tuple of chunks for a tensor, else a list of one value per device that
-    got rows (every device where no tensor is split), as :func:`scatter_kwargs` splits them.
-    Unlike torch, tensors of sizes that do not fit one batch are an error, not truncated.
-    """
+    """Splits `inputs` across `target_gpus` (torch.nn.parallel.scatter's arguments) as
+    :func:`scatter_kwargs` does: a tuple of chunks for a tensor, else one value per device with
+    rows (every device without a tensor to split); sizes that do not fit one batch are an error."""
     devs = _nonempty_device_list(target_gpus, "target_gpus")
     (values,), _, _, _ = _split_trees([(inputs, "inputs")], devs, dim, None, None, list(range(len(devs))))
     return tuple(values) if isinstance(inputs, torch.Tensor) else values
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int = 0) -> Any:
-    """Merges the per-replica `outputs` (one each, of one structure) into one
-    (torch.nn.parallel.gather's arguments).
-
-    Tensors at the same path are concatenated along `dim` onto `target_device`, differentiably
-    (0-dim tensors stacked, without a warning); containers are rebuilt with their own type
-    (Mappings in replica 0's key order, other iterables as ``type(out)(iterator)``);
-    PackedSequences are joined by sequence, longest first; None stays None where every replica
-    gave None, and other leaves gather into a list. Structures that differ between replicas
-    raise ValueError naming the path and the replica; tensors that cannot be concatenated, the
-    collective's error prefixed with their path.
-    """
+    """Merges the per-replica `outputs` (of one structure) into one (torch.nn.parallel.gather's
+    arguments): tensors concatenated along `dim` onto `target_device`, differentiably (0-dim ones
+    stacked), containers rebuilt with their own type, PackedSequences joined longest first, None
+    kept where all are None and other leaves listed. Structures that differ are a ValueError
+    naming the path and the replica."""
     return gather_with_hints(outputs, target_device, dim, NO_HINTS)
 
 
 def gather_with_hints(outputs: Sequence[Any], target_device: DeviceLike | None, dim: int, hints: GatherHints) -> Any:
-    """:func:`gather`, with the hints of the call's scatter: with a Samples input every ``list``
-    holds one entry per sample and is concatenated in replica order (its tensors moved to
-    `target_device`); a PackedSequence output of an input's sequences is joined in that input's
-    order, and a tensor of its packed data in the batch's packed order (:mod:`dpcore._packed`)."""
+    """:func:`gather` with the hints of the call's scatter: after a Samples input, lists are
+    concatenated; PackedSequences and packed data are put in the order of the input's."""
     if isinstance(outputs, torch.Tensor) or not isinstance(outputs, Sequence):
         raise TypeError(f"outputs: expected a sequence with one output per replica, but got {type(outputs).__name__}")
     values = list(outputs)

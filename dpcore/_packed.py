@@ -1,22 +1,5 @@
-"""PackedSequence split by whole sequences and joined back (private).
-
-The one place for the index arithmetic of both directions (the rule:
-docs/samples.md; a PackedSequence's fields: torch.nn.utils.rnn):
-
-* :func:`split`: the sequences, in their original order, cut into the
-  call's consecutive chunks; each replica gets the PackedSequence that
-  ``pack_padded_sequence`` would make of its chunk (rows picked with one
-  ``index_select`` and sent with the differentiable Scatter);
-* :func:`join`: the replicas' PackedSequences become one, in the sorted
-  order of an input PackedSequence of the call with the same lengths (so
-  an RNN's joined output is the one-device output), else the stable
-  longest-first order;
-* :func:`data_rows` and :func:`join_rows`: a tensor output that is each
-  replica's packed data (``out.data`` of an RNN) put back in the whole
-  batch's packed order (the rule and its one ambiguity: :func:`data_rows`).
-
-Index work runs on the host, on CPU int64 tensors.
-"""
+"""PackedSequence split by whole sequences and joined back (private): the index arithmetic of
+both directions, on the host (CPU int64 tensors). The rules: docs/samples.md and docs/design.md."""
 
 from __future__ import annotations
 
@@ -29,14 +12,10 @@ from torch.nn.utils.rnn import PackedSequence
 from dpcore._devices import DeviceLike
 from dpcore._functions import Gather, Scatter
 
-__all__ = ["Layout", "Rows", "layout", "count", "split", "join", "data_rows", "join_rows"]
-
 
 class Layout(NamedTuple):
-    """The order of one PackedSequence: ``lengths`` of its sequences in their
-    original order and ``sorted_indices`` (original index per sorted
-    position), CPU int64 tensors; ``given_sorted`` False where the
-    PackedSequence had ``sorted_indices=None``."""
+    """The order of one PackedSequence: its sequences' ``lengths`` (original order) and
+    ``sorted_indices`` (CPU int64); ``given_sorted`` False where it had ``sorted_indices=None``."""
 
     lengths: torch.Tensor
     sorted_indices: torch.Tensor
@@ -44,11 +23,9 @@ class Layout(NamedTuple):
 
 
 class Rows(NamedTuple):
-    """Where the replicas' packed rows of one split PackedSequence go:
-    replica j holds ``rows[j]`` packed rows of ``sequences[j]`` sequences;
-    ``order`` is the whole batch's packed row of each row of the replicas'
-    rows concatenated in replica order (CPU int64), None where that is the
-    identity (then the concatenation is the batch's packed order)."""
+    """One split PackedSequence: replica j holds ``rows[j]`` packed rows of ``sequences[j]``
+    sequences; ``order``: the batch's packed row of each of the replicas' rows concatenated in
+    replica order (CPU int64), None for the identity."""
 
     rows: tuple[int, ...]
     sequences: tuple[int, ...]
@@ -60,18 +37,20 @@ def _cpu_long(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_times(batch_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(time step, sorted position) of every data row of a PackedSequence
-    with these ``batch_sizes`` (CPU int64)."""
+    """(time step, sorted position) of every data row of a PackedSequence with these ``batch_sizes``."""
     steps = torch.arange(batch_sizes.numel(), dtype=torch.int64)
     times = torch.repeat_interleave(steps, batch_sizes)
     starts = torch.cumsum(batch_sizes, 0) - batch_sizes  # first row of each step
     return times, torch.arange(times.numel(), dtype=torch.int64) - starts[times]
 
 
-def _sorted_lengths(batch_sizes: torch.Tensor, count: int) -> torch.Tensor:
-    """The length of the sequence at each sorted position (``count`` of them)."""
-    positions = torch.arange(count, dtype=torch.int64)
-    return (batch_sizes.unsqueeze(0) > positions.unsqueeze(1)).sum(1)
+def _above(values: torch.Tensor, count: int) -> torch.Tensor:
+    """For each i < `count`, how many `values` exceed i (the sorted lengths of batch sizes, and back)."""
+    return (values.unsqueeze(0) > torch.arange(count, dtype=torch.int64).unsqueeze(1)).sum(1)
+
+
+def _is_identity(order: torch.Tensor) -> bool:
+    return torch.equal(order, torch.arange(order.numel(), dtype=torch.int64))
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
@@ -80,30 +59,26 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+def sequences(packed: PackedSequence) -> int:
+    """How many sequences `packed` holds."""
+    return int(packed.batch_sizes[0]) if packed.batch_sizes.numel() else 0
+
+
 def layout(packed: PackedSequence) -> Layout:
-    """The :class:`Layout` of ``packed``."""
-    batch_sizes = _cpu_long(packed.batch_sizes)
-    count = int(batch_sizes[0]) if batch_sizes.numel() else 0
+    """The Layout of `packed`."""
+    count = sequences(packed)
     given = packed.sorted_indices is not None
     order = _cpu_long(packed.sorted_indices) if given else torch.arange(count, dtype=torch.int64)
     lengths = torch.empty(count, dtype=torch.int64)
-    lengths[order] = _sorted_lengths(batch_sizes, count)
+    lengths[order] = _above(_cpu_long(packed.batch_sizes), count)
     return Layout(lengths, order, given)
-
-
-def count(packed: PackedSequence) -> int:
-    """How many sequences ``packed`` holds (its first batch size)."""
-    return int(packed.batch_sizes[0]) if packed.batch_sizes.numel() else 0
 
 
 def split(
     packed: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]
 ) -> tuple[list[PackedSequence], Layout, Rows]:
-    """``packed`` cut into ``len(sizes)`` PackedSequences on ``devices``:
-    the i-th gets the next ``sizes[i]`` sequences of the original order (see
-    the module doc), ``packed``'s :class:`Layout` and the :class:`Rows` of
-    the parts. ``sizes`` sum to the number of sequences; every entry is
-    positive unless there is one replica."""
+    """`packed` cut into the PackedSequences of its next ``sizes[i]`` sequences on ``devices[i]``
+    (differentiably), its Layout and the parts' Rows."""
     info = layout(packed)
     batch_sizes = _cpu_long(packed.batch_sizes)
     times, positions = _row_times(batch_sizes)
@@ -121,32 +96,19 @@ def split(
     starts = [0, *bounds.tolist()[:-1]]
     out = []
     for j, device in enumerate(devices):
-        local_sizes = per_step[j]
-        local_sizes = local_sizes[local_sizes > 0]
-        sorted_indices = unsorted_indices = None
-        if info.given_sorted:
-            mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
-            sorted_indices = mine.to(device)
-            unsorted_indices = _inverse(mine).to(device)
-        out.append(PackedSequence(parts[j], local_sizes, sorted_indices, unsorted_indices))
-    identity = torch.equal(order, torch.arange(order.numel(), dtype=torch.int64))
-    return out, info, Rows(tuple(rows), tuple(sizes), None if identity else order)
+        local_sizes = per_step[j][per_step[j] > 0]
+        if not info.given_sorted:
+            out.append(PackedSequence(parts[j], local_sizes, None, None))
+            continue
+        mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
+        out.append(PackedSequence(parts[j], local_sizes, mine.to(device), _inverse(mine).to(device)))
+    return out, info, Rows(tuple(rows), tuple(sizes), None if _is_identity(order) else order)
 
 
 def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -> Rows | None:
-    """The :class:`Rows` of the split whose packed data the replicas' output
-    tensors `parts` are, or None where they are gathered as any output is
-    (concatenated along `dim`). The rule, for each split in turn:
-
-    * `parts` are its packed data when, on every replica, their size along
-      dim 0 is the replica's packed rows, unless their size along `dim` is
-      also the replica's sequences on every replica (one row per sequence:
-      the gather's own reading);
-    * both at once along dim 0 means every sequence has length 1: where the
-      concatenation is the batch's packed order (``order`` None) the two
-      readings agree; otherwise ValueError (the two orders differ and
-      nothing tells them apart), never a guess.
-    """
+    """The Rows of the split whose packed data the replicas' outputs `parts` are (their dim-0
+    sizes are its packed rows and their sizes along `dim` not its sequences), or None (gathered
+    as any output); ValueError where both readings fit along dim 0 and the orders differ."""
     for split in splits:
         if len(parts) != len(split.rows) or not all(t.dim() > 0 and t.size(0) == r for t, r in zip(parts, split.rows)):
             continue
@@ -167,9 +129,7 @@ def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -
 
 
 def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike | None) -> torch.Tensor:
-    """The replicas' packed data `parts` (see :func:`data_rows`) as one
-    tensor in the whole batch's packed order, on `destination`,
-    differentiably (one Gather and one ``index_select``)."""
+    """The replicas' packed data `parts` as one tensor in the batch's packed order, differentiably."""
     gathered = Gather.apply(destination, 0, *parts)
     if rows.order is None:
         return gathered
@@ -179,12 +139,8 @@ def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike
 def join(
     packs: Sequence[PackedSequence], destination: DeviceLike | None, layouts: Sequence[Layout] = ()
 ) -> PackedSequence:
-    """One PackedSequence holding the sequences of ``packs`` (one per
-    replica), in replica order, on ``destination`` (see the module doc):
-    with the order of the first of ``layouts`` whose lengths are those of
-    the joined sequences (and its ``sorted_indices=None`` where it had
-    None), else the stable longest-first order (``sorted_indices=None``
-    when every part had None and that order is the original one)."""
+    """One PackedSequence of the sequences of `packs` on `destination`, sorted as the first of
+    `layouts` with their lengths, else stably longest first."""
     lengths, sources = [], []
     offset = 0
     for pack in packs:
@@ -202,17 +158,14 @@ def join(
         order, given = match.sorted_indices, match.given_sorted
     else:
         order = torch.sort(all_lengths, descending=True, stable=True).indices
-        identity = torch.equal(order, torch.arange(order.numel(), dtype=torch.int64))
-        given = not (identity and all(p.sorted_indices is None for p in packs))
+        given = not (_is_identity(order) and all(p.sorted_indices is None for p in packs))
     steps = int(all_lengths.max()) if all_lengths.numel() else 0
-    batch_sizes = (all_lengths.unsqueeze(0) > torch.arange(steps, dtype=torch.int64).unsqueeze(1)).sum(1)
+    batch_sizes = _above(all_lengths, steps)
     step_starts = torch.cumsum(batch_sizes, 0) - batch_sizes
     position = _inverse(order)
     targets = torch.cat([step_starts[t] + position[i] for t, i in sources])  # joined row of each gathered row
     gathered = Gather.apply(destination, 0, *[p.data for p in packs])
     data = gathered.index_select(0, _inverse(targets).to(gathered.device))
-    sorted_indices = unsorted_indices = None
-    if given:
-        sorted_indices = order.to(data.device)
-        unsorted_indices = position.to(data.device)
-    return PackedSequence(data, batch_sizes, sorted_indices, unsorted_indices)
+    if not given:
+        return PackedSequence(data, batch_sizes, None, None)
+    return PackedSequence(data, batch_sizes, order.to(data.device), position.to(data.device))

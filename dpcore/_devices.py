@@ -18,6 +18,8 @@ def normalize_device(device: torch.device) -> torch.device:
 def as_device(device: DeviceLike, arg: str) -> torch.device:
     """One device, normalized: an int is a CUDA index (as in torch.cuda.comm),
     a str or torch.device is taken as is; else TypeError naming `arg`."""
+    if type(device) is torch.device and (device.type != "cpu" or device.index is None):
+        return device  # already normalized: the common case, at every call
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise TypeError(
             f"{arg}: expected a device (an int CUDA index, a str such as 'cpu' or 'cuda:1', "

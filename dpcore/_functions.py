@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd import Function
 
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
@@ -40,6 +39,20 @@ __all__ = [
     "BroadcastBucket",
     "reduce_present",
 ]
+
+
+class Function(torch.autograd.Function):
+    """``torch.autograd.Function`` whose ``apply`` takes positional arguments
+    only and, outside functorch transforms, goes straight to autograd's C++
+    ``apply``: torch's binds the arguments with ``inspect.signature`` at every
+    call of a Function that defines ``setup_context``. Under a transform
+    (``torch.func``) it is torch's ``apply``."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*args)  # torch._C._FunctionBase.apply
 
 
 class Scatter(Function):

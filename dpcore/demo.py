@@ -1,17 +1,13 @@
 """Trains a small CNN on scikit-learn's handwritten digits with dpcore.DataParallel.
 
-The 8x8 images ship with scikit-learn (nothing is downloaded), split 80/20
-with a fixed seed. The model runs on every visible GPU, else on
-``["cpu"] * 4``, with the loss computed inside each replica. Before
-training, the first steps run twice in float64 from the same weights, with
-DataParallel and on one device: the run exits with status 1 if parameters,
-buffers or losses disagree. Started by torchrun, it trains one model over
-the processes (docs/hybrid.md).
+The images ship with scikit-learn (nothing is downloaded). The model runs on
+every visible GPU, else on ``["cpu"] * 4``, with the loss computed inside each
+replica. First, a few steps run in float64 with DataParallel and on one device
+from the same weights: the run exits with status 1 if they disagree. Under
+torchrun it trains one model over the processes (docs/hybrid.md).
 
-    python -m dpcore.demo                       # every GPU, else cpu:4
     python -m dpcore.demo --devices cpu:2 --epochs 5
     python -m dpcore.demo --devices 0,0 --cuda-graphs
-    python -m dpcore.demo --sync-batchnorm --compile
     torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
 
 Needs scikit-learn and tqdm (``pip install --no-build-isolation ".[demo]"``).
@@ -21,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import itertools
 import math
@@ -44,32 +41,23 @@ MISSING_DEPS = (
     "dpcore.demo needs scikit-learn and tqdm, but {} missing: pip install scikit-learn tqdm "
     '(or, in the dpcore source folder, pip install --no-build-isolation ".[demo]")'
 )
+SGD = functools.partial(torch.optim.SGD, momentum=0.9)  # the optimizer of the check and of the run
 
 
 def digits_cnn(batchnorm: bool = False) -> nn.Module:
     """A small CNN for 1x8x8 images and 10 classes; `batchnorm` adds BatchNorm after each hidden layer."""
 
-    def norm(kind: type[nn.Module], channels: int) -> list[nn.Module]:
-        return [kind(channels)] if batchnorm else []
+    def hidden(layer: nn.Module, norm: type[nn.Module], channels: int) -> list[nn.Module]:
+        return [layer, *([norm(channels)] if batchnorm else []), nn.ReLU()]
 
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        *norm(nn.BatchNorm2d, 16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        *norm(nn.BatchNorm2d, 32),
-        nn.ReLU(),
+        *hidden(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d, 16),
+        *hidden(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d, 32),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64),
-        *norm(nn.BatchNorm1d, 64),
-        nn.ReLU(),
+        *hidden(nn.Linear(32 * 4 * 4, 64), nn.BatchNorm1d, 64),
         nn.Linear(64, 10),
     )
-
-
-def _sgd(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def load_data(seed: int, device: torch.device, limit: int | None = None) -> list[torch.Tensor]:
@@ -127,27 +115,18 @@ def check_agreement(
     cuda_graphs: bool = False,
     compile_backend: str | None = None,
 ) -> dict[str, Any]:
-    """Runs `steps` float64 SGD steps on the batches `order` from copies of `model` (left unchanged)
-    with dpcore.DataParallel over `devices` and on devices[0] alone, both compiled with a
-    `compile_backend`. In a `process_group` each rank feeds its share of each batch.
-
-    Returns {"ok", "steps", "atol", "max_abs_diff" (per step, over parameters and buffers),
-    "loss_diff" (per step)}, the worst over all ranks; ok: `steps` steps all within `atol`."""
-    criterion = nn.CrossEntropyLoss()
+    """Runs `steps` float64 steps on the batches `order` from copies of `model` with DataParallel over
+    `devices` (each rank of a `process_group` feeding its share) and on devices[0]; returns {"ok", "steps",
+    "atol", "max_abs_diff", "loss_diff"} (per step, the worst over all ranks, parameters and buffers)."""
+    criterion, group = nn.CrossEntropyLoss(), process_group
     single, parallel = copy.deepcopy(model).double(), copy.deepcopy(model).double()
-    run_single = single if compile_backend is None else torch.compile(single, backend=compile_backend)
-    dp = dpcore.DataParallel(
-        parallel if compile_backend is None else torch.compile(parallel, backend=compile_backend),
-        device_ids=list(devices),
-        criterion=criterion,
-        process_group=process_group,
-        sync_batchnorm=sync_batchnorm,
-        cuda_graphs=cuda_graphs,
+    run_single, run_parallel = (
+        m if compile_backend is None else torch.compile(m, backend=compile_backend) for m in (single, parallel)
     )
-    rank, world = (
-        (0, 1) if process_group is None else (dist.get_rank(process_group), dist.get_world_size(process_group))
-    )
-    opt_single, opt_parallel = _sgd(single.parameters(), lr), _sgd(parallel.parameters(), lr)
+    options = {"process_group": group, "sync_batchnorm": sync_batchnorm, "cuda_graphs": cuda_graphs}
+    dp = dpcore.DataParallel(run_parallel, device_ids=list(devices), criterion=criterion, **options)
+    rank, world = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    opt_single, opt_parallel = SGD(single.parameters(), lr=lr), SGD(parallel.parameters(), lr=lr)
     diffs: list[float] = []
     loss_diffs: list[float] = []
     for index in list(order)[:steps]:
@@ -161,17 +140,17 @@ def check_agreement(
         loss_parallel.backward()
         opt_parallel.step()
         loss_global = loss_parallel.detach()
-        if process_group is not None:  # the mean over the global batch
+        if group is not None:  # the mean over the global batch
             loss_global = loss_global * len(share)
-            dist.all_reduce(loss_global, group=process_group)
+            dist.all_reduce(loss_global, group=group)
             loss_global = loss_global / len(index)
         loss_diffs.append(abs(loss_single.item() - loss_global.item()))
         with torch.no_grad():
             pairs = zip(single.state_dict().values(), parallel.state_dict().values())
             diffs.append(max((a.double() - b.double()).abs().max().item() for a, b in pairs))
-    if process_group is not None:
+    if group is not None:
         worst = torch.tensor(diffs + loss_diffs, dtype=torch.float64, device=devices[0])
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=process_group)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         diffs, loss_diffs = worst[: len(diffs)].tolist(), worst[len(diffs) :].tolist()
     ok = len(diffs) == steps and all(d <= atol for d in diffs + loss_diffs)  # NaN fails too
     return {"ok": ok, "steps": len(diffs), "atol": atol, "max_abs_diff": diffs, "loss_diff": loss_diffs}
@@ -191,17 +170,16 @@ def _local_devices(devices: list[torch.device], local_rank: int) -> list[torch.d
     if devices[0].type != "cuda" or local_rank == 0:
         return devices
     stride = max(d.index for d in devices) + 1
-    moved = [torch.device("cuda", d.index + local_rank * stride) for d in devices]
-    count = torch.cuda.device_count()
-    if any(d.index >= count for d in moved):
+    moved, count = [d.index + local_rank * stride for d in devices], torch.cuda.device_count()
+    if max(moved) >= count:
         raise ValueError(
-            f"--devices: local rank {local_rank} would use CUDA devices {[d.index for d in moved]}, "
-            f"but only {count} are visible"
+            f"--devices: local rank {local_rank} would use CUDA devices {moved}, but only {count} are visible"
         )
-    return moved
+    return [torch.device("cuda", i) for i in moved]
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.device], str]:
+    """(options, this process's devices, the --devices spec); a bad option exits 2 naming it."""
     parser = argparse.ArgumentParser(
         prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -218,12 +196,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
     add("--checkpoint", metavar="FILE", help="save the trained model's state_dict here (rank 0 under torchrun)")
     add("--limit", type=int, help=argparse.SUPPRESS)  # for tests: a stratified subset of this many images
-    return parser
-
-
-def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.device], str]:
-    """(options, this process's devices, the --devices spec); a bad option exits 2 naming it."""
-    parser = _parser()
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs: expected at least 1, but got {args.epochs}")
@@ -235,8 +207,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
     if args.compile is not None:
         if args.cuda_graphs:
             parser.error("--compile: not with --cuda-graphs (cuda_graphs=True does not capture compiled modules)")
-        import torch._dynamo
-
         known = torch._dynamo.list_backends(exclude_tags=())
         if args.compile not in known:
             parser.error(f"--compile: expected a torch.compile backend ({', '.join(known)}), but got {args.compile!r}")
@@ -263,7 +233,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
         devices = parse_devices(spec)
         devices = devices if launch is None else _local_devices(devices, launch[2])
     except ValueError as error:
-        parser.error(str(error) if str(error).startswith("--devices") else f"--devices: {error}")
+        parser.error(str(error))  # every message names --devices
     if args.cuda_graphs and devices[0].type != "cuda":
         given = f"--devices {spec}" if args.devices is not None else f"the default --devices {spec} (no GPU visible)"
         parser.error(
@@ -274,10 +244,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the demo with the command line `argv` (default sys.argv[1:]) and returns its summary
-    (the options, "final_accuracy", "samples_per_second", "seconds", "agreement": True when the
-    float64 check passed, None when skipped; "agreement_check", "history", "processes", ...).
-    Exits 2 on a bad option, 1 when scikit-learn or tqdm is missing or the check fails."""
+    """Runs the demo on the command line `argv` and returns its summary ("agreement" is None when the
+    check is skipped); exits 2 on a bad option, 1 when scikit-learn or tqdm is missing or the check fails."""
     args, devices, spec = _parse(argv)
     missing = []
     for module, package in (("sklearn", "scikit-learn"), ("tqdm", "tqdm")):
@@ -328,6 +296,7 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group
         f"seed {args.seed}"
     )
 
+    options = {"process_group": group, "sync_batchnorm": args.sync_batchnorm, "cuda_graphs": args.cuda_graphs}
     check: dict[str, Any] | None = None
     if batchnorm == "per-replica":
         say(
@@ -339,17 +308,7 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group
         # The run's first batches (repeated when the run has fewer).
         order = list(itertools.islice(itertools.cycle(itertools.chain(*orders)), steps))
         check = check_agreement(
-            model,
-            devices,
-            x_train,
-            y_train,
-            order,
-            args.lr,
-            steps=steps,
-            process_group=group,
-            sync_batchnorm=args.sync_batchnorm,
-            cuda_graphs=args.cuda_graphs,
-            compile_backend=args.compile,
+            model, devices, x_train, y_train, order, args.lr, steps=steps, compile_backend=args.compile, **options
         )
         worst = max(check["max_abs_diff"] + check["loss_diff"], default=float("nan"))
         if not check["ok"]:
@@ -366,16 +325,10 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group
             f"(largest parameter, buffer or loss difference {worst:.2g} <= atol {check['atol']:g})"
         )
 
-    trainer = dpcore.DataParallel(
-        model if args.compile is None else torch.compile(model, backend=args.compile),
-        device_ids=devices,
-        criterion=nn.CrossEntropyLoss(),
-        process_group=group,
-        sync_batchnorm=args.sync_batchnorm,
-        cuda_graphs=args.cuda_graphs,
-    )
+    compiled = model if args.compile is None else torch.compile(model, backend=args.compile)
+    trainer = dpcore.DataParallel(compiled, device_ids=devices, criterion=nn.CrossEntropyLoss(), **options)
     evaluator = dpcore.DataParallel(model, device_ids=devices)  # every rank evaluates the whole test set
-    optimizer = _sgd(model.parameters(), args.lr)
+    optimizer = SGD(model.parameters(), lr=args.lr)
     total_steps = sum(len(order) for order in orders)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * s / total_steps)))
     history: list[dict[str, Any]] = []
@@ -417,53 +370,25 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group
         )
 
     train_seconds = sum(h["seconds"] for h in history)
-    summary: dict[str, Any] = {
-        "devices": [str(d) for d in devices],
-        **{k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "seed")},
-        "batchnorm": batchnorm,
-        "cuda_graphs": args.cuda_graphs,
-        "compile": args.compile,
-        "train_samples": len(y_train),
-        "test_samples": len(y_test),
-        "final_accuracy": history[-1]["test_accuracy"],
-        "samples_per_second": sum(len(i) for order in orders for i in order) / train_seconds,
-        "seconds": train_seconds,
-        "agreement": None if check is None else check["ok"],
-        "agreement_check": check,
-        "history": history,
-        "processes": world,
-    }
+    summary = {k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "seed", "cuda_graphs", "compile")}
+    summary.update(devices=[str(d) for d in devices], batchnorm=batchnorm, processes=world, history=history)
+    summary.update(train_samples=len(y_train), test_samples=len(y_test), final_accuracy=acc, seconds=train_seconds)
+    summary["samples_per_second"] = sum(len(i) for order in orders for i in order) / train_seconds
+    summary.update(agreement=None if check is None else check["ok"], agreement_check=check)
     if args.checkpoint and rank == 0:
         torch.save(model.state_dict(), args.checkpoint)
         say(f"checkpoint written to {args.checkpoint}")
     if rank != 0:
         return summary
+    columns = [("epoch", "epoch", "d"), ("loss", "train loss", ".4f"), ("test_accuracy", "test acc", ".4f")]
     print()
-    print_table(
-        history,
-        [
-            ("epoch", "epoch", "d"),
-            ("loss", "train loss", ".4f"),
-            ("test_accuracy", "test acc", ".4f"),
-            ("samples_per_second", "samples/s", ".0f"),
-            ("seconds", "train s", ".2f"),
-        ],
-    )
+    print_table(history, columns + [("samples_per_second", "samples/s", ".0f"), ("seconds", "train s", ".2f")])
     print()
-    check_text = "skipped" if check is None else f"passed ({check['steps']} steps, atol {check['atol']:g})"
-    row = {"devices": spec if group is None else f"{world} x {spec}", "epochs": args.epochs, "check": check_text}
-    row.update(acc=summary["final_accuracy"], sps=summary["samples_per_second"], s=train_seconds)
-    print_table(
-        [row],
-        [
-            ("devices", "devices", "s"),
-            ("epochs", "epochs", "d"),
-            ("acc", "final test acc", ".4f"),
-            ("sps", "samples/s", ".0f"),
-            ("s", "train s", ".2f"),
-            ("check", "float64 agreement", "s"),
-        ],
-    )
+    row = {**summary, "devices": spec if group is None else f"{world} x {spec}"}
+    row["check"] = "skipped" if check is None else f"passed ({check['steps']} steps, atol {check['atol']:g})"
+    columns = [("devices", "devices", "s"), ("epochs", "epochs", "d"), ("final_accuracy", "final test acc", ".4f")]
+    columns += [("samples_per_second", "samples/s", ".0f"), ("seconds", "train s", ".2f")]
+    print_table([row], columns + [("check", "float64 agreement", "s")])
     return summary
 
 

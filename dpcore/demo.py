@@ -192,7 +192,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
     add("--batchnorm", action="store_true", help="BatchNorm after every hidden layer, per replica (no float64 check)")
     add("--sync-batchnorm", action="store_true", help="BatchNorm synchronized across replicas (implies --batchnorm)")
     add("--cuda-graphs", action="store_true", help="replay forward and backward from CUDA graphs (CUDA devices only)")
-    add("--compile", nargs="?", const="inductor", metavar="BACKEND", help="train torch.compile(model) (inductor)")
+    add("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile with BACKEND (inductor)")
     add("--no-progress", action="store_true", help="no progress bars (the per-epoch lines remain)")
     add("--checkpoint", metavar="FILE", help="save the trained model's state_dict here (rank 0 under torchrun)")
     add("--limit", type=int, help=argparse.SUPPRESS)  # for tests: a stratified subset of this many images

@@ -1,23 +1,16 @@
 """dpcore.ShardedOptimizer: any torch optimizer with its state split across a
-device list (ZeRO stage 1 in one process).
-
-Each position of the device list owns a shard of whole parameters, balanced
-by bytes, and a ``torch.optim`` optimizer of its own over them: that shard's
-state is created, kept and stepped on that position's device, and the
-shards step in parallel on dpcore's worker pool. The master parameters and
-their ``.grad`` stay whole on the first device. The mechanism (working
-copies, version counters, what moves where) is in docs/design.md.
-"""
+device list (ZeRO stage 1 in one process); the mechanism is in docs/design.md."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
@@ -26,37 +19,14 @@ from dpcore.parallel_apply import start_parallel_apply
 
 __all__ = ["ShardedOptimizer"]
 
-#: Optimizers whose step couples every parameter (one search direction over
-#: all of them): a shard cannot step its part alone.
-_NOT_SHARDABLE = (torch.optim.LBFGS,)
-
-_NO_HYPERPARAMETER = ("params", "param_names")
-
 
 def _holds_copies(device: torch.device, master: torch.device) -> bool:
-    """Whether a shard on `device` steps copies of its parameters there (a
-    device other than the masters'), not the masters themselves."""
+    """Whether a shard on `device` steps copies of the `master` device's parameters."""
     return normalize_device(device) != normalize_device(master)
 
 
-def _nbytes(value: Any, seen: set[int]) -> int:
-    """Bytes of the tensors in `value` (nested dicts, lists and tuples), each counted once."""
-    if isinstance(value, torch.Tensor):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        return value.numel() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_nbytes(v, seen) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v, seen) for v in value)
-    return 0
-
-
 def balance(sizes: list[int], loads: list[int]) -> list[int]:
-    """The shard of each item: largest first, each to the least loaded
-    shard (the first of equals); `loads` (the shards' bytes so far) is
-    updated. Deterministic: the same sizes give the same layout."""
+    """The shard of each item: largest first, each to the least loaded shard (the first of equals); updates `loads`."""
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         k = min(range(len(loads)), key=lambda k: loads[k])
@@ -66,21 +36,15 @@ def balance(sizes: list[int], loads: list[int]) -> list[int]:
 
 
 class _Shard:
-    """One position's part: the optimizer over its parameters and, where its
-    device is not the masters', a persistent working copy of each of them
-    there (the tensors that optimizer steps)."""
+    """One position's optimizer, and the working copies it steps where `copies`."""
 
     def __init__(self, position: int, device: torch.device, copies: bool) -> None:
-        self.position = position
-        self.device = device
-        self.copies = copies
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.position, self.device, self.copies = position, device, copies
+        self.optimizer: torch.optim.Optimizer  # set once the groups are laid out
         self.load = 0  # the bytes of its trainable parameters
-        # id(master) -> the tensor this shard's optimizer steps for it.
-        self.working: dict[int, torch.Tensor] = {}
-        # (master, working) pairs, in parameter order.
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # id(master) -> (data_ptr, version) of the master when its working copy last equalled it.
+        self.working: dict[int, torch.Tensor] = {}  # id(master) -> the tensor stepped for it
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, working), in order
+        # id(master) -> the master's (data_ptr, version) when its working copy last equalled it.
         self.seen: dict[int, tuple[int, int]] = {}
 
     def adopt(self, master: torch.Tensor) -> torch.Tensor:
@@ -97,16 +61,8 @@ class _Shard:
             self.pairs.append((master, work))
         return work
 
-    def has_grads(self) -> bool:
-        return any(master.grad is not None for master, _ in self.pairs)
-
     def step(self) -> None:
-        """Steps this shard's optimizer on its device; with working copies,
-        their gradients come from the masters' and the updated values go
-        back into the masters (an in-place copy: their version counters see
-        it). A working copy whose master changed since (a new storage or
-        version) is refreshed first."""
-        assert self.optimizer is not None
+        """Steps this shard's optimizer; with `copies`, on working copies synced from and back to the masters."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
             with torch.no_grad():
@@ -128,24 +84,17 @@ class _Shard:
 
 
 class _ShardStates(MutableMapping):  # type: ignore[type-arg]
-    """``ShardedOptimizer.state``: each master parameter's state, kept in its
-    shard's optimizer (read, created on first read as a plain optimizer's
-    defaultdict, written and deleted there; a value is stored as given)."""
+    """``ShardedOptimizer.state``: each master parameter's state, kept in its shard's optimizer."""
 
     def __init__(self, owner: ShardedOptimizer) -> None:
         self._owner = owner
 
-    def _where(self, param: torch.Tensor) -> tuple[dict[Any, Any], torch.Tensor] | None:
-        shard = self._owner._shard_of.get(id(param))
-        if shard is None or shard.optimizer is None:
-            return None
-        return shard.optimizer.state, shard.working[id(param)]
-
-    def _found(self, param: Any) -> tuple[dict[Any, Any], torch.Tensor]:
-        where = self._where(param) if isinstance(param, torch.Tensor) else None
-        if where is None:
+    def _found(self, param: object) -> tuple[dict[Any, Any], torch.Tensor]:
+        """(the shard optimizer's state, the key of `param` there); KeyError if not a parameter."""
+        shard = self._owner._shard_of.get(id(param)) if isinstance(param, torch.Tensor) else None
+        if shard is None:
             raise KeyError("not a parameter of this optimizer")
-        return where
+        return shard.optimizer.state, shard.working[id(param)]
 
     def __getitem__(self, param: torch.Tensor) -> Any:
         state, work = self._found(param)
@@ -160,8 +109,11 @@ class _ShardStates(MutableMapping):  # type: ignore[type-arg]
         del state[work]
 
     def __contains__(self, param: object) -> bool:
-        where = self._where(param) if isinstance(param, torch.Tensor) else None
-        return where is not None and where[1] in where[0]
+        try:
+            state, work = self._found(param)
+        except KeyError:
+            return False
+        return work in state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (p for group in self._owner.param_groups for p in group["params"] if p in self)
@@ -171,21 +123,12 @@ class _ShardStates(MutableMapping):  # type: ignore[type-arg]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer_class(params, **defaults)`` with its state split over
-    `devices`: a ``dpcore.DataParallel`` (its device list; `params` must be
-    its module's) or a device list (the parameters on its first device).
+    """``optimizer_class(params, **defaults)`` with its state split over `devices` (a ``dpcore.DataParallel``
+    over `params`' module, or a device list whose first device holds `params`). Each step equals the plain
+    optimizer's; ``param_groups`` are the truth (schedulers and edits reach every shard at the next step);
+    ``state_dict()`` is the plain optimizer's format; GradScaler skips the whole step on inf."""
 
-    Guarantees: each step equals the plain optimizer's over the same
-    parameters; ``param_groups`` are the truth (schedulers and user edits
-    reach every shard at the next step); ``state_dict()`` is the plain
-    optimizer's format and ``load_state_dict`` takes one from either;
-    GradScaler unscales and checks the masters' ``.grad`` and skips the
-    whole step on inf. :meth:`state_bytes` counts each position's state.
-    """
-
-    # dpcore._step_hook: this optimizer's step marks what it changes itself
-    # (the shards' steps, and the copies back into the masters).
-    _marks_own_changes = True
+    _marks_own_changes = True  # for dpcore._step_hook
 
     def __init__(
         self,
@@ -216,10 +159,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard.optimizer = self._class([self._shard_group(g, shard) for g in self.param_groups], **defaults)
         self.state = _ShardStates(self)  # type: ignore[assignment]
 
-    # -- placement ----------------------------------------------------------
-
     def _check_params(self, params: list[torch.Tensor], arg: str) -> None:
-        """Every parameter is on the first device, and the wrapper's module's."""
+        """ValueError naming `arg` unless every parameter is dense, on the first device, and the module's."""
         own = None if self._module is None else {id(p) for p in self._module.parameters()}
         first = self.devices[0] if self.devices else normalize_device(params[0].device) if params else None
         for i, p in enumerate(params):
@@ -237,8 +178,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{arg}: parameter {i} is sparse; only dense parameters can be sharded")
 
     def _place(self, params: list[torch.Tensor]) -> None:
-        """Gives each new parameter a shard, balancing the bytes of the
-        trainable ones (a frozen parameter counts as 0)."""
+        """Gives each new parameter a shard, balancing the bytes of trainable ones."""
         new = [p for p in params if id(p) not in self._shard_of]
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in new]
         loads = [s.load for s in self._shards]
@@ -250,16 +190,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _shard_group(self, group: dict[str, Any], shard: _Shard) -> dict[str, Any]:
         """`group` restricted to `shard`'s parameters (as the tensors it steps)."""
         mine = [i for i, p in enumerate(group["params"]) if self._shard_of[id(p)] is shard]
-        local = {k: v for k, v in group.items() if k not in _NO_HYPERPARAMETER}
-        local["params"] = [shard.adopt(group["params"][i]) for i in mine]
+        local = {**_settings(group), "params": [shard.adopt(group["params"][i]) for i in mine]}
         if "param_names" in group:
             local["param_names"] = [group["param_names"][i] for i in mine]
         return local
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``: the new parameters are placed on the
-        least loaded shards; every shard's optimizer gets the group (with
-        its part of it, possibly empty)."""
+        """torch's ``add_param_group``; the new parameters go to the least loaded shards."""
         super().add_param_group(param_group)
         if not self._shards:  # during __init__: placed all at once there
             return
@@ -271,13 +208,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise
         self._place(group["params"])
         for shard in self._shards:
-            assert shard.optimizer is not None
             shard.optimizer.add_param_group(self._shard_group(group, shard))
 
     def _sync_groups(self) -> list[_Shard]:
-        """Copies every hyperparameter of ``param_groups`` to the shards'
-        groups and returns the shards that have a gradient to step. Raises
-        ValueError where a group's parameter list was edited by hand."""
+        """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient."""
         listed = {id(p) for group in self.param_groups for p in group["params"]}
         if listed != self._shard_of.keys():
             raise ValueError(
@@ -285,17 +219,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "add parameters with add_param_group()"
             )
         for j, group in enumerate(self.param_groups):
-            settings = {k: v for k, v in group.items() if k not in _NO_HYPERPARAMETER}
+            settings = _settings(group)
             for shard in self._shards:
-                assert shard.optimizer is not None
                 shard.optimizer.param_groups[j].update(settings)
-        return [shard for shard in self._shards if shard.has_grads()]
-
-    # -- the step -----------------------------------------------------------
+        return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)]
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step of every shard, in parallel on the worker pool (each on
-        its device); `closure` (re-evaluates the loss) is called once, first."""
+        """One step of every shard, in parallel on the worker pool; `closure` is called once, first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -308,15 +238,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             run.result()
         return loss
 
-    # -- state ----------------------------------------------------------------
-
     def state_bytes(self) -> dict[int, int]:
-        """Bytes of optimizer state held by each position of the device list
-        (its shard's state tensors; a tensor counted once)."""
+        """Bytes of optimizer state held by each position of the device list (a tensor counted once)."""
         result = {}
         for shard in self._shards:
-            assert shard.optimizer is not None
-            result[shard.position] = _nbytes(dict(shard.optimizer.state), set())
+            tensors = {id(t): t for t in tree_leaves(dict(shard.optimizer.state)) if isinstance(t, torch.Tensor)}
+            result[shard.position] = sum(t.numel() * t.element_size() for t in tensors.values())
         return result
 
     def shard_of(self, param: torch.Tensor) -> int:
@@ -327,19 +254,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return shard.position
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """torch's ZeroRedundancyOptimizer call, for code written for it: in
-        one process every shard is at hand, so :meth:`state_dict` is always
-        whole and current, and this only checks that `to` is 0 (the one rank)."""
+        """ZeroRedundancyOptimizer's call: state_dict() is always whole here, so this only checks `to` is 0."""
         if isinstance(to, bool) or not isinstance(to, int) or to != 0:
             raise ValueError(
                 f"to: expected 0 (one process holds every shard, so its state_dict() is always whole), but got {to!r}"
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state dict of this optimizer or of the plain one over the
-        same parameter groups: the hyperparameters into ``param_groups``, each
-        parameter's state straight into its shard (cast to its device and
-        dtype there, as torch's own load does)."""
+        """Loads a state dict of this optimizer or of the plain one, each parameter's state into its shard."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -352,31 +274,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
             )
-        index_of = dict(
-            zip(
-                (id(p) for g in self.param_groups for p in g["params"]),
-                chain.from_iterable(s["params"] for s in saved_groups),
-            )
-        )
+        masters = [id(p) for g in self.param_groups for p in g["params"]]
+        index_of = dict(zip(masters, chain.from_iterable(s["params"] for s in saved_groups)))
         known = set(index_of.values())
         unknown = [k for k in state_dict["state"] if k not in known]
         if unknown:
             raise ValueError(f"state_dict['state']: entries {unknown[:5]} belong to no parameter of param_groups")
-        groups = []
         for group, saved in zip(self.param_groups, saved_groups):
             saved["params"] = group["params"]
-            if "param_names" in group and "param_names" not in saved:
-                saved["param_names"] = group["param_names"]
-            groups.append(saved)
-        self.param_groups = groups
+            if "param_names" in group:
+                saved.setdefault("param_names", group["param_names"])
+        self.param_groups = groups = saved_groups
         for shard in self._shards:
-            assert shard.optimizer is not None
             local: dict[str, Any] = {"state": {}, "param_groups": []}
             count = 0
             for group in groups:
                 mine = [p for p in group["params"] if self._shard_of[id(p)] is shard]
-                settings = {k: v for k, v in group.items() if k not in _NO_HYPERPARAMETER}
-                local["param_groups"].append({**settings, "params": list(range(count, count + len(mine)))})
+                local["param_groups"].append({**_settings(group), "params": list(range(count, count + len(mine)))})
                 for i, p in enumerate(mine, count):
                     if index_of[id(p)] in state_dict["state"]:
                         local["state"][i] = state_dict["state"][index_of[id(p)]]
@@ -400,7 +314,7 @@ def _check_class(optimizer_class: Any) -> type[torch.optim.Optimizer]:
         )
     if issubclass(optimizer_class, ShardedOptimizer):
         raise TypeError("optimizer_class: a ShardedOptimizer cannot shard another one; pass the plain class")
-    if issubclass(optimizer_class, _NOT_SHARDABLE):
+    if issubclass(optimizer_class, torch.optim.LBFGS):
         raise ValueError(
             f"optimizer_class: {optimizer_class.__name__} searches one direction over all parameters at once "
             "(its step couples every parameter), so it cannot be split into shards that step alone"
@@ -419,24 +333,18 @@ def _placement(devices: Any) -> tuple[list[torch.device], nn.Module | None]:
     return check_device_list(devices, "devices"), None
 
 
-def _as_list(params: Any) -> Any:
-    return params if isinstance(params, torch.Tensor) else list(params)
+def _as_list(params: Any) -> list[Any]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def _probe_tensor(params: list[Any]) -> torch.Tensor:
-    """A meta tensor shaped as the first parameter (one with no storage):
-    what the optimizer class is built over once to check the arguments and
-    fill in its defaults."""
-    first: Any = None
-    for entry in params:
-        members: Iterable[Any] = entry["params"] if isinstance(entry, dict) else [entry]
-        if isinstance(members, torch.Tensor):
-            members = [members]
-        for m in members:
-            first = m[1] if isinstance(m, tuple) else m
-            break
-        if first is not None:
-            break
+    """A meta tensor shaped as the first parameter, to build the optimizer class over once (its defaults)."""
+    members = [m for entry in params for m in (entry["params"] if isinstance(entry, dict) else [entry])]
+    first = members[0][1] if members and isinstance(members[0], tuple) else members[0] if members else None
     if not isinstance(first, torch.Tensor):
         return torch.empty(0, device="meta", requires_grad=True)
     return torch.empty_like(first, device="meta").requires_grad_(True)

@@ -1,11 +1,7 @@
-"""The hybrid mode's bucketed gradient all-reduce (private).
-
-:class:`BucketReducer` sends the master's gradients in flat buckets (with
-"has a gradient" flags, the sample count and one layout mark per rank),
-weighted by this process's share of the samples, as a C++ counter
-(``_C.GradReadiness``, csrc/dpcore/grad_ready.h) finds buckets complete in
-backward; the final callback sends the rest, waits and writes ``.grad``.
-The mechanism and the weights: docs/design.md, "Hybrid".
+"""The hybrid mode's bucketed gradient all-reduce (private): :class:`BucketReducer`
+sends the master's gradients in flat buckets, weighted by this process's share
+of the samples, as a C++ counter (``_C.GradReadiness``) finds buckets complete
+in backward. The mechanism and the weights: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -22,21 +18,15 @@ from dpcore._loader import _C
 
 __all__ = ["FlatBucket", "SampleCounts", "BucketReducer", "flat_groups", "broadcast", "all_reduce_fresh", "weak_call"]
 
-#: Dtypes that hold every sample count exactly (up to 2**24), so a bucket of
-#: them can carry the count.
+#: Dtypes that hold every sample count exactly (up to 2**24): a bucket of them can carry the count.
 COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 class FlatBucket:
-    """Tensors of one dtype and a persistent flat buffer holding them, then
-    one "has a gradient" flag each, then one sample count; with `world` > 0
-    (gradient buckets), then one "counted" flag (whether the sender's weights
-    follow sample counts) and `world` layout marks (element r is 1 where
-    rank r's module changed its layout since the buckets were built).
-
-    With `side` = (flags, tail) (the buckets of a communication hook), the
-    flat buffer holds the gradients only; the flags and the tail (count,
-    counted flag, marks) are views of a tensor sent apart."""
+    """Tensors of one dtype in a persistent flat buffer, then one "has a
+    gradient" flag each and a sample count; with `world` > 0, then a "counted"
+    flag and `world` layout marks. With `side` = (flags, tail), the buffer holds
+    the tensors only and the rest are views of `side`."""
 
     __slots__ = ("params", "flat", "data", "views", "flags", "count", "counted", "marks")
 
@@ -49,8 +39,7 @@ class FlatBucket:
     ) -> None:
         self.params = list(params)
         sizes = [p.numel() for p in self.params]
-        total = sum(sizes)
-        n = len(sizes)
+        total, n = sum(sizes), len(sizes)
         if side is None:
             extra = 2 + world if world else 1
             self.flat = torch.zeros(total + n + extra, dtype=self.params[0].dtype, device=device)
@@ -61,9 +50,36 @@ class FlatBucket:
         self.data = self.flat[:total]
         self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
         self.flags = flags
-        self.count = tail[0:1]
-        self.counted = tail[1:2]
-        self.marks = tail[2:]
+        self.count, self.counted, self.marks = tail[0:1], tail[1:2], tail[2:]
+
+    def fill(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
+        """Copies `grads` into the views (zeros for None) and sets the flags; which were present."""
+        present = [g is not None for g in grads]
+        if all(present):
+            torch._foreach_copy_(self.views, grads)
+            self.flags.fill_(1)
+            return present
+        for view, g in zip(self.views, grads):
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)
+        self.flags.copy_(torch.tensor(present, dtype=self.flags.dtype))
+        return present
+
+    def copy_back(self, present: Sequence[bool]) -> None:
+        """Writes the reduced views into ``.grad``: in place where this process
+        had a gradient, into a new tensor where only another one had, nowhere
+        where none had (``.grad`` stays None)."""
+        if all(present):
+            torch._foreach_copy_([p.grad for p in self.params], self.views)
+            return
+        used = self.flags.ne(0).tolist()
+        for p, view, had, anyone in zip(self.params, self.views, present, used):
+            if had:
+                p.grad.copy_(view)
+            elif anyone:
+                p.grad = torch.empty_like(p).copy_(view)
 
 
 def flat_groups(tensors: Sequence[torch.Tensor], device: torch.device, bucket_bytes: int) -> list[FlatBucket]:
@@ -72,9 +88,8 @@ def flat_groups(tensors: Sequence[torch.Tensor], device: torch.device, bucket_by
 
 
 def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> None:
-    """Overwrites the tensors of `groups` with rank `src`'s values (in place,
-    bumping version counters on the receiving ranks only); one broadcast per
-    group."""
+    """Overwrites the tensors of `groups` in place with rank `src`'s values
+    (version counters bump on the receiving ranks only)."""
     with torch.no_grad():
         for g in groups:
             if rank == src:
@@ -82,19 +97,6 @@ def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> 
             dist.broadcast(g.flat, group=group, group_src=src)
             if rank != src:
                 torch._foreach_copy_([t.detach() for t in g.params], g.views)
-
-
-def copy_back(bucket: FlatBucket, present: Sequence[bool]) -> None:
-    """Copies an all-reduced bucket into its parameters' ``.grad``: in place
-    where this process had a gradient, into a new tensor where only another
-    process had one (its flag), and not at all where no process had one (the
-    gradient stays None, as on one device)."""
-    used = bucket.flags.ne(0).tolist()
-    for p, view, had, anyone in zip(bucket.params, bucket.views, present, used):
-        if had:
-            p.grad.copy_(view)
-        elif anyone:
-            p.grad = torch.empty_like(p).copy_(view)
 
 
 def all_reduce_fresh(
@@ -105,33 +107,24 @@ def all_reduce_fresh(
     group: Any,
     bucket_bytes: int,
 ) -> None:
-    """After a layout change every rank made: all-reduces the gradients of the
-    parameters `fresh` (those the old buckets did not cover) with this rank's
-    `weight` of the synchronization (zeros where not `contribute`: a joined
-    rank), and writes the results into ``.grad`` where it contributes."""
+    """All-reduces the gradients of `fresh` times this rank's `weight` (zeros
+    where not `contribute`) and, where it contributes, writes them into ``.grad``."""
     for g in flat_groups(fresh, device, bucket_bytes):
-        present = [contribute and p.grad is not None for p in g.params]
-        for view, p, had in zip(g.views, g.params, present):
-            if had:
-                view.copy_(p.grad)
-            else:
-                view.zero_()
-        g.flags.copy_(torch.tensor(present, dtype=g.flat.dtype))
+        present = g.fill([p.grad if contribute else None for p in g.params])
         if isinstance(weight, torch.Tensor) or weight != 1.0:
             g.data.mul_(weight)
         dist.all_reduce(g.flat, group=group)
         if contribute:
-            copy_back(g, present)
+            g.copy_back(present)
 
 
 class SampleCounts:
     """What the weights of the next synchronization depend on, kept across
-    rebuilds of the buckets: this process's samples of mean-loss forwards
-    since the last synchronization (`local`, and whether there was any:
-    `counted`), N_prev (`previous_total`: the global count of the previous
-    synchronization, the same on every process), this process's count at its
-    last synchronization (`last`: a joined rank's weight), the largest global
-    count so far with a hook (`ref`), and whether any synchronization began."""
+    rebuilds: this process's samples of mean-loss forwards since the last
+    synchronization (`local`; `counted` if any), the previous global count
+    (`previous_total`), this process's count at its last synchronization
+    (`last`), the largest global count so far with a hook (`ref`), and
+    whether any synchronization began (`started`)."""
 
     def __init__(self) -> None:
         self.local = 0
@@ -142,30 +135,26 @@ class SampleCounts:
         self.started = False
 
     def record(self, rows: int) -> None:
-        """A forward of `rows` samples with a mean loss."""
         self.counted = True
         self.local += int(rows)
 
     def clear(self) -> None:
-        """After a synchronization (or a backward that raised)."""
         self.local = 0
         self.counted = False
 
 
 def weak_call(ref: weakref.ref[Any], name: str, *args: Any) -> None:
-    """Calls method `name` of the object `ref` refers to, if still alive (the
-    C++ hooks hold no strong reference to their reducer)."""
+    """Calls method `name` of the object `ref` refers to, if it is alive."""
     target = ref()
     if target is not None:
         getattr(target, name)(*args)
 
 
 class BucketReducer:
-    """The gradient buckets of `params` (`indices`: the core's make_buckets
-    of them) and their all-reduce over `group`, weighted by `counts`.
-    :meth:`arm` before each backward that may synchronize; the C++ counter
-    calls :meth:`_begin` (which queues `on_finish`, the final callback) and
-    :meth:`_ready`; `on_finish` calls :meth:`finish`, then :meth:`write_back`."""
+    """The gradient buckets of `params` (`indices`: the core's make_buckets of
+    them) and their all-reduce over `group`, weighted by `counts`. :meth:`arm`
+    before each backward; the C++ counter calls :meth:`_begin` (which queues
+    `on_finish`) and :meth:`_ready`; `on_finish` calls :meth:`finish` and :meth:`write_back`."""
 
     def __init__(
         self,
@@ -192,13 +181,8 @@ class BucketReducer:
             for i in g:
                 bucket_of[i] = b
         ref = weakref.ref(self)
-        self.readiness = _C.GradReadiness(
-            self.params,
-            bucket_of,
-            self.order,
-            functools.partial(weak_call, ref, "_begin"),
-            functools.partial(weak_call, ref, "_ready"),
-        )
+        begin, ready = (functools.partial(weak_call, ref, name) for name in ("_begin", "_ready"))
+        self.readiness = _C.GradReadiness(self.params, bucket_of, self.order, begin, ready)
         self.reset()
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
@@ -214,9 +198,8 @@ class BucketReducer:
         return self.readiness.task
 
     def arm(self, synchronizes: bool, deferred: bool, pending: bool) -> None:
-        """Before a backward: whether it synchronizes, whether every bucket
-        waits for the final callback (synchronized BatchNorm across
-        processes), whether this rank's layout changed since the build."""
+        """Before a backward: whether it synchronizes, whether every bucket waits
+        for the final callback, whether this rank's layout changed."""
         self.readiness.arm(synchronizes, deferred)
         self.pending = pending
 
@@ -233,7 +216,7 @@ class BucketReducer:
         self.previous: Any = None  # with a hook: the Future of the bucket sent last
 
     def close(self) -> None:
-        """Removes the hooks (the buckets are replaced)."""
+        """Removes the hooks."""
         self.readiness.remove()
 
     def _begin(self) -> None:
@@ -249,15 +232,15 @@ class BucketReducer:
             self.next += 1
 
     def _blocked(self) -> bool:
-        """Whether the next bucket must wait for the previous one (a hook's)."""
+        """Whether the next bucket must wait for the previous one."""
         return False
 
     def _wait_previous(self) -> None:
         """Waits until the bucket sent last may be followed by the next."""
 
     def finish(self) -> float | torch.Tensor | None:
-        """In the final callback: launches what is left and waits for every
-        bucket; the correction factor of the weights (None where it is 1)."""
+        """Launches what is left and waits for every bucket; the correction
+        factor of the weights (None where it is 1)."""
         while self.next < len(self.order):
             self._wait_previous()
             self._launch(self.order[self.next])
@@ -267,23 +250,13 @@ class BucketReducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         grads = [p.grad for p in bucket.params]
-        present = [g is not None for g in grads]
         for g in grads:
             if g is not None and g.layout != torch.strided:
                 raise RuntimeError(
                     f"DataParallel(process_group=...): expected dense gradients, but a parameter's gradient has "
                     f"layout {g.layout} (sparse gradients are not supported)"
                 )
-        if all(present):
-            torch._foreach_copy_(bucket.views, grads)
-            bucket.flags.fill_(1)
-        else:
-            for view, g in zip(bucket.views, grads):
-                if g is None:
-                    view.zero_()
-                else:
-                    view.copy_(g)
-            bucket.flags.copy_(torch.tensor(present, dtype=bucket.flags.dtype))
+        present = bucket.fill(grads)
         if self.alpha is None:
             self._begin_weights()
         alpha = self.alpha
@@ -303,16 +276,18 @@ class BucketReducer:
             bucket.marks[self.rank] = 1
         self.launched[b] = (present, dist.all_reduce(bucket.flat, group=self.group, async_op=True))
 
+    def _all_reduce_count(self, count: float, counted: bool) -> tuple[torch.Tensor, Any]:
+        """The asynchronous all-reduce of (count, counted flag) in float64."""
+        both = torch.tensor([count, 1.0 if counted else 0.0], dtype=torch.float64, device=self.device)
+        return both, dist.all_reduce(both, group=self.group, async_op=True)
+
     def _begin_weights(self) -> None:
-        """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P when
-        no mean-loss forward was recorded: every process then weighs the same),
-        and, where no bucket can carry the count, its own all-reduce
-        (count, counted flag) before the first bucket's."""
+        """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P without
+        a mean-loss forward) and, where no bucket can carry the count, its own all-reduce."""
         c = self.counts
         self.alpha = c.local / c.previous_total if c.counted else 1.0 / self.world_size
         if self.count_bucket is None:
-            count = torch.tensor([float(c.local), 1.0 if c.counted else 0.0], dtype=torch.float64, device=self.device)
-            self.count_work = (count, dist.all_reduce(count, group=self.group, async_op=True))
+            self.count_work = self._all_reduce_count(float(c.local), c.counted)
 
     def _complete(self) -> float | torch.Tensor | None:
         if self.count_work is not None:
@@ -323,9 +298,8 @@ class BucketReducer:
         return factor
 
     def _correction(self) -> float | torch.Tensor | None:
-        """After the sample count arrived: N_prev / N, the factor that turns
-        the sent n_p / N_prev weights into n_p / N (None where it is 1); N
-        becomes the next N_prev."""
+        """N_prev / N, which turns the sent weights n_p / N_prev into n_p / N
+        (None where it is 1); N becomes the next N_prev."""
         c = self.counts
         if not c.counted:
             return None
@@ -351,17 +325,12 @@ class BucketReducer:
     def write_back(self, factor: float | torch.Tensor | None) -> None:
         """Writes the reduced buckets, times `factor`, into ``.grad``."""
         for b, (present, _) in self.launched.items():
-            bucket = self.buckets[b]
             if factor is not None:
-                bucket.data.mul_(factor)
-            if all(present):
-                torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
-            else:
-                copy_back(bucket, present)
+                self.buckets[b].data.mul_(factor)
+            self.buckets[b].copy_back(present)
 
     def fresh_weight(self, factor: float | torch.Tensor | None) -> float | torch.Tensor:
-        """This rank's weight for gradients of parameters a layout change
-        newly covers (summed, without a hook)."""
+        """This rank's weight for the gradients a layout change newly covers."""
         alpha = self._fresh_alpha()
         weight = 0.0 if self.counts.counted and self.counts.local == 0 else alpha
         return weight if factor is None else weight * factor
@@ -370,11 +339,11 @@ class BucketReducer:
         return self.alpha if self.alpha is not None else 0.0
 
     def changed_ranks(self) -> list[int]:
-        """The ranks whose module changed structure since the buckets were
-        built, from the marks of the first bucket sent (after it arrived)."""
+        """The ranks whose layout changed since the build, from the marks of the
+        first bucket sent (after it arrived)."""
         if not self.order:
             return []
-        marks = self.buckets[self.order[0]].marks  # on CUDA: one read of world_size numbers per synchronization
+        marks = self.buckets[self.order[0]].marks
         return [r for r, m in enumerate(marks.tolist()) if m != 0]
 
     def shadow(self, phantom: float, pending: bool) -> None:
@@ -385,8 +354,7 @@ class BucketReducer:
         self.pending = pending
         count_work = None
         if self.count_bucket is None:
-            count = torch.tensor([phantom, 0.0], dtype=torch.float64, device=self.device)
-            count_work = (count, dist.all_reduce(count, group=self.group, async_op=True))
+            count_work = self._all_reduce_count(phantom, False)
         works = []
         for b in self.order:
             bucket = self.buckets[b]

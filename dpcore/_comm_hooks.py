@@ -1,11 +1,9 @@
-"""DDP's communication hooks for the hybrid mode (private):
-``register_comm_hook(state, hook)``.
+"""DDP's communication hooks for the hybrid mode (private): ``register_comm_hook``.
 
 :class:`HookedReducer` hands each gradient bucket to ``hook(state, bucket)``
-(a :class:`GradBucket`, DDP's interface) instead of all-reducing it, one
-bucket at a time; the flags, the sample count and the layout marks go apart,
-in one float64 all-reduce per synchronization, so that no lossy hook touches
-them. The weights with a hook: docs/design.md, "Hybrid".
+(a :class:`GradBucket`) instead of all-reducing it; the flags, the sample
+count and the layout marks go apart, in one float64 all-reduce. The weights
+with a hook: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -24,13 +22,8 @@ __all__ = ["GradBucket", "HookedReducer", "check_hook"]
 
 class GradBucket:
     """What a communication hook receives for one gradient bucket: dpcore's
-    stand-in for ``torch.distributed.GradBucket`` (a C++ class that Python
-    cannot build), with the methods torch's hooks call. ``buffer()`` is the
-    flat gradient of the bucket's parameters (this process's, weighted; see
-    docs/design.md), ``gradients()`` views of the current buffer in the
-    shapes of ``parameters()``, ``index()`` the bucket's place in the order
-    the buckets are sent (0 first: the last parameters, as DDP) and
-    ``is_last()`` whether it is the last one sent in this synchronization."""
+    stand-in for ``torch.distributed.GradBucket`` (which Python cannot build),
+    with the methods torch's hooks call."""
 
     __slots__ = ("_index", "_count", "_buffer", "_params")
 
@@ -41,7 +34,7 @@ class GradBucket:
         self._params = list(params)
 
     def index(self) -> int:
-        """The bucket's place in the send order (the same on every rank and step, until a rebuild)."""
+        """The bucket's place in the send order (0 first: the last parameters, as DDP)."""
         return self._index
 
     def is_last(self) -> bool:
@@ -49,12 +42,11 @@ class GradBucket:
         return self._index == self._count - 1
 
     def buffer(self) -> torch.Tensor:
-        """The flat (1-D) gradient of the bucket's parameters."""
+        """The flat (1-D) gradient of the bucket's parameters, this process's, weighted."""
         return self._buffer
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replaces the buffer (as ``fp16_compress_wrapper`` does) by a 1-D
-        tensor of the same number of elements; ``gradients()`` then views it."""
+        """Replaces the buffer by a 1-D tensor of as many elements; ``gradients()`` then views it."""
         if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
             found = (
                 f"a tensor of shape {tuple(buffer.shape)}"
@@ -96,8 +88,7 @@ def check_hook(state: Any, hook: Any) -> None:
 
 
 def _hook_result(value: Any, bucket: FlatBucket, index: int) -> torch.Tensor:
-    """The tensor a hook's Future gave for a bucket (a tensor, or a list
-    whose first element is one, as DDP accepts), checked for size."""
+    """The tensor a hook's Future gave for a bucket (or the first of a list), checked for size."""
     tensor = value[0] if isinstance(value, (list, tuple)) and value else value
     if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.data.numel():
         found = f"a tensor of {tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else type(value).__name__
@@ -109,27 +100,24 @@ def _hook_result(value: Any, bucket: FlatBucket, index: int) -> torch.Tensor:
 
 
 class HookedReducer(BucketReducer):
-    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state). The
-    hook divides by the world size P itself, so a bucket holds this
-    process's gradient times P * n_p / N_ref (N_ref: the largest global
-    count so far, learnt by one blocking all-reduce before the first
-    synchronization); a factor N_ref / N on arrival makes the weights n_p / N."""
+    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state), one at
+    a time. The hook divides by P, so a bucket holds this process's gradient
+    times P * n_p / N_ref (N_ref: the largest global count so far); N_ref / N
+    on arrival makes the weights n_p / N."""
 
     def __init__(self, *args: Any, hook: tuple[Any, Any]) -> None:
-        """`args` as :class:`BucketReducer`'s."""
         self.hook = hook
         super().__init__(*args)
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
-        """Every bucket's flags, then count, counted flag and marks, in one
-        float64 tensor sent apart (``self.side``)."""
+        """Every bucket's flags, then count, counted flag and marks, in one float64 tensor sent apart."""
         flags = sum(len(g) for g in groups)
         self.side = torch.zeros(flags + 2 + self.world_size, dtype=torch.float64, device=self.device)
-        tail = self.side[flags:]
+        self.tail = self.side[flags:]
         buckets = []
         offset = 0
         for g in groups:
-            side = (self.side[offset : offset + len(g)], tail)
+            side = (self.side[offset : offset + len(g)], self.tail)
             buckets.append(FlatBucket(g, self.device, world=self.world_size, side=side))
             offset += len(g)
         return buckets
@@ -141,37 +129,33 @@ class HookedReducer(BucketReducer):
         return self.previous is not None and not self.previous.done()
 
     def _wait_previous(self) -> None:
-        """Waits until the bucket sent last is reduced, so that collectives a
-        hook issues from its Future's callbacks (PowerSGD's) come in the same
-        order on every rank."""
+        """Waits until the bucket sent last is reduced, so that collectives a hook
+        issues from its Future's callbacks come in one order on every rank."""
         if self.previous is not None:
             self.previous.wait()
 
+    def _learn_ref(self, count: float, counted: bool) -> None:
+        """Before the first synchronization: N_ref, by one blocking all-reduce of the counts."""
+        if self.counts.ref is None:
+            both, work = self._all_reduce_count(count, counted)
+            work.wait()
+            total, flag = both.tolist()
+            if flag != 0:
+                self.counts.ref = max(total, 1.0)
+
     def _begin_weights(self) -> None:
-        """The pre-multiplier P * n_p / N_ref (1 with equal full batches, at
-        most P otherwise, so a half-precision hook cannot overflow for it)."""
+        """The pre-multiplier P * n_p / N_ref (at most P, so that a half-precision hook cannot overflow)."""
         c = self.counts
-        if c.ref is None:
-            total, counted = self._count_all(float(c.local), c.counted)
-            if counted:
-                c.ref = max(total, 1.0)
+        self._learn_ref(float(c.local), c.counted)
         ref = c.ref if c.ref is not None else 1.0
         self.alpha = self.world_size * c.local / ref if c.counted else 1.0
-
-    def _count_all(self, count: float, counted: bool) -> tuple[float, bool]:
-        """Blocking all-reduce of (sample count, counted flag): the total and
-        whether any rank counted."""
-        both = torch.tensor([count, 1.0 if counted else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, group=self.group)
-        total, flag = both.tolist()
-        return total, flag != 0
 
     def _send(self, b: int, present: list[bool]) -> None:
         self.previous = self._call_hook(b)
         self.launched[b] = (present, self.previous)
 
     def _call_hook(self, b: int) -> Any:
-        """Calls the communication hook on bucket `b`'s gradients; its Future."""
+        """Calls the hook on bucket `b`; its Future."""
         hook, state = self.hook
         bucket = self.buckets[b]
         index = self.order.index(b)
@@ -184,62 +168,50 @@ class HookedReducer(BucketReducer):
         return future
 
     def _complete(self) -> float | None:
-        """Waits for each Future and writes its tensor into the bucket, then
-        all-reduces the side tensor and returns the correction N_ref / N (None
-        where it is 1); N_ref becomes the largest N so far."""
+        """Waits for each Future and writes its tensor into the bucket, then sends
+        the side tensor; the correction N_ref / N (None where it is 1)."""
         c = self.counts
         for b, (_, future) in self.launched.items():
             bucket = self.buckets[b]
             result = _hook_result(future.wait(), bucket, self.order.index(b))
             if result.data_ptr() != bucket.data.data_ptr() or result.dtype != bucket.data.dtype:
                 bucket.data.copy_(result.reshape(-1))
-        total, counted = self._send_side(float(c.local), c.counted)
+        n = self._send_side(float(c.local), c.counted)
         if c.counted:
             c.last = c.local
-        if not counted:
+        if n is None:
             return None
-        n = max(total, 1.0)
         ref = c.ref if c.ref is not None else n
-        factor = None if n == ref or not c.counted else ref / n
         c.ref = max(ref, n)
-        return factor
+        return None if n == ref or not c.counted else ref / n
 
-    def _send_side(self, count: float, counted: bool) -> tuple[float, bool]:
-        """All-reduces the side tensor (the bucket flags already in it) with
-        this rank's count, counted flag and layout mark; returns the total
-        count and whether any rank counted."""
-        tail = self.side[len(self.side) - self.world_size - 2 :]
-        tail[0] = count
-        tail[1] = 1.0 if counted else 0.0
-        tail[2:].zero_()
+    def _send_side(self, count: float, counted: bool) -> float | None:
+        """All-reduces the side tensor with this rank's count, counted flag and
+        mark; the global count N (at least 1) if any rank counted, else None."""
+        self.tail[0] = count
+        self.tail[1] = 1.0 if counted else 0.0
+        self.tail[2:].zero_()
         if self.pending:
-            tail[2 + self.rank] = 1.0
+            self.tail[2 + self.rank] = 1.0
         dist.all_reduce(self.side, group=self.group)
-        total, flag = tail[:2].tolist()
-        return total, flag != 0
+        total, flag = self.tail[:2].tolist()
+        return max(total, 1.0) if flag != 0 else None
 
     def _fresh_alpha(self) -> float | torch.Tensor:
-        """Divided by P: the new buckets are summed without the hook's division."""
-        return super()._fresh_alpha() / self.world_size
+        return super()._fresh_alpha() / self.world_size  # the new buckets are summed without the hook's division
 
     def shadow(self, phantom: float, pending: bool) -> None:
-        """A joined rank's synchronization with a hook: the count once before
-        the first, the hook on zero buckets in order, each waited for, then
-        the side tensor."""
+        """A joined rank's synchronization: the count once before the first, the
+        hook on zero buckets in order, each waited for, then the side tensor."""
         self.reset()
         self.counts.started = True
         self.pending = pending
-        c = self.counts
-        if c.ref is None:
-            total, counted = self._count_all(phantom, False)
-            if counted:
-                c.ref = max(total, 1.0)
+        self._learn_ref(phantom, False)
         for b in self.order:
             bucket = self.buckets[b]
             bucket.flat.zero_()
             bucket.flags.zero_()
             self._call_hook(b).wait()
-        total, counted = self._send_side(phantom, False)
-        if counted:
-            n = max(total, 1.0)
-            c.ref = n if c.ref is None else max(c.ref, n)
+        n = self._send_side(phantom, False)
+        if n is not None:
+            self.counts.ref = n if self.counts.ref is None else max(self.counts.ref, n)

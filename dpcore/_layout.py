@@ -1,22 +1,23 @@
-"""The layout every process of the hybrid mode must share (private).
-
-What must be equal on every rank (names, shapes, dtypes, requires_grad,
-gradient buckets, the buffer options) is compared as one hash at
-construction; a structural change after it is agreed at the next
-synchronization (:func:`agree_on_change`). The mechanism: docs/design.md,
-"Hybrid".
+"""The layout every process of the hybrid mode must share (private): compared
+as one hash at construction (:func:`check_layout`); a structural change after
+it is agreed at the next synchronization (:func:`agree_on_change`). The
+mechanism: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpcore._loader import _C
+
+if TYPE_CHECKING:
+    from dpcore.distributed import GradientSync
 
 __all__ = ["structure_of", "layout_lines", "check_layout", "agree_on_change"]
 
@@ -32,8 +33,7 @@ def structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
 
 
 def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ...]]) -> list[str]:
-    """What changed between two :func:`structure_of` lists, one phrase per
-    tensor ("parameter 'fc.weight' frozen (requires_grad True -> False)")."""
+    """One phrase per tensor that changed between two :func:`structure_of` lists."""
     before = {(kind, name): rest for kind, name, *rest in old}
     after = {(kind, name): rest for kind, name, *rest in new}
     phrases = []
@@ -60,7 +60,7 @@ def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ..
 
 
 def _digest(t: torch.Tensor) -> str:
-    """A hash of a tensor's values (for comparing replaced tensors across processes)."""
+    """A hash of a tensor's values."""
     data = t.detach().to("cpu").contiguous().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
@@ -71,8 +71,7 @@ def layout_lines(
     buckets: Sequence[Sequence[int]],
     options: str,
 ) -> list[str]:
-    """What must be equal on every process, one line per item (`options`:
-    the options every rank must share, as one line)."""
+    """What must be equal on every process, one line per item."""
     lines = [
         f"parameter {name!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
         for name, p in named_params
@@ -83,73 +82,51 @@ def layout_lines(
     return lines
 
 
-def check_layout(lines: list[str], group: Any, device: torch.device, world_size: int) -> None:
-    """One all_gather of a 64-bit hash of `lines`; on a difference, every rank
-    gathers the layouts and raises ValueError naming the first difference."""
-    import torch.distributed as dist
-
+def check_layout(lines: list[str], sync: GradientSync) -> None:
+    """Collective: ValueError on every rank, naming the first difference from
+    rank 0, unless every rank has the same `lines` (one all-gather of a hash)."""
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=sync.device)
+    every = [torch.empty_like(mine) for _ in range(sync.world_size)]
+    dist.all_gather(every, mine, group=sync.group)
     if all(torch.equal(h, every[0]) for h in every):
         return
-    layouts: list[Any] = [None] * world_size
-    dist.all_gather_object(layouts, lines, group=group)
-    raise ValueError(_describe_difference(layouts))
-
-
-def _describe_difference(layouts: Sequence[Sequence[str]]) -> str:
-    """The first line in which a rank's layout differs from rank 0's."""
-    base = list(layouts[0])
-    for rank, lines in enumerate(layouts[1:], start=1):
-        lines = list(lines)
-        if lines == base:
-            continue
-        for k in range(max(len(lines), len(base))):
-            mine = lines[k] if k < len(lines) else "nothing"
+    layouts: list[Any] = [None] * sync.world_size
+    dist.all_gather_object(layouts, lines, group=sync.group)
+    base = layouts[0]
+    for rank, other in enumerate(layouts[1:], start=1):
+        for k in range(max(len(other), len(base))):
+            found = other[k] if k < len(other) else "nothing"
             theirs = base[k] if k < len(base) else "nothing"
-            if mine != theirs:
-                return (
+            if found != theirs:
+                raise ValueError(
                     "process_group: the module must have the same layout in every process, but rank "
-                    f"{rank} has {mine} where rank 0 has {theirs}"
+                    f"{rank} has {found} where rank 0 has {theirs}"
                 )
-    return "process_group: the module's layout differs between processes"
+    raise ValueError("process_group: the module's layout differs between processes")
 
 
-def agree_on_change(
-    module: nn.Module,
-    built: Sequence[tuple[Any, ...]],
-    pending: bool,
-    changed: Sequence[int],
-    *,
-    bucket_bytes: int,
-    options: str,
-    group: Any,
-    world_size: int,
-) -> None:
-    """Collective, on every rank once a synchronization's marks show that the
-    ranks `changed` changed their module since it was `built` (this rank
-    among them where `pending`): gathers every rank's layout (and a hash of
-    the values of the tensors new since then) and raises ValueError on every
-    rank, naming each changed rank and what it changed, unless every rank
-    made the same change with the same values."""
-    import torch.distributed as dist
-
+def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
+    """Collective, once a synchronization's marks show that the ranks `changed`
+    changed their module since the build: ValueError on every rank, naming each
+    changed rank's change, unless every rank made the same change with the same
+    values in new tensors."""
+    module = sync.module
     named_params = list(module.named_parameters())
     named_buffers = list(module.named_buffers())
     grads = [p for _, p in named_params if p.requires_grad]
-    lines = layout_lines(named_params, named_buffers, _C.make_buckets(grads, bucket_bytes), options)
-    known = {entry[2] for entry in built}
-    values = [  # tensors new since the build must hold the same values everywhere
+    lines = layout_lines(named_params, named_buffers, _C.make_buckets(grads, sync.bucket_bytes), sync.options)
+    known = {entry[2] for entry in sync._structure}
+    values = [
         f"{kind} {name!r} values {_digest(t)}"
         for kind, named in (("parameter", named_params), ("buffer", named_buffers))
         for name, t in named
         if id(t) not in known
     ]
-    what = _describe_change(built, structure_of(module)) if pending else []
+    what = _describe_change(sync._structure, structure_of(module)) if sync.pending else []
+    world_size = sync.world_size
     reports: list[Any] = [None] * world_size
-    dist.all_gather_object(reports, (lines, values, what), group=group)
+    dist.all_gather_object(reports, (lines, values, what), group=sync.group)
     if len(changed) == world_size and all(r[:2] == reports[0][:2] for r in reports):
         return  # the same change everywhere: adopted after this synchronization
     parts = [f"rank {r}: {'; '.join(reports[r][2]) or 'its layout'}" for r in changed]

@@ -6,17 +6,21 @@ in backward. The mechanism and the weights: docs/design.md, "Hybrid".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dpcore._loader import _C
 
-__all__ = ["FlatBucket", "SampleCounts", "BucketReducer", "flat_groups", "broadcast", "all_reduce_fresh", "weak_call"]
+if TYPE_CHECKING:
+    from dpcore.distributed import GradientSync
+
+__all__ = ["FlatBucket", "SampleCounts", "BucketReducer", "flat_groups", "broadcast", "weak_call"]
 
 #: Dtypes that hold every sample count exactly (up to 2**24): a bucket of them can carry the count.
 COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -99,25 +103,7 @@ def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> 
                 torch._foreach_copy_([t.detach() for t in g.params], g.views)
 
 
-def all_reduce_fresh(
-    fresh: Sequence[torch.Tensor],
-    weight: float | torch.Tensor,
-    contribute: bool,
-    device: torch.device,
-    group: Any,
-    bucket_bytes: int,
-) -> None:
-    """All-reduces the gradients of `fresh` times this rank's `weight` (zeros
-    where not `contribute`) and, where it contributes, writes them into ``.grad``."""
-    for g in flat_groups(fresh, device, bucket_bytes):
-        present = g.fill([p.grad if contribute else None for p in g.params])
-        if isinstance(weight, torch.Tensor) or weight != 1.0:
-            g.data.mul_(weight)
-        dist.all_reduce(g.flat, group=group)
-        if contribute:
-            g.copy_back(present)
-
-
+@dataclasses.dataclass(eq=False)
 class SampleCounts:
     """What the weights of the next synchronization depend on, kept across
     rebuilds: this process's samples of mean-loss forwards since the last
@@ -126,13 +112,12 @@ class SampleCounts:
     (`last`), the largest global count so far with a hook (`ref`), and
     whether any synchronization began (`started`)."""
 
-    def __init__(self) -> None:
-        self.local = 0
-        self.counted = False
-        self.previous_total: float | torch.Tensor = 1.0
-        self.last = 0
-        self.ref: float | None = None
-        self.started = False
+    local: int = 0
+    counted: bool = False
+    previous_total: float | torch.Tensor = 1.0
+    last: int = 0
+    ref: float | None = None
+    started: bool = False
 
     def record(self, rows: int) -> None:
         self.counted = True
@@ -151,33 +136,22 @@ def weak_call(ref: weakref.ref[Any], name: str, *args: Any) -> None:
 
 
 class BucketReducer:
-    """The gradient buckets of `params` (`indices`: the core's make_buckets of
-    them) and their all-reduce over `group`, weighted by `counts`. :meth:`arm`
-    before each backward; the C++ counter calls :meth:`_begin` (which queues
-    `on_finish`) and :meth:`_ready`; `on_finish` calls :meth:`finish` and :meth:`write_back`."""
+    """The gradient buckets of `sync`'s trainable parameters and their
+    all-reduce over its group, weighted by its sample counts. :meth:`arm` before
+    each backward; the C++ counter calls :meth:`_begin` (which queues `sync`'s
+    ``_finish``) and :meth:`_ready`; ``_finish`` calls :meth:`finish` and :meth:`write_back`."""
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        indices: Sequence[Sequence[int]],
-        device: torch.device,
-        group: Any,
-        counts: SampleCounts,
-        on_finish: Callable[[], None],
-    ) -> None:
-        self.params = list(params)
-        self.device = device
-        self.group = group
-        self.rank: int = dist.get_rank(group)
-        self.world_size: int = dist.get_world_size(group)
-        self.counts = counts
-        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in indices])
+    def __init__(self, sync: GradientSync) -> None:
+        self.params = list(sync._params)
+        self.device, self.group, self.rank, self.world_size = sync.device, sync.group, sync.rank, sync.world_size
+        self.counts = sync.counts
+        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in sync._indices])
         self.order = list(range(len(self.buckets)))[::-1]  # launch order, the same on every process
-        self.count_bucket = self._count_carrier()
+        self.count_bucket = next((b for b in self.order if self.buckets[b].flat.dtype in COUNT_DTYPES), None)
         self.pending = False  # this rank's module changed since the build (its mark goes out)
-        self._on_finish = on_finish
+        self._on_finish = functools.partial(weak_call, weakref.ref(sync), "_finish")
         bucket_of = [0] * len(self.params)
-        for b, g in enumerate(indices):
+        for b, g in enumerate(sync._indices):
             for i in g:
                 bucket_of[i] = b
         ref = weakref.ref(self)
@@ -187,10 +161,6 @@ class BucketReducer:
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
         return [FlatBucket(g, self.device, world=self.world_size) for g in groups]
-
-    def _count_carrier(self) -> int | None:
-        """The first bucket sent that can carry the sample count exactly."""
-        return next((b for b in self.order if self.buckets[b].flat.dtype in COUNT_DTYPES), None)
 
     @property
     def task(self) -> int:
@@ -227,22 +197,16 @@ class BucketReducer:
 
     def _ready(self, prefix: int) -> None:
         """Buckets order[:prefix] are complete: launches those not yet sent."""
-        while self.next < prefix and not self._blocked():
+        while self.next < prefix and (self.previous is None or self.previous.done()):
             self._launch(self.order[self.next])
             self.next += 1
-
-    def _blocked(self) -> bool:
-        """Whether the next bucket must wait for the previous one."""
-        return False
-
-    def _wait_previous(self) -> None:
-        """Waits until the bucket sent last may be followed by the next."""
 
     def finish(self) -> float | torch.Tensor | None:
         """Launches what is left and waits for every bucket; the correction
         factor of the weights (None where it is 1)."""
         while self.next < len(self.order):
-            self._wait_previous()
+            if self.previous is not None:  # a hook's: collectives it issues from callbacks keep one order
+                self.previous.wait()
             self._launch(self.order[self.next])
             self.next += 1
         return self._complete()

@@ -9,13 +9,17 @@ with a hook: docs/design.md, "Hybrid".
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dpcore._buckets import BucketReducer, FlatBucket
+
+if TYPE_CHECKING:
+    from dpcore.distributed import GradientSync
 
 __all__ = ["GradBucket", "HookedReducer", "check_hook"]
 
@@ -105,34 +109,20 @@ class HookedReducer(BucketReducer):
     times P * n_p / N_ref (N_ref: the largest global count so far); N_ref / N
     on arrival makes the weights n_p / N."""
 
-    def __init__(self, *args: Any, hook: tuple[Any, Any]) -> None:
+    def __init__(self, sync: GradientSync, hook: tuple[Any, Any]) -> None:
         self.hook = hook
-        super().__init__(*args)
+        super().__init__(sync)
+        self.count_bucket = None  # the count goes in the side tensor
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
         """Every bucket's flags, then count, counted flag and marks, in one float64 tensor sent apart."""
-        flags = sum(len(g) for g in groups)
-        self.side = torch.zeros(flags + 2 + self.world_size, dtype=torch.float64, device=self.device)
-        self.tail = self.side[flags:]
-        buckets = []
-        offset = 0
-        for g in groups:
-            side = (self.side[offset : offset + len(g)], self.tail)
-            buckets.append(FlatBucket(g, self.device, world=self.world_size, side=side))
-            offset += len(g)
-        return buckets
-
-    def _count_carrier(self) -> int | None:
-        return None  # the count goes in the side tensor
-
-    def _blocked(self) -> bool:
-        return self.previous is not None and not self.previous.done()
-
-    def _wait_previous(self) -> None:
-        """Waits until the bucket sent last is reduced, so that collectives a hook
-        issues from its Future's callbacks come in one order on every rank."""
-        if self.previous is not None:
-            self.previous.wait()
+        self.side = torch.zeros(sum(map(len, groups)) + 2 + self.world_size, dtype=torch.float64, device=self.device)
+        self.tail = self.side[len(self.side) - 2 - self.world_size :]
+        starts = itertools.accumulate(map(len, groups), initial=0)
+        return [
+            FlatBucket(g, self.device, world=self.world_size, side=(self.side[o : o + len(g)], self.tail))
+            for g, o in zip(groups, starts)
+        ]
 
     def _learn_ref(self, count: float, counted: bool) -> None:
         """Before the first synchronization: N_ref, by one blocking all-reduce of the counts."""

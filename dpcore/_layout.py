@@ -7,7 +7,7 @@ mechanism: docs/design.md, "Hybrid".
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,17 +19,20 @@ from dpcore._loader import _C
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
 
-__all__ = ["structure_of", "layout_lines", "check_layout", "agree_on_change"]
+__all__ = ["structure_of", "layout_of", "check_layout", "agree_on_change"]
+
+
+def _named(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(kind, name, tensor) of every parameter, then every buffer."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            yield kind, name, t
 
 
 def structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
     """What a rebuild of the buckets depends on: every parameter and buffer
     (kind, name, identity, shape, dtype, device, requires_grad), in order."""
-    return [
-        (kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
-        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
-        for name, t in named
-    ]
+    return [(kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for kind, name, t in _named(module)]
 
 
 def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ...]]) -> list[str]:
@@ -37,22 +40,15 @@ def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ..
     before = {(kind, name): rest for kind, name, *rest in old}
     after = {(kind, name): rest for kind, name, *rest in new}
     phrases = []
-    for (kind, name), (ident, shape, dtype, device, grad) in before.items():
+    for (kind, name), (ident, *was) in before.items():
         if (kind, name) not in after:
             phrases.append(f"{kind} {name!r} removed")
             continue
-        ident2, shape2, dtype2, device2, grad2 = after[(kind, name)]
-        what = []
-        if ident2 != ident:
-            what.append("replaced by another tensor")
-        if shape2 != shape:
-            what.append(f"shape {shape} -> {shape2}")
-        if dtype2 != dtype:
-            what.append(f"dtype {dtype} -> {dtype2}")
-        if device2 != device:
-            what.append(f"device {device} -> {device2}")
-        if grad2 != grad:
-            what.append("frozen (requires_grad True -> False)" if grad else "unfrozen (requires_grad False -> True)")
+        ident2, *now = after[(kind, name)]
+        what = ["replaced by another tensor"] if ident2 != ident else []
+        what += [f"{field} {a} -> {b}" for field, a, b in zip(("shape", "dtype", "device"), was, now) if a != b]
+        if now[3] != was[3]:
+            what.append("frozen (requires_grad True -> False)" if was[3] else "unfrozen (requires_grad False -> True)")
         if what:
             phrases.append(f"{kind} {name!r} " + ", ".join(what))
     phrases += [f"{kind} {name!r} added" for kind, name in after if (kind, name) not in before]
@@ -65,21 +61,19 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def layout_lines(
-    named_params: Sequence[tuple[str, torch.Tensor]],
-    named_buffers: Sequence[tuple[str, torch.Tensor]],
-    buckets: Sequence[Sequence[int]],
-    options: str,
-) -> list[str]:
-    """What must be equal on every process, one line per item."""
+def layout_of(module: nn.Module, bucket_bytes: int, options: str) -> tuple[list[torch.Tensor], Any, list[str]]:
+    """The trainable parameters, their gradient buckets (the core's
+    make_buckets), and what must be equal on every process, one line per item."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    buckets = _C.make_buckets(trainable, bucket_bytes)
     lines = [
-        f"parameter {name!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
-        for name, p in named_params
+        f"{kind} {name!r}: shape {tuple(t.shape)}, {t.dtype}"
+        + (f", requires_grad={t.requires_grad}" if kind == "parameter" else "")
+        for kind, name, t in _named(module)
     ]
-    lines += [f"buffer {name!r}: shape {tuple(b.shape)}, {b.dtype}" for name, b in named_buffers]
     lines += [f"gradient bucket {k}: parameters {list(group)}" for k, group in enumerate(buckets)]
     lines.append(options)
-    return lines
+    return trainable, buckets, lines
 
 
 def check_layout(lines: list[str], sync: GradientSync) -> None:
@@ -112,17 +106,9 @@ def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
     changed rank's change, unless every rank made the same change with the same
     values in new tensors."""
     module = sync.module
-    named_params = list(module.named_parameters())
-    named_buffers = list(module.named_buffers())
-    grads = [p for _, p in named_params if p.requires_grad]
-    lines = layout_lines(named_params, named_buffers, _C.make_buckets(grads, sync.bucket_bytes), sync.options)
+    _, _, lines = layout_of(module, sync.bucket_bytes, sync.options)
     known = {entry[2] for entry in sync._structure}
-    values = [
-        f"{kind} {name!r} values {_digest(t)}"
-        for kind, named in (("parameter", named_params), ("buffer", named_buffers))
-        for name, t in named
-        if id(t) not in known
-    ]
+    values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
     what = _describe_change(sync._structure, structure_of(module)) if sync.pending else []
     world_size = sync.world_size
     reports: list[Any] = [None] * world_size

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import sys
 import warnings
@@ -21,13 +20,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dpcore._buckets import BucketReducer, SampleCounts, weak_call, all_reduce_fresh, broadcast, flat_groups
+from dpcore._buckets import BucketReducer, SampleCounts, broadcast, flat_groups
 from dpcore._comm_hooks import GradBucket, HookedReducer, check_hook
 from dpcore._join import DataParallelJoinHook, notify
-from dpcore._layout import agree_on_change, check_layout, layout_lines, structure_of
-from dpcore._loader import _C
+from dpcore._layout import agree_on_change, check_layout, layout_of, structure_of
 from dpcore._pytree import map_tensors
 from dpcore.sync_batchnorm import AcrossProcesses
 
@@ -37,34 +36,13 @@ __all__ = ["GradientSync", "GradBucket", "DataParallelJoinHook"]
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientSync]] = weakref.WeakKeyDictionary()
 
 
-def _dist() -> Any:
-    """torch.distributed, or a clear error where this torch build lacks it."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise RuntimeError("process_group: torch.distributed is not available in this build of torch")
-    return dist
-
-
 def _timeout_of(group: Any, device: torch.device) -> datetime.timedelta:
     """The timeout of `group`'s backend for `device`, else torch.distributed's default."""
-    dist = _dist()
     try:
         timeout = group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return dist.default_pg_timeout
     return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
-
-
-def _twin_group(group: Any, timeout: datetime.timedelta) -> Any:
-    """A new group of `group`'s ranks (in its order) and backend, with `timeout`;
-    collective over `group`'s ranks."""
-    dist = _dist()
-    ranks = dist.get_process_group_ranks(group)
-    options: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
-    return dist.new_group(
-        ranks=ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True, **options
-    )
 
 
 def _caller_stacklevel() -> int:
@@ -122,7 +100,8 @@ class GradientSync:
         bucket_bytes: int,
         sync_batchnorm: bool = False,
     ) -> None:
-        dist = _dist()
+        if not dist.is_available():
+            raise RuntimeError("process_group: torch.distributed is not available in this build of torch")
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group: expected a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD "
@@ -152,10 +131,17 @@ class GradientSync:
         self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
         self._buffer_src = 0  # the rank whose buffers the latest training forward used
         self._build(initial=True)
-        self.batchnorm_group: Any = None  # sync_batchnorm's collectives go over a group of their own
+        self.batchnorm_group: Any = None  # sync_batchnorm's collectives: a group of its own, of the same ranks
         self.timeout = _timeout_of(process_group, device)
         if sync_batchnorm and self.world_size > 1:
-            self.batchnorm_group = _twin_group(process_group, self.timeout)
+            ranks = dist.get_process_group_ranks(process_group)
+            self.batchnorm_group = dist.new_group(
+                ranks=ranks,
+                timeout=self.timeout,
+                backend=dist.get_backend(process_group),
+                use_local_synchronization=True,
+                **({} if ranks == sorted(ranks) else {"sort_ranks": False}),
+            )
         _OWNERS[module] = weakref.ref(self)
 
     def _build(self, initial: bool = False) -> None:
@@ -164,24 +150,20 @@ class GradientSync:
         at construction, else ``forward_sync_buffers``) from rank 0."""
         self.pending = False
         self._structure = structure_of(self.module)
-        named_params = list(self.module.named_parameters())
-        named_buffers = list(self.module.named_buffers())
-        self._params = [p for _, p in named_params if p.requires_grad]
-        self._indices = _C.make_buckets(self._params, self.bucket_bytes)
-        check_layout(layout_lines(named_params, named_buffers, self._indices, self.options), self)
+        self._params, self._indices, lines = layout_of(self.module, self.bucket_bytes, self.options)
+        check_layout(lines, self)
+        buffers = list(self.module.buffers())
         send_buffers = self.init_sync_buffers if initial else self.forward_sync_buffers
-        shared = [t for _, t in named_params + (named_buffers if send_buffers else [])]
+        shared = list(self.module.parameters()) + (buffers if send_buffers else [])
         broadcast(flat_groups(shared, self.device, self.bucket_bytes), 0, self.rank, self.group)
-        self._buffer_groups = flat_groups([b for _, b in named_buffers], self.device, self.bucket_bytes)
+        self._buffer_groups = flat_groups(buffers, self.device, self.bucket_bytes)
         self._make_reducer()
 
     def _make_reducer(self) -> None:
         """The reducer of the current buckets (its hooks replace the old one's)."""
         if self.reducer is not None:
             self.reducer.close()
-        finish = functools.partial(weak_call, weakref.ref(self), "_finish")
-        args = (self._params, self._indices, self.device, self.group, self.counts, finish)
-        self.reducer = BucketReducer(*args) if self._hook is None else HookedReducer(*args, hook=self._hook)
+        self.reducer = BucketReducer(self) if self._hook is None else HookedReducer(self, self._hook)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """DDP's ``register_comm_hook``: every later gradient bucket is sent by
@@ -309,9 +291,13 @@ class GradientSync:
         `weight` (zeros where not `contribute`)."""
         covered = {id(p) for p in self._params}
         self._build()
-        fresh = [p for p in self._params if id(p) not in covered]
-        if fresh:
-            all_reduce_fresh(fresh, weight, contribute, self.device, self.group, self.bucket_bytes)
+        for g in flat_groups([p for p in self._params if id(p) not in covered], self.device, self.bucket_bytes):
+            present = g.fill([p.grad if contribute else None for p in g.params])
+            if isinstance(weight, torch.Tensor) or weight != 1.0:
+                g.data.mul_(weight)
+            dist.all_reduce(g.flat, group=self.group)
+            if contribute:
+                g.copy_back(present)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

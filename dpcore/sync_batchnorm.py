@@ -55,15 +55,6 @@ def needs_sync(module: nn.Module) -> bool:
     )
 
 
-class _Broken:
-    """A replica's result when the rendezvous broke because of another replica."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def synchronized_apply(
     modules: Sequence[nn.Module],
     calls: Sequence[Callable[..., Any]],
@@ -82,20 +73,34 @@ def synchronized_apply(
     rendezvous = _C.Rendezvous(len(calls))
     if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
         rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
-    replicas = [
-        _SyncedReplica(call, module, rank, rendezvous, across)
-        for rank, (call, module) in enumerate(zip(calls, modules))
-    ]
+    broken: dict[int, BaseException] = {}  # the rendezvous' error, by the replica it was raised in
+
+    def replica(rank: int, call: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+        def task(*args: Any, **kwargs: Any) -> Any:
+            mode = _SyncBatchNormMode(rendezvous, rank, module, across)
+            try:
+                with mode:
+                    result = call(*args, **kwargs)
+            except BaseException as error:
+                if error is not mode.broken:
+                    rendezvous.fail(rank, _describe(error))
+                    raise
+                broken[rank], result = error, None
+            rendezvous.finish(rank)
+            return result
+
+        return task
+
+    tasks = [replica(rank, call, module) for rank, (call, module) in enumerate(zip(calls, modules))]
     try:
-        results = run(replicas, inputs, kwargs_tup, devices, all_at_once=True)
+        results = run(tasks, inputs, kwargs_tup, devices, all_at_once=True)
     except BaseException as error:
         # Replicas still running (a caller interrupted while waiting) must not wait for the others.
         rendezvous.abort(f"the call was abandoned: {_describe(error)}")
         raise
     if rendezvous.broken:
-        broken = [r.error for r in results if isinstance(r, _Broken)]
         if broken:
-            raise broken[0]
+            raise broken[min(broken)]
         raise SyncBatchNormError(rendezvous.reason)
     return results
 
@@ -105,34 +110,6 @@ def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
     return line if len(line) <= 300 else line[:297] + "..."
-
-
-class _SyncedReplica:
-    """One replica's task: runs `call` under the BatchNorm interception and
-    tells the rendezvous when it finished or raised."""
-
-    def __init__(
-        self, call: Callable[..., Any], module: nn.Module, rank: int, rendezvous: Any, across: AcrossProcesses | None
-    ) -> None:
-        self.call = call
-        self.module = module
-        self.rank = rank
-        self.rendezvous = rendezvous
-        self.across = across
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = _SyncBatchNormMode(self.rendezvous, self.rank, self.module, self.across)
-        try:
-            with mode:
-                result = self.call(*args, **kwargs)
-        except BaseException as error:
-            if error is mode.broken:
-                self.rendezvous.finish(self.rank)
-                return _Broken(error)
-            self.rendezvous.fail(self.rank, _describe(error))
-            raise
-        self.rendezvous.finish(self.rank)
-        return result
 
 
 class _SyncBatchNormMode(TorchFunctionMode):
@@ -171,10 +148,7 @@ class _SyncBatchNormMode(TorchFunctionMode):
                         for t in (m.weight, m.running_mean):
                             if t is not None:
                                 self._names[id(t)] = name or f"<{type(m).__name__}, the wrapped module>"
-        label = None
-        for t in (weight, running_mean):
-            if label is None and t is not None:
-                label = self._names.get(id(t))
+        label = next((self._names[id(t)] for t in (weight, running_mean) if id(t) in self._names), None)
         count = self._calls[label] = self._calls.get(label, 0) + 1
         if label is None:
             return f"BatchNorm call {count} without a named layer (torch.nn.functional.batch_norm)"
@@ -198,20 +172,8 @@ class _SyncBatchNormMode(TorchFunctionMode):
         full_precision = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else None
         with full_precision or contextlib.nullcontext():
             try:
-                return _C.sync_batch_norm(
-                    self.rendezvous,
-                    self.rank,
-                    key,
-                    input,
-                    weight,
-                    bias,
-                    running_mean,
-                    running_var,
-                    self.rank == 0,
-                    momentum,
-                    eps,
-                    self.across,
-                )
+                args = (self.rendezvous, self.rank, key, input, weight, bias, running_mean, running_var, self.rank == 0)
+                return _C.sync_batch_norm(*args, momentum, eps, self.across)
             except SyncBatchNormError as error:
                 self.broken = error
                 raise
@@ -243,13 +205,8 @@ class AcrossProcesses:
         BatchNorm call `key`, from this process's; differentiable."""
         self._agree(key, "forward", mean.device)
         channels = mean.numel()
-        row = torch.cat(
-            [
-                mean.detach().to(torch.float64),
-                var.detach().to(torch.float64),
-                torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
-            ]
-        )
+        count_t = torch.tensor([float(count)], dtype=torch.float64, device=mean.device)
+        row = torch.cat([mean.detach().to(torch.float64), var.detach().to(torch.float64), count_t])
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
         self._wait(key, "forward", dist.all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
         counts = rows[:, 2 * channels]

@@ -1,7 +1,5 @@
-"""The hybrid mode's bucketed gradient all-reduce (private): :class:`BucketReducer`
-sends the master's gradients in flat buckets, weighted by this process's share
-of the samples, as a C++ counter (``_C.GradReadiness``) finds buckets complete
-in backward. The mechanism and the weights: docs/design.md, "Hybrid".
+"""The hybrid mode's bucketed, weighted gradient all-reduce and buffer
+broadcasts (private). The mechanism and the weights: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -72,9 +70,8 @@ class FlatBucket:
         return present
 
     def copy_back(self, present: Sequence[bool]) -> None:
-        """Writes the reduced views into ``.grad``: in place where this process
-        had a gradient, into a new tensor where only another one had, nowhere
-        where none had (``.grad`` stays None)."""
+        """Writes the reduced views into ``.grad`` where any process had a
+        gradient (in place where this one had)."""
         if all(present):
             torch._foreach_copy_([p.grad for p in self.params], self.views)
             return
@@ -105,23 +102,14 @@ def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> 
 
 @dataclasses.dataclass(eq=False)
 class SampleCounts:
-    """What the weights of the next synchronization depend on, kept across
-    rebuilds: this process's samples of mean-loss forwards since the last
-    synchronization (`local`; `counted` if any), the previous global count
-    (`previous_total`), this process's count at its last synchronization
-    (`last`), the largest global count so far with a hook (`ref`), and
-    whether any synchronization began (`started`)."""
+    """What the weights of the next synchronization depend on, kept across rebuilds."""
 
-    local: int = 0
-    counted: bool = False
-    previous_total: float | torch.Tensor = 1.0
-    last: int = 0
-    ref: float | None = None
-    started: bool = False
-
-    def record(self, rows: int) -> None:
-        self.counted = True
-        self.local += int(rows)
+    local: int = 0  # this process's samples of mean-loss forwards since the last synchronization
+    counted: bool = False  # whether there was such a forward
+    previous_total: float | torch.Tensor = 1.0  # N_prev: the global count of the previous synchronization
+    last: int = 0  # this process's count at its last synchronization (a joined rank's)
+    ref: float | None = None  # with a hook: the largest global count so far
+    started: bool = False  # whether any synchronization began
 
     def clear(self) -> None:
         self.local = 0
@@ -136,10 +124,11 @@ def weak_call(ref: weakref.ref[Any], name: str, *args: Any) -> None:
 
 
 class BucketReducer:
-    """The gradient buckets of `sync`'s trainable parameters and their
-    all-reduce over its group, weighted by its sample counts. :meth:`arm` before
-    each backward; the C++ counter calls :meth:`_begin` (which queues `sync`'s
-    ``_finish``) and :meth:`_ready`; ``_finish`` calls :meth:`finish` and :meth:`write_back`."""
+    """The gradient buckets of `sync`'s trainable parameters and their weighted
+    all-reduce. The C++ counter (armed by `sync`) calls :meth:`_begin`, which
+    queues `sync`'s ``_finish``, and :meth:`_ready`."""
+
+    hook: tuple[Any, Any] | None = None  # (hook, state): see HookedReducer
 
     def __init__(self, sync: GradientSync) -> None:
         self.params = list(sync._params)
@@ -162,17 +151,6 @@ class BucketReducer:
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
         return [FlatBucket(g, self.device, world=self.world_size) for g in groups]
 
-    @property
-    def task(self) -> int:
-        """The graph task of the synchronizing backward in progress, -1 if none."""
-        return self.readiness.task
-
-    def arm(self, synchronizes: bool, deferred: bool, pending: bool) -> None:
-        """Before a backward: whether it synchronizes, whether every bucket waits
-        for the final callback, whether this rank's layout changed."""
-        self.readiness.arm(synchronizes, deferred)
-        self.pending = pending
-
     def reset(self) -> None:
         """No synchronization in progress."""
         self.readiness.reset()
@@ -184,10 +162,6 @@ class BucketReducer:
         self.count_work: tuple[torch.Tensor, Any] | None = None  # the count's own all-reduce, if needed
         self.launched: dict[int, tuple[list[bool], Any]] = {}  # bucket -> (had .grad, handle), in launch order
         self.previous: Any = None  # with a hook: the Future of the bucket sent last
-
-    def close(self) -> None:
-        """Removes the hooks."""
-        self.readiness.remove()
 
     def _begin(self) -> None:
         """A synchronizing backward reached its first parameter."""
@@ -202,8 +176,7 @@ class BucketReducer:
             self.next += 1
 
     def finish(self) -> float | torch.Tensor | None:
-        """Launches what is left and waits for every bucket; the correction
-        factor of the weights (None where it is 1)."""
+        """Launches what is left, waits for every bucket; the correction factor (None where 1)."""
         while self.next < len(self.order):
             if self.previous is not None:  # a hook's: collectives it issues from callbacks keep one order
                 self.previous.wait()
@@ -246,45 +219,39 @@ class BucketReducer:
         return both, dist.all_reduce(both, group=self.group, async_op=True)
 
     def _begin_weights(self) -> None:
-        """At the first bucket sent: the pre-multiplier n_p / N_prev (1/P without
-        a mean-loss forward) and, where no bucket can carry the count, its own all-reduce."""
+        """At the first bucket: the pre-multiplier n_p / N_prev (1/P without a
+        mean-loss forward); the count's own all-reduce where no bucket carries it."""
         c = self.counts
         self.alpha = c.local / c.previous_total if c.counted else 1.0 / self.world_size
         if self.count_bucket is None:
             self.count_work = self._all_reduce_count(float(c.local), c.counted)
 
     def _complete(self) -> float | torch.Tensor | None:
+        """Waits for every collective; N_prev / N, the factor that turns the sent
+        weights n_p / N_prev into n_p / N (None where it is 1); N becomes the next N_prev."""
+        c = self.counts
         if self.count_work is not None:
             self.count_work[1].wait()
-        factor = self._correction()
+        factor = None
+        if c.counted:
+            if self.count_work is not None:
+                count = self.count_work[0][:1]
+            else:
+                assert self.count_bucket is not None
+                count = self.buckets[self.count_bucket].count
+                self.launched[self.count_bucket][1].wait()
+            c.last = c.local
+            total = count.real if count.is_complex() else count
+            if total.device.type == "cpu":
+                n: float | torch.Tensor = max(total.item(), 1.0)
+                factor = None if n == c.previous_total else c.previous_total / n
+            else:
+                n = total.to(torch.float64).clamp_min(1.0).reshape(())  # stays on the device
+                factor = c.previous_total / n
+            c.previous_total = n
         for _, work in self.launched.values():
             work.wait()
         return factor
-
-    def _correction(self) -> float | torch.Tensor | None:
-        """N_prev / N, which turns the sent weights n_p / N_prev into n_p / N
-        (None where it is 1); N becomes the next N_prev."""
-        c = self.counts
-        if not c.counted:
-            return None
-        if self.count_work is not None:
-            count, work = self.count_work
-            count = count[:1]
-        else:
-            assert self.count_bucket is not None
-            count, work = self.buckets[self.count_bucket].count, self.launched[self.count_bucket][1]
-        work.wait()
-        c.last = c.local
-        total = count.real if count.is_complex() else count
-        if total.device.type == "cpu":
-            n = max(total.item(), 1.0)
-            factor = None if n == c.previous_total else c.previous_total / n
-            c.previous_total = n
-            return factor
-        n_tensor = total.to(torch.float64).clamp_min(1.0).reshape(())  # stays on the device
-        factor_t = c.previous_total / n_tensor
-        c.previous_total = n_tensor
-        return factor_t
 
     def write_back(self, factor: float | torch.Tensor | None) -> None:
         """Writes the reduced buckets, times `factor`, into ``.grad``."""
@@ -295,38 +262,31 @@ class BucketReducer:
 
     def fresh_weight(self, factor: float | torch.Tensor | None) -> float | torch.Tensor:
         """This rank's weight for the gradients a layout change newly covers."""
-        alpha = self._fresh_alpha()
+        alpha = self.alpha if self.alpha is not None else 0.0
+        if self.hook is not None:  # the new buckets are summed without the hook's division by P
+            alpha = alpha / self.world_size
         weight = 0.0 if self.counts.counted and self.counts.local == 0 else alpha
         return weight if factor is None else weight * factor
 
-    def _fresh_alpha(self) -> float | torch.Tensor:
-        return self.alpha if self.alpha is not None else 0.0
-
     def changed_ranks(self) -> list[int]:
-        """The ranks whose layout changed since the build, from the marks of the
-        first bucket sent (after it arrived)."""
+        """The ranks whose layout changed since the build (the first bucket's marks)."""
         if not self.order:
             return []
         marks = self.buckets[self.order[0]].marks
         return [r for r, m in enumerate(marks.tolist()) if m != 0]
 
     def shadow(self, phantom: float, pending: bool) -> None:
-        """A joined rank's part of one synchronization of the others: the same
-        collectives with zero gradients and `phantom` as its sample count."""
+        """A joined rank's part of the others' synchronization: the same collectives,
+        zero gradients, `phantom` as its sample count."""
         self.reset()
-        self.counts.started = True
-        self.pending = pending
-        count_work = None
-        if self.count_bucket is None:
-            count_work = self._all_reduce_count(phantom, False)
+        self.counts.started, self.pending = True, pending
+        count_work = self._all_reduce_count(phantom, False) if self.count_bucket is None else None
         works = []
         for b in self.order:
             bucket = self.buckets[b]
             bucket.flat.zero_()
-            if b == self.count_bucket:
-                bucket.count.fill_(phantom)
-            if pending:
-                bucket.marks[self.rank] = 1
+            bucket.count.fill_(phantom if b == self.count_bucket else 0)
+            bucket.marks[self.rank] = 1 if pending else 0
             works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
         if count_work is not None:
             count_work[1].wait()

@@ -1,9 +1,5 @@
 """DDP's communication hooks for the hybrid mode (private): ``register_comm_hook``.
-
-:class:`HookedReducer` hands each gradient bucket to ``hook(state, bucket)``
-(a :class:`GradBucket`) instead of all-reducing it; the flags, the sample
-count and the layout marks go apart, in one float64 all-reduce. The weights
-with a hook: docs/design.md, "Hybrid".
+The mechanism and the weights with a hook: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -42,21 +38,17 @@ class GradBucket:
         return self._index
 
     def is_last(self) -> bool:
-        """Whether this is the last bucket sent in the synchronization."""
         return self._index == self._count - 1
 
     def buffer(self) -> torch.Tensor:
-        """The flat (1-D) gradient of the bucket's parameters, this process's, weighted."""
+        """The flat gradient of the bucket's parameters (this process's, weighted)."""
         return self._buffer
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
         """Replaces the buffer by a 1-D tensor of as many elements; ``gradients()`` then views it."""
         if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
-            found = (
-                f"a tensor of shape {tuple(buffer.shape)}"
-                if isinstance(buffer, torch.Tensor)
-                else type(buffer).__name__
-            )
+            is_tensor = isinstance(buffer, torch.Tensor)
+            found = f"a tensor of shape {tuple(buffer.shape)}" if is_tensor else type(buffer).__name__
             raise ValueError(
                 f"buffer: expected a 1-D tensor of {self._buffer.numel()} elements (the bucket's gradients), "
                 f"but got {found}"
@@ -69,7 +61,6 @@ class GradBucket:
         return [v.view(p.shape) for v, p in zip(self._buffer.split(sizes), self._params)]
 
     def parameters(self) -> list[torch.Tensor]:
-        """The bucket's parameters, in buffer order."""
         return list(self._params)
 
 
@@ -104,10 +95,8 @@ def _hook_result(value: Any, bucket: FlatBucket, index: int) -> torch.Tensor:
 
 
 class HookedReducer(BucketReducer):
-    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state), one at
-    a time. The hook divides by P, so a bucket holds this process's gradient
-    times P * n_p / N_ref (N_ref: the largest global count so far); N_ref / N
-    on arrival makes the weights n_p / N."""
+    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state), one at a
+    time, pre-multiplied by P * n_p / N_ref and corrected by N_ref / N on arrival."""
 
     def __init__(self, sync: GradientSync, hook: tuple[Any, Any]) -> None:
         self.hook = hook
@@ -115,7 +104,7 @@ class HookedReducer(BucketReducer):
         self.count_bucket = None  # the count goes in the side tensor
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
-        """Every bucket's flags, then count, counted flag and marks, in one float64 tensor sent apart."""
+        """The flags, count, counted flag and marks in one float64 tensor sent apart."""
         self.side = torch.zeros(sum(map(len, groups)) + 2 + self.world_size, dtype=torch.float64, device=self.device)
         self.tail = self.side[len(self.side) - 2 - self.world_size :]
         starts = itertools.accumulate(map(len, groups), initial=0)
@@ -158,26 +147,23 @@ class HookedReducer(BucketReducer):
         return future
 
     def _complete(self) -> float | None:
-        """Waits for each Future and writes its tensor into the bucket, then sends
-        the side tensor; the correction N_ref / N (None where it is 1)."""
+        """Waits for each Future into its bucket, then sends the side tensor; the
+        correction N_ref / N (None where it is 1)."""
         c = self.counts
         for b, (_, future) in self.launched.items():
             bucket = self.buckets[b]
             result = _hook_result(future.wait(), bucket, self.order.index(b))
             if result.data_ptr() != bucket.data.data_ptr() or result.dtype != bucket.data.dtype:
                 bucket.data.copy_(result.reshape(-1))
-        n = self._send_side(float(c.local), c.counted)
+        n, ref = self._send_side(float(c.local), c.counted)
         if c.counted:
             c.last = c.local
-        if n is None:
-            return None
-        ref = c.ref if c.ref is not None else n
-        c.ref = max(ref, n)
-        return None if n == ref or not c.counted else ref / n
+        return None if n is None or n == ref or not c.counted else ref / n
 
-    def _send_side(self, count: float, counted: bool) -> float | None:
+    def _send_side(self, count: float, counted: bool) -> tuple[float, float] | tuple[None, None]:
         """All-reduces the side tensor with this rank's count, counted flag and
-        mark; the global count N (at least 1) if any rank counted, else None."""
+        mark; if any rank counted, the global count N (at least 1) and N_ref
+        before it (N where none yet), and N_ref becomes the largest N so far."""
         self.tail[0] = count
         self.tail[1] = 1.0 if counted else 0.0
         self.tail[2:].zero_()
@@ -185,23 +171,21 @@ class HookedReducer(BucketReducer):
             self.tail[2 + self.rank] = 1.0
         dist.all_reduce(self.side, group=self.group)
         total, flag = self.tail[:2].tolist()
-        return max(total, 1.0) if flag != 0 else None
-
-    def _fresh_alpha(self) -> float | torch.Tensor:
-        return super()._fresh_alpha() / self.world_size  # the new buckets are summed without the hook's division
+        if flag == 0:
+            return None, None
+        n = max(total, 1.0)
+        ref = self.counts.ref if self.counts.ref is not None else n
+        self.counts.ref = max(ref, n)
+        return n, ref
 
     def shadow(self, phantom: float, pending: bool) -> None:
-        """A joined rank's synchronization: the count once before the first, the
-        hook on zero buckets in order, each waited for, then the side tensor."""
+        """A joined rank's synchronization: the hook on zero buckets, each waited for."""
         self.reset()
-        self.counts.started = True
-        self.pending = pending
+        self.counts.started, self.pending = True, pending
         self._learn_ref(phantom, False)
         for b in self.order:
             bucket = self.buckets[b]
             bucket.flat.zero_()
             bucket.flags.zero_()
             self._call_hook(b).wait()
-        n = self._send_side(phantom, False)
-        if n is not None:
-            self.counts.ref = n if self.counts.ref is None else max(self.counts.ref, n)
+        self._send_side(phantom, False)

@@ -1,6 +1,5 @@
-"""Join (uneven inputs) for the hybrid mode (private), as DDP's: a rank that ran
-out of inputs shadows the others' training forwards and backward passes
-(:class:`DataParallelJoinHook`). The mechanism: docs/design.md, "Hybrid".
+"""Join (uneven inputs) for the hybrid mode (private), as DDP's. The
+mechanism: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ def _join_state(sync: GradientSync, active: bool) -> tuple[int, bool]:
 
 def notify(sync: GradientSync, joinable: Any) -> int:
     """In a training forward inside an enabled Join (`joinable`: the wrapper),
-    the join context's notification and :func:`_join_state`; the rank whose
-    buffers this forward uses (0 outside Join)."""
+    the join context's collectives; the rank whose buffers it uses (else 0)."""
     config = getattr(joinable, "_join_config", None)
     if config is None or not config.enable:
         return 0
@@ -55,9 +53,9 @@ class DataParallelJoinHook(JoinHook):
         self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
-        """A joined rank's part of one training forward and backward of the
-        others: the same collectives with zero gradients; its sample count is
-        that of its last synchronization with `divide_by_initial_world_size`, else 0."""
+        """A joined rank's part of one training step of the others: the same
+        collectives, zero gradients, its last sample count (0 unless
+        `divide_by_initial_world_size`)."""
         sync = self.sync
         src, synchronizes = _join_state(sync, active=False)
         sync.send_buffers(src)
@@ -69,8 +67,7 @@ class DataParallelJoinHook(JoinHook):
             sync.adopt_change(0.0, contribute=False)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """After every rank joined: parameters, and buffers with
-        ``forward_sync_buffers``, from the highest of the last joiners."""
+        """After every rank joined: the model from the highest of the last joiners."""
         sync = self.sync
         rank = torch.tensor([float(sync.rank) if is_last_joiner else -1.0], device=sync.device)
         dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=sync.group)

@@ -1,12 +1,11 @@
-"""The layout every process of the hybrid mode must share (private): compared
-as one hash at construction (:func:`check_layout`); a structural change after
-it is agreed at the next synchronization (:func:`agree_on_change`). The
-mechanism: docs/design.md, "Hybrid".
+"""The layout every process of the hybrid mode must share, and the agreement
+on a later change (private). The mechanism: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +61,8 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def layout_of(module: nn.Module, bucket_bytes: int, options: str) -> tuple[list[torch.Tensor], Any, list[str]]:
-    """The trainable parameters, their gradient buckets (the core's
-    make_buckets), and what must be equal on every process, one line per item."""
+    """The trainable parameters, their gradient buckets, and what must be equal on
+    every process, one line per item."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     buckets = _C.make_buckets(trainable, bucket_bytes)
     lines = [
@@ -89,9 +88,7 @@ def check_layout(lines: list[str], sync: GradientSync) -> None:
     dist.all_gather_object(layouts, lines, group=sync.group)
     base = layouts[0]
     for rank, other in enumerate(layouts[1:], start=1):
-        for k in range(max(len(other), len(base))):
-            found = other[k] if k < len(other) else "nothing"
-            theirs = base[k] if k < len(base) else "nothing"
+        for found, theirs in itertools.zip_longest(other, base, fillvalue="nothing"):
             if found != theirs:
                 raise ValueError(
                     "process_group: the module must have the same layout in every process, but rank "

@@ -1,11 +1,7 @@
-"""Hybrid data parallelism: ``dpcore.DataParallel(..., process_group=pg)``.
-
+"""Hybrid data parallelism, ``dpcore.DataParallel(..., process_group=pg)``:
 :class:`GradientSync` joins the processes of a ``torch.distributed`` group
-into one training job, as DDP does, coordinating the layout every rank
-shares (_layout.py), the weighted bucketed all-reduce (_buckets.py), the
-communication hooks (_comm_hooks.py), Join (_join.py), the buffers and
-BatchNorm across processes (sync_batchnorm.AcrossProcesses). The rules:
-docs/hybrid.md; the mechanism: docs/design.md, "Hybrid".
+into one training job, as DDP does. The rules: docs/hybrid.md; the
+mechanism: docs/design.md, "Hybrid".
 """
 
 from __future__ import annotations
@@ -32,21 +28,12 @@ from dpcore.sync_batchnorm import AcrossProcesses
 
 __all__ = ["GradientSync", "GradBucket", "DataParallelJoinHook"]
 
-#: The live GradientSync of each module: a second one would reduce every gradient twice.
+#: The live GradientSync of each module (a second would reduce every gradient twice).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientSync]] = weakref.WeakKeyDictionary()
 
 
-def _timeout_of(group: Any, device: torch.device) -> datetime.timedelta:
-    """The timeout of `group`'s backend for `device`, else torch.distributed's default."""
-    try:
-        timeout = group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout
-    return timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
-
-
 def _caller_stacklevel() -> int:
-    """The stacklevel, for a warning issued by this function's caller, of the first frame outside dpcore."""
+    """The stacklevel of the first frame outside dpcore, for the caller's warning."""
     package = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
@@ -56,8 +43,7 @@ def _caller_stacklevel() -> int:
 
 def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
     """(forward, init): whether buffers go out from rank 0 while training and at
-    construction, resolved as torch 2.13's DDP resolves these options (with its
-    FutureWarnings); TypeError naming an option that is not True, False or None."""
+    construction, resolved (and warned about) as torch 2.13's DDP does."""
     for name, value in (("broadcast_buffers", broadcast_buffers), ("forward_sync_buffers", forward_sync_buffers)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name}: expected True, False or None, but got {value!r}")
@@ -84,8 +70,7 @@ def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bo
 
 class GradientSync:
     """The cross-process half of ``DataParallel(..., process_group=pg)`` for the
-    master `module` (replica 0, on `device`): DataParallel calls
-    :meth:`before_forward` and :meth:`after_forward` around each forward. As
+    master `module` (replica 0, on `device`), called around each forward. As
     with DDP, every rank constructs it and runs the same synchronizing forwards
     (:meth:`can_sync`) and backward passes, with the same ``no_sync`` use."""
 
@@ -116,9 +101,7 @@ class GradientSync:
                 "all-reduce every gradient a second time); reuse that wrapper, or evaluate through the module itself "
                 "or a DataParallel without a process_group"
             )
-        self.module = module
-        self.device = device
-        self.group = process_group
+        self.module, self.device, self.group = module, device, process_group
         self.rank: int = dist.get_rank(process_group)
         self.world_size: int = dist.get_world_size(process_group)
         self.forward_sync_buffers, self.init_sync_buffers = buffer_sync_options(broadcast_buffers, forward_sync_buffers)
@@ -132,22 +115,21 @@ class GradientSync:
         self._buffer_src = 0  # the rank whose buffers the latest training forward used
         self._build(initial=True)
         self.batchnorm_group: Any = None  # sync_batchnorm's collectives: a group of its own, of the same ranks
-        self.timeout = _timeout_of(process_group, device)
+        try:  # what bounds the group's collectives
+            timeout = process_group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            timeout = None
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
         if sync_batchnorm and self.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group)
-            self.batchnorm_group = dist.new_group(
-                ranks=ranks,
-                timeout=self.timeout,
-                backend=dist.get_backend(process_group),
-                use_local_synchronization=True,
-                **({} if ranks == sorted(ranks) else {"sort_ranks": False}),
-            )
+            order = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+            backend = dist.get_backend(process_group)
+            self.batchnorm_group = dist.new_group(ranks, self.timeout, backend, use_local_synchronization=True, **order)
         _OWNERS[module] = weakref.ref(self)
 
     def _build(self, initial: bool = False) -> None:
-        """(Re)builds the buckets for the module's structure; collective: the
-        layout check, then parameters and buffers (with ``init_sync_buffers``
-        at construction, else ``forward_sync_buffers``) from rank 0."""
+        """Collective: checks the layout and builds its buckets, then sends rank
+        0's parameters and buffers (``init_sync_buffers`` at construction)."""
         self.pending = False
         self._structure = structure_of(self.module)
         self._params, self._indices, lines = layout_of(self.module, self.bucket_bytes, self.options)
@@ -160,9 +142,8 @@ class GradientSync:
         self._make_reducer()
 
     def _make_reducer(self) -> None:
-        """The reducer of the current buckets (its hooks replace the old one's)."""
         if self.reducer is not None:
-            self.reducer.close()
+            self.reducer.readiness.remove()
         self.reducer = BucketReducer(self) if self._hook is None else HookedReducer(self, self._hook)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
@@ -173,7 +154,7 @@ class GradientSync:
             raise RuntimeError(
                 "register_comm_hook: a communication hook is already registered; only one can be, as with DDP"
             )
-        if self.counts.started or self.reducer.task != -1:
+        if self.counts.started or self.reducer.readiness.task != -1:
             raise RuntimeError(
                 "register_comm_hook: must be called before the first backward that synchronizes gradients (as "
                 "DDP's), on every rank; this wrapper has already synchronized"
@@ -183,7 +164,7 @@ class GradientSync:
 
     # The reducer's state, as the tests read it.
     _buckets = property(lambda self: self.reducer.buckets)
-    _task = property(lambda self: self.reducer.task)
+    _task = property(lambda self: self.reducer.readiness.task)
     _launched = property(lambda self: self.reducer.launched)
     _pending = property(lambda self: self.pending)
     _count_bucket = property(
@@ -191,56 +172,51 @@ class GradientSync:
     )
 
     def check_structure(self) -> None:
-        """Notes, without a collective, that the module's structure changed since
-        the build; the ranks agree on it at the next synchronization."""
+        """Notes a change of the module's structure (agreed at the next synchronization)."""
         if structure_of(self.module) != self._structure:
             self.pending = True
 
     def can_sync(self) -> bool:
-        """Whether a forward now can start a gradient synchronization (grad mode on,
-        something trainable); other forwards make no collective."""
+        """Whether a forward now can start a gradient synchronization; no other makes a collective."""
         return torch.is_grad_enabled() and bool(self._params or self.pending)
 
     def before_forward(self, joinable: Any = None) -> None:
         """Drops the state of a backward that raised; in a forward that can
-        synchronize: the Join notification (`joinable`: the wrapper), then the
-        buffers from rank 0 (under Join, the highest rank still training)."""
-        if self.reducer.task != -1:  # a synchronizing backward raised: start afresh
+        synchronize, the Join notification (`joinable`: the wrapper) and the buffers."""
+        if self.reducer.readiness.task != -1:  # a synchronizing backward raised: start afresh
             self.reducer.reset()
             self.counts.clear()
         if self.can_sync():
             self.send_buffers(notify(self, joinable))
 
     def send_buffers(self, src: int) -> None:
-        """With ``forward_sync_buffers``: rank `src`'s buffers to every rank
-        (before a training forward and again at the end of its backward)."""
+        """With ``forward_sync_buffers``: rank `src`'s buffers to every rank."""
         self._buffer_src = src
         if self.forward_sync_buffers and self._buffer_groups:
             broadcast(self._buffer_groups, src, self.rank, self.group)
 
     def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
-        """What synchronizes BatchNorm across the processes in the forward about
-        to run, weighted as :meth:`after_forward` weighs this process; None
-        without ``sync_batchnorm``, with one process, or if it cannot synchronize."""
+        """BatchNorm across the processes for the forward about to run, weighted as
+        :meth:`after_forward` weighs it; None where nothing is to synchronize."""
         if self.batchnorm_group is None or not self.can_sync():
             return None
         return AcrossProcesses(self.batchnorm_group, self.timeout, 1.0 if summed else float(local_batch))
 
     def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
         """Arms the next backward and records the batch size for its weights;
-        returns `output`, where `summed` with each tensor that has autograd
-        history replaced by a view whose gradient is multiplied by the process count."""
+        `output`, where `summed` with gradients multiplied by the process count."""
         if not torch.is_grad_enabled():
             return output
         if self.pending and not self.reducer.buckets:  # no bucket can carry the change: rebuild now (collective)
             self._build()
         if not self._params:
             return output
-        self.reducer.arm(self.no_sync_depth == 0, self.batchnorm_group is not None, self.pending)
+        self.reducer.readiness.arm(self.no_sync_depth == 0, self.batchnorm_group is not None)
+        self.reducer.pending = self.pending
         if not summed:
-            self.counts.record(local_batch)
-            return output
-        if self.world_size == 1:
+            self.counts.counted = True
+            self.counts.local += int(local_batch)
+        if not summed or self.world_size == 1:
             return output
         factor = float(self.world_size)
 
@@ -263,8 +239,7 @@ class GradientSync:
             self.no_sync_depth -= 1
 
     def _finish(self) -> None:
-        """Final callback of a synchronizing backward: the rest of the buckets,
-        the buffers, the agreement on a layout change, ``.grad``."""
+        """Final callback of a synchronizing backward."""
         reducer = self.reducer
         try:
             factor = reducer.finish()
@@ -278,17 +253,15 @@ class GradientSync:
             self.reducer.reset()
 
     def agree_if_changed(self) -> bool:
-        """After a synchronization: whether some rank's layout changed; if so,
-        ValueError on every rank unless every rank made the same change."""
+        """Whether some rank's layout changed; ValueError unless every rank made the same change."""
         changed = self.reducer.changed_ranks()
         if changed:
             agree_on_change(self, changed)
         return bool(changed)
 
     def adopt_change(self, weight: float | torch.Tensor, contribute: bool) -> None:
-        """After every rank made the same change: rebuilds the buckets and
-        all-reduces the gradients the old ones did not cover, with this rank's
-        `weight` (zeros where not `contribute`)."""
+        """Rebuilds the buckets and all-reduces the gradients the old ones did not
+        cover, times `weight` (zeros where not `contribute`)."""
         covered = {id(p) for p in self._params}
         self._build()
         for g in flat_groups([p for p in self._params if id(p) not in covered], self.device, self.bucket_bytes):
@@ -308,4 +281,4 @@ class GradientSync:
     def __del__(self) -> None:
         reducer = getattr(self, "reducer", None)
         if reducer is not None:
-            reducer.close()
+            reducer.readiness.remove()

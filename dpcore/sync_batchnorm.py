@@ -1,14 +1,8 @@
-"""Synchronized BatchNorm across the replicas of one DataParallel call:
-``dpcore.DataParallel(module, ..., sync_batchnorm=True)``.
-
-Every BatchNorm call of the replicas that uses batch statistics normalizes
-with the statistics of the whole batch (with a process group of several
-processes, of the global batch): forward and backward equal one device's
-BatchNorm on the whole batch, running statistics included. A replica that
-raises, skips or adds a call, or waits longer than ``DPCORE_SYNC_TIMEOUT_S``,
-breaks the call for all with one error naming the replica and the layer.
-The rules: docs/sync_batchnorm.md; the mechanism: docs/design.md,
-"Synchronized BatchNorm".
+"""Synchronized BatchNorm, ``dpcore.DataParallel(module, ..., sync_batchnorm=True)``:
+every BatchNorm call with batch statistics normalizes with those of the whole
+batch (of every process's, with a process group), as one device's BatchNorm
+on the whole batch does, running statistics included. The rules:
+docs/sync_batchnorm.md; the mechanism: docs/design.md, "Synchronized BatchNorm".
 """
 
 from __future__ import annotations
@@ -117,14 +111,9 @@ class _SyncBatchNormMode(TorchFunctionMode):
     statistics becomes the synchronized version; everything else, and every
     other thread that inherits the mode, runs unchanged."""
 
-    def __init__(
-        self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None = None
-    ) -> None:
+    def __init__(self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None) -> None:
         super().__init__()
-        self.rendezvous = rendezvous
-        self.rank = rank
-        self.module = module
-        self.across = across
+        self.rendezvous, self.rank, self.module, self.across = rendezvous, rank, module, across
         self.broken: BaseException | None = None  # the rendezvous' error, once raised here
         self._names: dict[int, str] | None = None
         self._calls: dict[str | None, int] = {}
@@ -192,9 +181,7 @@ class AcrossProcesses:
     statistics. `weight`: this process's gradient weight in this forward."""
 
     def __init__(self, group: Any, timeout: datetime.timedelta, weight: float) -> None:
-        self.group = group
-        self.timeout = timeout
-        self.weight = float(weight)
+        self.group, self.timeout, self.weight = group, timeout, float(weight)
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
 
@@ -209,9 +196,8 @@ class AcrossProcesses:
         row = torch.cat([mean.detach().to(torch.float64), var.detach().to(torch.float64), count_t])
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
         self._wait(key, "forward", dist.all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
-        counts = rows[:, 2 * channels]
-        total = int(counts.sum().item())
-        g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, counts, total, self, key)
+        total = int(rows[:, 2 * channels].sum().item())
+        g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, total, self, key)
         return g_mean, g_var, total
 
     def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
@@ -262,22 +248,15 @@ class _GlobalStatistics(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        mean: torch.Tensor,
-        var: torch.Tensor,
-        rows: torch.Tensor,
-        counts: torch.Tensor,
-        total: int,
-        across: AcrossProcesses,
-        key: str,
+        ctx: Any, mean: torch.Tensor, var: torch.Tensor, rows: torch.Tensor, total: int, sync: AcrossProcesses, key: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         channels = mean.numel()
-        shares = counts / max(total, 1)  # a process without values weighs 0
+        shares = rows[:, 2 * channels] / max(total, 1)  # a process without values weighs 0
         means = rows[:, :channels]
         g_mean = shares @ means
         g_var = shares @ (rows[:, channels : 2 * channels] + (means - g_mean).square())
-        ctx.across, ctx.key, ctx.channels = across, key, channels
-        ctx.save_for_backward(shares[across.rank], means[across.rank], g_mean)
+        ctx.across, ctx.key, ctx.channels = sync, key, channels
+        ctx.save_for_backward(shares[sync.rank], means[sync.rank], g_mean)
         return g_mean.to(mean.dtype), g_var.to(var.dtype)
 
     @staticmethod
@@ -290,4 +269,4 @@ class _GlobalStatistics(torch.autograd.Function):
         total_mean, total_var = total[:channels], total[channels:]
         d_mean = share * (total_mean + 2.0 * (mean - g_mean) * total_var)
         d_var = share * total_var
-        return d_mean.to(grad_mean.dtype), d_var.to(grad_var.dtype), None, None, None, None, None
+        return d_mean.to(grad_mean.dtype), d_var.to(grad_var.dtype), None, None, None, None

@@ -1,6 +1,4 @@
-"""The hybrid mode's bucketed, weighted gradient all-reduce and buffer
-broadcasts (private). The mechanism and the weights: docs/design.md, "Hybrid".
-"""
+"""The hybrid mode's weighted gradient all-reduce in buckets (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -18,17 +16,14 @@ from dpcore._loader import _C
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
 
-__all__ = ["FlatBucket", "SampleCounts", "BucketReducer", "flat_groups", "broadcast", "weak_call"]
-
 #: Dtypes that hold every sample count exactly (up to 2**24): a bucket of them can carry the count.
 COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
 class FlatBucket:
-    """Tensors of one dtype in a persistent flat buffer, then one "has a
-    gradient" flag each and a sample count; with `world` > 0, then a "counted"
-    flag and `world` layout marks. With `side` = (flags, tail), the buffer holds
-    the tensors only and the rest are views of `side`."""
+    """Tensors of one dtype in a flat buffer, then one "has a gradient" flag each,
+    a sample count and, with `world` > 0, a "counted" flag and `world` layout
+    marks (with `side` = (flags, tail): views of those, sent apart)."""
 
     __slots__ = ("params", "flat", "data", "views", "flags", "count", "counted", "marks")
 
@@ -51,8 +46,7 @@ class FlatBucket:
             flags, tail = side
         self.data = self.flat[:total]
         self.views = [v.view(p.shape) for v, p in zip(self.data.split(sizes), self.params)]
-        self.flags = flags
-        self.count, self.counted, self.marks = tail[0:1], tail[1:2], tail[2:]
+        self.flags, self.count, self.counted, self.marks = flags, tail[0:1], tail[1:2], tail[2:]
 
     def fill(self, grads: Sequence[torch.Tensor | None]) -> list[bool]:
         """Copies `grads` into the views (zeros for None) and sets the flags; which were present."""
@@ -70,8 +64,7 @@ class FlatBucket:
         return present
 
     def copy_back(self, present: Sequence[bool]) -> None:
-        """Writes the reduced views into ``.grad`` where any process had a
-        gradient (in place where this one had)."""
+        """Writes the reduced views into ``.grad`` where any process had a gradient (in place where this one had)."""
         if all(present):
             torch._foreach_copy_([p.grad for p in self.params], self.views)
             return
@@ -89,8 +82,7 @@ def flat_groups(tensors: Sequence[torch.Tensor], device: torch.device, bucket_by
 
 
 def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> None:
-    """Overwrites the tensors of `groups` in place with rank `src`'s values
-    (version counters bump on the receiving ranks only)."""
+    """Overwrites the tensors of `groups` in place with rank `src`'s (versions bump on receiving ranks only)."""
     with torch.no_grad():
         for g in groups:
             if rank == src:
@@ -111,10 +103,6 @@ class SampleCounts:
     ref: float | None = None  # with a hook: the largest global count so far
     started: bool = False  # whether any synchronization began
 
-    def clear(self) -> None:
-        self.local = 0
-        self.counted = False
-
 
 def weak_call(ref: weakref.ref[Any], name: str, *args: Any) -> None:
     """Calls method `name` of the object `ref` refers to, if it is alive."""
@@ -131,20 +119,17 @@ class BucketReducer:
     hook: tuple[Any, Any] | None = None  # (hook, state): see HookedReducer
 
     def __init__(self, sync: GradientSync) -> None:
-        self.params = list(sync._params)
+        self.params = list(sync.params)
         self.device, self.group, self.rank, self.world_size = sync.device, sync.group, sync.rank, sync.world_size
         self.counts = sync.counts
-        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in sync._indices])
+        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in sync.indices])
         self.order = list(range(len(self.buckets)))[::-1]  # launch order, the same on every process
         self.count_bucket = next((b for b in self.order if self.buckets[b].flat.dtype in COUNT_DTYPES), None)
         self.pending = False  # this rank's module changed since the build (its mark goes out)
         self._on_finish = functools.partial(weak_call, weakref.ref(sync), "_finish")
-        bucket_of = [0] * len(self.params)
-        for b, g in enumerate(sync._indices):
-            for i in g:
-                bucket_of[i] = b
-        ref = weakref.ref(self)
-        begin, ready = (functools.partial(weak_call, ref, name) for name in ("_begin", "_ready"))
+        bucket = {i: b for b, g in enumerate(sync.indices) for i in g}
+        bucket_of = [bucket.get(i, 0) for i in range(len(self.params))]
+        begin, ready = (functools.partial(weak_call, weakref.ref(self), name) for name in ("_begin", "_ready"))
         self.readiness = _C.GradReadiness(self.params, bucket_of, self.order, begin, ready)
         self.reset()
 
@@ -172,19 +157,18 @@ class BucketReducer:
     def _ready(self, prefix: int) -> None:
         """Buckets order[:prefix] are complete: launches those not yet sent."""
         while self.next < prefix and (self.previous is None or self.previous.done()):
-            self._launch(self.order[self.next])
-            self.next += 1
+            self._launch_next()
 
     def finish(self) -> float | torch.Tensor | None:
         """Launches what is left, waits for every bucket; the correction factor (None where 1)."""
         while self.next < len(self.order):
             if self.previous is not None:  # a hook's: collectives it issues from callbacks keep one order
                 self.previous.wait()
-            self._launch(self.order[self.next])
-            self.next += 1
+            self._launch_next()
         return self._complete()
 
-    def _launch(self, b: int) -> None:
+    def _launch_next(self) -> None:
+        b = self.order[self.next]
         bucket = self.buckets[b]
         grads = [p.grad for p in bucket.params]
         for g in grads:
@@ -196,12 +180,12 @@ class BucketReducer:
         present = bucket.fill(grads)
         if self.alpha is None:
             self._begin_weights()
-        alpha = self.alpha
         if self.counts.counted and self.counts.local == 0:
             bucket.data.zero_()  # no samples here (an empty local batch): nothing, not 0 * inf or NaN
-        elif not (isinstance(alpha, float) and alpha == 1.0):
-            bucket.data.mul_(alpha)
+        elif not (isinstance(self.alpha, float) and self.alpha == 1.0):
+            bucket.data.mul_(self.alpha)
         self._send(b, present)
+        self.next += 1
 
     def _send(self, b: int, present: list[bool]) -> None:
         bucket = self.buckets[b]

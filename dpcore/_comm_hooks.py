@@ -1,6 +1,4 @@
-"""DDP's communication hooks for the hybrid mode (private): ``register_comm_hook``.
-The mechanism and the weights with a hook: docs/design.md, "Hybrid".
-"""
+"""``register_comm_hook`` (DDP's hooks) for the hybrid mode (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ from dpcore._buckets import BucketReducer, FlatBucket
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
 
-__all__ = ["GradBucket", "HookedReducer", "check_hook"]
-
 
 class GradBucket:
     """What a communication hook receives for one gradient bucket: dpcore's
@@ -28,10 +24,7 @@ class GradBucket:
     __slots__ = ("_index", "_count", "_buffer", "_params")
 
     def __init__(self, index: int, count: int, buffer: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-        self._index = index
-        self._count = count
-        self._buffer = buffer
-        self._params = list(params)
+        self._index, self._count, self._buffer, self._params = index, count, buffer, list(params)
 
     def index(self) -> int:
         """The bucket's place in the send order (0 first: the last parameters, as DDP)."""
@@ -80,18 +73,6 @@ def check_hook(state: Any, hook: Any) -> None:
         ) from None
     except ValueError:
         pass  # no signature to inspect (a builtin): called as it is
-
-
-def _hook_result(value: Any, bucket: FlatBucket, index: int) -> torch.Tensor:
-    """The tensor a hook's Future gave for a bucket (or the first of a list), checked for size."""
-    tensor = value[0] if isinstance(value, (list, tuple)) and value else value
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.data.numel():
-        found = f"a tensor of {tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else type(value).__name__
-        raise RuntimeError(
-            f"register_comm_hook: the hook's Future must hold one tensor of the bucket's {bucket.data.numel()} "
-            f"elements (bucket {index}), but it held {found}"
-        )
-    return tensor
 
 
 class HookedReducer(BucketReducer):
@@ -151,8 +132,15 @@ class HookedReducer(BucketReducer):
         correction N_ref / N (None where it is 1)."""
         c = self.counts
         for b, (_, future) in self.launched.items():
-            bucket = self.buckets[b]
-            result = _hook_result(future.wait(), bucket, self.order.index(b))
+            bucket, value = self.buckets[b], future.wait()
+            result = value[0] if isinstance(value, (list, tuple)) and value else value  # a list: its first, as DDP
+            is_tensor = isinstance(result, torch.Tensor)
+            if not is_tensor or result.numel() != bucket.data.numel():
+                found = f"a tensor of {result.numel()} elements" if is_tensor else type(value).__name__
+                raise RuntimeError(
+                    "register_comm_hook: the hook's Future must hold one tensor of the bucket's "
+                    f"{bucket.data.numel()} elements (bucket {self.order.index(b)}), but it held {found}"
+                )
             if result.data_ptr() != bucket.data.data_ptr() or result.dtype != bucket.data.dtype:
                 bucket.data.copy_(result.reshape(-1))
         n, ref = self._send_side(float(c.local), c.counted)
@@ -161,9 +149,8 @@ class HookedReducer(BucketReducer):
         return None if n is None or n == ref or not c.counted else ref / n
 
     def _send_side(self, count: float, counted: bool) -> tuple[float, float] | tuple[None, None]:
-        """All-reduces the side tensor with this rank's count, counted flag and
-        mark; if any rank counted, the global count N (at least 1) and N_ref
-        before it (N where none yet), and N_ref becomes the largest N so far."""
+        """All-reduces the side tensor; if any rank counted, the global count N (at
+        least 1) and N_ref before it (else N), and N_ref becomes the largest N."""
         self.tail[0] = count
         self.tail[1] = 1.0 if counted else 0.0
         self.tail[2:].zero_()

@@ -1,6 +1,4 @@
-"""Join (uneven inputs) for the hybrid mode (private), as DDP's. The
-mechanism: docs/design.md, "Hybrid".
-"""
+"""Join (uneven inputs) for the hybrid mode (private), as DDP's; docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -15,8 +13,6 @@ from dpcore._buckets import broadcast, flat_groups
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
 
-__all__ = ["DataParallelJoinHook", "notify"]
-
 
 def _join_state(sync: GradientSync, active: bool) -> tuple[int, bool]:
     """One all-reduce per training forward under Join: the highest rank not
@@ -27,8 +23,7 @@ def _join_state(sync: GradientSync, active: bool) -> tuple[int, bool]:
         state[-1] = 1 if sync.no_sync_depth == 0 else 0
     dist.all_reduce(state, group=sync.group)
     values = state.tolist()
-    active_ranks = [r for r, v in enumerate(values[:-1]) if v != 0]
-    return (max(active_ranks) if active_ranks else 0), values[-1] != 0
+    return max((r for r, v in enumerate(values[:-1]) if v != 0), default=0), values[-1] != 0
 
 
 def notify(sync: GradientSync, joinable: Any) -> int:
@@ -49,13 +44,11 @@ class DataParallelJoinHook(JoinHook):
 
     def __init__(self, sync: GradientSync, divide_by_initial_world_size: bool = True) -> None:
         super().__init__()
-        self.sync = sync
-        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        self.sync, self.divide_by_initial_world_size = sync, bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
-        """A joined rank's part of one training step of the others: the same
-        collectives, zero gradients, its last sample count (0 unless
-        `divide_by_initial_world_size`)."""
+        """A joined rank's part of the others' training step: the same collectives,
+        zero gradients, its last sample count (0 unless `divide_by_initial_world_size`)."""
         sync = self.sync
         src, synchronizes = _join_state(sync, active=False)
         sync.send_buffers(src)

@@ -1,6 +1,4 @@
-"""The layout every process of the hybrid mode must share, and the agreement
-on a later change (private). The mechanism: docs/design.md, "Hybrid".
-"""
+"""The layout every rank of the hybrid mode shares (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -17,8 +15,6 @@ from dpcore._loader import _C
 
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
-
-__all__ = ["structure_of", "layout_of", "check_layout", "agree_on_change"]
 
 
 def _named(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -98,15 +94,14 @@ def check_layout(lines: list[str], sync: GradientSync) -> None:
 
 
 def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
-    """Collective, once a synchronization's marks show that the ranks `changed`
-    changed their module since the build: ValueError on every rank, naming each
-    changed rank's change, unless every rank made the same change with the same
-    values in new tensors."""
+    """Collective, once the ranks `changed` changed their module since the build:
+    ValueError on every rank, naming each rank's change, unless every rank made
+    the same change with the same values in new tensors."""
     module = sync.module
     _, _, lines = layout_of(module, sync.bucket_bytes, sync.options)
-    known = {entry[2] for entry in sync._structure}
+    known = {entry[2] for entry in sync.structure}
     values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
-    what = _describe_change(sync._structure, structure_of(module)) if sync.pending else []
+    what = _describe_change(sync.structure, structure_of(module)) if sync.pending else []
     world_size = sync.world_size
     reports: list[Any] = [None] * world_size
     dist.all_gather_object(reports, (lines, values, what), group=sync.group)

@@ -128,11 +128,10 @@ class GradientSync:
         _OWNERS[module] = weakref.ref(self)
 
     def _build(self, initial: bool = False) -> None:
-        """Collective: checks the layout and builds its buckets, then sends rank
-        0's parameters and buffers (``init_sync_buffers`` at construction)."""
+        """Collective: checks the layout, builds its buckets, sends rank 0's parameters and buffers."""
         self.pending = False
-        self._structure = structure_of(self.module)
-        self._params, self._indices, lines = layout_of(self.module, self.bucket_bytes, self.options)
+        self.structure = structure_of(self.module)
+        self.params, self.indices, lines = layout_of(self.module, self.bucket_bytes, self.options)
         check_layout(lines, self)
         buffers = list(self.module.buffers())
         send_buffers = self.init_sync_buffers if initial else self.forward_sync_buffers
@@ -147,8 +146,7 @@ class GradientSync:
         self.reducer = BucketReducer(self) if self._hook is None else HookedReducer(self, self._hook)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """DDP's ``register_comm_hook``: every later gradient bucket is sent by
-        ``hook(state, bucket)``. Once, on every rank, before the first synchronization."""
+        """DDP's ``register_comm_hook``: once, on every rank, before the first synchronization."""
         check_hook(state, hook)
         if self._hook is not None:
             raise RuntimeError(
@@ -173,19 +171,19 @@ class GradientSync:
 
     def check_structure(self) -> None:
         """Notes a change of the module's structure (agreed at the next synchronization)."""
-        if structure_of(self.module) != self._structure:
+        if structure_of(self.module) != self.structure:
             self.pending = True
 
     def can_sync(self) -> bool:
         """Whether a forward now can start a gradient synchronization; no other makes a collective."""
-        return torch.is_grad_enabled() and bool(self._params or self.pending)
+        return torch.is_grad_enabled() and bool(self.params or self.pending)
 
     def before_forward(self, joinable: Any = None) -> None:
         """Drops the state of a backward that raised; in a forward that can
         synchronize, the Join notification (`joinable`: the wrapper) and the buffers."""
         if self.reducer.readiness.task != -1:  # a synchronizing backward raised: start afresh
             self.reducer.reset()
-            self.counts.clear()
+            self.counts.local, self.counts.counted = 0, False
         if self.can_sync():
             self.send_buffers(notify(self, joinable))
 
@@ -209,7 +207,7 @@ class GradientSync:
             return output
         if self.pending and not self.reducer.buckets:  # no bucket can carry the change: rebuild now (collective)
             self._build()
-        if not self._params:
+        if not self.params:
             return output
         self.reducer.readiness.arm(self.no_sync_depth == 0, self.batchnorm_group is not None)
         self.reducer.pending = self.pending
@@ -249,7 +247,7 @@ class GradientSync:
             if changed:
                 self.adopt_change(reducer.fresh_weight(factor), contribute=True)
         finally:
-            self.counts.clear()
+            self.counts.local, self.counts.counted = 0, False
             self.reducer.reset()
 
     def agree_if_changed(self) -> bool:
@@ -260,11 +258,10 @@ class GradientSync:
         return bool(changed)
 
     def adopt_change(self, weight: float | torch.Tensor, contribute: bool) -> None:
-        """Rebuilds the buckets and all-reduces the gradients the old ones did not
-        cover, times `weight` (zeros where not `contribute`)."""
-        covered = {id(p) for p in self._params}
+        """Rebuilds the buckets and all-reduces the newly covered gradients times `weight` (0 unless `contribute`)."""
+        covered = {id(p) for p in self.params}
         self._build()
-        for g in flat_groups([p for p in self._params if id(p) not in covered], self.device, self.bucket_bytes):
+        for g in flat_groups([p for p in self.params if id(p) not in covered], self.device, self.bucket_bytes):
             present = g.fill([p.grad if contribute else None for p in g.params])
             if isinstance(weight, torch.Tensor) or weight != 1.0:
                 g.data.mul_(weight)

@@ -59,11 +59,10 @@ def synchronized_apply(
     run: Callable[..., list[Any]] = parallel_apply,
     across: AcrossProcesses | None = None,
 ) -> list[Any]:
-    """``run(calls, inputs, kwargs_tup, devices, all_at_once=True)`` with
-    BatchNorm synchronized among the calls (``calls[i]`` runs replica module
-    ``modules[i]``; replica 0 updates the running statistics) and, with
-    `across`, across the processes. Raises the exception of the lowest replica
-    that raised one of its own, else SyncBatchNormError."""
+    """``run(calls, inputs, kwargs_tup, devices, all_at_once=True)`` with BatchNorm
+    synchronized among the calls (``calls[i]`` runs replica ``modules[i]``) and
+    across the processes with `across`. Raises the exception of the lowest
+    replica that raised one of its own, else SyncBatchNormError."""
     rendezvous = _C.Rendezvous(len(calls))
     if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
         rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
@@ -206,19 +205,15 @@ class AcrossProcesses:
         self._agree(key, "backward", grads.device)
         payload = grads.to(torch.float64) * self.weight
         self._wait(key, "backward", dist.all_reduce(payload, group=self.group, async_op=True))
-        if self.weight == 0:
-            return torch.zeros_like(grads)
-        return (payload / self.weight).to(grads.dtype)
+        return torch.zeros_like(grads) if self.weight == 0 else (payload / self.weight).to(grads.dtype)
 
     def _agree(self, key: str, phase: str, device: torch.device) -> None:
-        """Before each collective: one all-reduce of (tag, tag squared) of `phase`
-        of `key`, of one size for every call, so that every rank finds (and
-        raises on) ranks at different calls: gloo aborts on collectives of different sizes."""
+        """Before each collective, one all-reduce of one size for every call: every
+        rank raises where ranks are at different calls (gloo aborts on collectives of different sizes)."""
         tag = float(_tag(f"{phase} {key}"))
         header = torch.tensor([tag, tag * tag], dtype=torch.float64, device=device)
         self._wait(key, phase, dist.all_reduce(header, group=self.group, async_op=True))
-        tag_sum, square_sum = header.tolist()
-        if tag_sum != self.world_size * tag or square_sum != self.world_size * tag * tag:
+        if header.tolist() != [self.world_size * tag, self.world_size * tag * tag]:
             reached: list[Any] = [None] * self.world_size
             dist.all_gather_object(reached, f"the {phase} of {key}", group=self.group)
             raise SyncBatchNormError(
@@ -263,10 +258,8 @@ class _GlobalStatistics(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor) -> tuple[Any, ...]:
         share, mean, g_mean = ctx.saved_tensors
-        channels = ctx.channels
         grads = torch.cat([grad_mean.reshape(-1), grad_var.reshape(-1)])
         total = ctx.across.reduce_gradients(ctx.key, grads).to(torch.float64)
-        total_mean, total_var = total[:channels], total[channels:]
+        total_mean, total_var = total[: ctx.channels], total[ctx.channels :]
         d_mean = share * (total_mean + 2.0 * (mean - g_mean) * total_var)
-        d_var = share * total_var
-        return d_mean.to(grad_mean.dtype), d_var.to(grad_var.dtype), None, None, None, None
+        return d_mean.to(grad_mean.dtype), (share * total_var).to(grad_var.dtype), None, None, None, None

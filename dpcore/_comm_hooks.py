@@ -1,66 +1,47 @@
-"""DDP's communication hooks for the hybrid mode (private):
-``register_comm_hook(state, hook)``.
-
-:class:`HookedReducer` hands each gradient bucket to ``hook(state, bucket)``
-(a :class:`GradBucket`, DDP's interface) instead of all-reducing it, one
-bucket at a time; the flags, the sample count and the layout marks go apart,
-in one float64 all-reduce per synchronization, so that no lossy hook touches
-them. The weights with a hook: docs/design.md, "Hybrid".
-"""
+"""``register_comm_hook`` (DDP's hooks) for the hybrid mode (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dpcore._buckets import BucketReducer, FlatBucket
 
-__all__ = ["GradBucket", "HookedReducer", "check_hook"]
+if TYPE_CHECKING:
+    from dpcore.distributed import GradientSync
 
 
 class GradBucket:
     """What a communication hook receives for one gradient bucket: dpcore's
-    stand-in for ``torch.distributed.GradBucket`` (a C++ class that Python
-    cannot build), with the methods torch's hooks call. ``buffer()`` is the
-    flat gradient of the bucket's parameters (this process's, weighted; see
-    docs/design.md), ``gradients()`` views of the current buffer in the
-    shapes of ``parameters()``, ``index()`` the bucket's place in the order
-    the buckets are sent (0 first: the last parameters, as DDP) and
-    ``is_last()`` whether it is the last one sent in this synchronization."""
+    stand-in for ``torch.distributed.GradBucket`` (which Python cannot build),
+    with the methods torch's hooks call."""
 
     __slots__ = ("_index", "_count", "_buffer", "_params")
 
     def __init__(self, index: int, count: int, buffer: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-        self._index = index
-        self._count = count
-        self._buffer = buffer
-        self._params = list(params)
+        self._index, self._count, self._buffer, self._params = index, count, buffer, list(params)
 
     def index(self) -> int:
-        """The bucket's place in the send order (the same on every rank and step, until a rebuild)."""
+        """The bucket's place in the send order (0 first: the last parameters, as DDP)."""
         return self._index
 
     def is_last(self) -> bool:
-        """Whether this is the last bucket sent in the synchronization."""
         return self._index == self._count - 1
 
     def buffer(self) -> torch.Tensor:
-        """The flat (1-D) gradient of the bucket's parameters."""
+        """The flat gradient of the bucket's parameters (this process's, weighted)."""
         return self._buffer
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replaces the buffer (as ``fp16_compress_wrapper`` does) by a 1-D
-        tensor of the same number of elements; ``gradients()`` then views it."""
+        """Replaces the buffer by a 1-D tensor of as many elements; ``gradients()`` then views it."""
         if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1 or buffer.numel() != self._buffer.numel():
-            found = (
-                f"a tensor of shape {tuple(buffer.shape)}"
-                if isinstance(buffer, torch.Tensor)
-                else type(buffer).__name__
-            )
+            is_tensor = isinstance(buffer, torch.Tensor)
+            found = f"a tensor of shape {tuple(buffer.shape)}" if is_tensor else type(buffer).__name__
             raise ValueError(
                 f"buffer: expected a 1-D tensor of {self._buffer.numel()} elements (the bucket's gradients), "
                 f"but got {found}"
@@ -73,7 +54,6 @@ class GradBucket:
         return [v.view(p.shape) for v, p in zip(self._buffer.split(sizes), self._params)]
 
     def parameters(self) -> list[torch.Tensor]:
-        """The bucket's parameters, in buffer order."""
         return list(self._params)
 
 
@@ -95,83 +75,47 @@ def check_hook(state: Any, hook: Any) -> None:
         pass  # no signature to inspect (a builtin): called as it is
 
 
-def _hook_result(value: Any, bucket: FlatBucket, index: int) -> torch.Tensor:
-    """The tensor a hook's Future gave for a bucket (a tensor, or a list
-    whose first element is one, as DDP accepts), checked for size."""
-    tensor = value[0] if isinstance(value, (list, tuple)) and value else value
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() != bucket.data.numel():
-        found = f"a tensor of {tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else type(value).__name__
-        raise RuntimeError(
-            f"register_comm_hook: the hook's Future must hold one tensor of the bucket's {bucket.data.numel()} "
-            f"elements (bucket {index}), but it held {found}"
-        )
-    return tensor
-
-
 class HookedReducer(BucketReducer):
-    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state). The
-    hook divides by the world size P itself, so a bucket holds this
-    process's gradient times P * n_p / N_ref (N_ref: the largest global
-    count so far, learnt by one blocking all-reduce before the first
-    synchronization); a factor N_ref / N on arrival makes the weights n_p / N."""
+    """:class:`BucketReducer` whose buckets go to `hook` = (hook, state), one at a
+    time, pre-multiplied by P * n_p / N_ref and corrected by N_ref / N on arrival."""
 
-    def __init__(self, *args: Any, hook: tuple[Any, Any]) -> None:
-        """`args` as :class:`BucketReducer`'s."""
+    def __init__(self, sync: GradientSync, hook: tuple[Any, Any]) -> None:
         self.hook = hook
-        super().__init__(*args)
+        super().__init__(sync)
+        self.count_bucket = None  # the count goes in the side tensor
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
-        """Every bucket's flags, then count, counted flag and marks, in one
-        float64 tensor sent apart (``self.side``)."""
-        flags = sum(len(g) for g in groups)
-        self.side = torch.zeros(flags + 2 + self.world_size, dtype=torch.float64, device=self.device)
-        tail = self.side[flags:]
-        buckets = []
-        offset = 0
-        for g in groups:
-            side = (self.side[offset : offset + len(g)], tail)
-            buckets.append(FlatBucket(g, self.device, world=self.world_size, side=side))
-            offset += len(g)
-        return buckets
+        """The flags, count, counted flag and marks in one float64 tensor sent apart."""
+        self.side = torch.zeros(sum(map(len, groups)) + 2 + self.world_size, dtype=torch.float64, device=self.device)
+        self.tail = self.side[len(self.side) - 2 - self.world_size :]
+        starts = itertools.accumulate(map(len, groups), initial=0)
+        return [
+            FlatBucket(g, self.device, world=self.world_size, side=(self.side[o : o + len(g)], self.tail))
+            for g, o in zip(groups, starts)
+        ]
 
-    def _count_carrier(self) -> int | None:
-        return None  # the count goes in the side tensor
-
-    def _blocked(self) -> bool:
-        return self.previous is not None and not self.previous.done()
-
-    def _wait_previous(self) -> None:
-        """Waits until the bucket sent last is reduced, so that collectives a
-        hook issues from its Future's callbacks (PowerSGD's) come in the same
-        order on every rank."""
-        if self.previous is not None:
-            self.previous.wait()
+    def _learn_ref(self, count: float, counted: bool) -> None:
+        """Before the first synchronization: N_ref, by one blocking all-reduce of the counts."""
+        if self.counts.ref is None:
+            both, work = self._all_reduce_count(count, counted)
+            work.wait()
+            total, flag = both.tolist()
+            if flag != 0:
+                self.counts.ref = max(total, 1.0)
 
     def _begin_weights(self) -> None:
-        """The pre-multiplier P * n_p / N_ref (1 with equal full batches, at
-        most P otherwise, so a half-precision hook cannot overflow for it)."""
+        """The pre-multiplier P * n_p / N_ref (at most P, so that a half-precision hook cannot overflow)."""
         c = self.counts
-        if c.ref is None:
-            total, counted = self._count_all(float(c.local), c.counted)
-            if counted:
-                c.ref = max(total, 1.0)
+        self._learn_ref(float(c.local), c.counted)
         ref = c.ref if c.ref is not None else 1.0
         self.alpha = self.world_size * c.local / ref if c.counted else 1.0
-
-    def _count_all(self, count: float, counted: bool) -> tuple[float, bool]:
-        """Blocking all-reduce of (sample count, counted flag): the total and
-        whether any rank counted."""
-        both = torch.tensor([count, 1.0 if counted else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, group=self.group)
-        total, flag = both.tolist()
-        return total, flag != 0
 
     def _send(self, b: int, present: list[bool]) -> None:
         self.previous = self._call_hook(b)
         self.launched[b] = (present, self.previous)
 
     def _call_hook(self, b: int) -> Any:
-        """Calls the communication hook on bucket `b`'s gradients; its Future."""
+        """Calls the hook on bucket `b`; its Future."""
         hook, state = self.hook
         bucket = self.buckets[b]
         index = self.order.index(b)
@@ -184,62 +128,51 @@ class HookedReducer(BucketReducer):
         return future
 
     def _complete(self) -> float | None:
-        """Waits for each Future and writes its tensor into the bucket, then
-        all-reduces the side tensor and returns the correction N_ref / N (None
-        where it is 1); N_ref becomes the largest N so far."""
+        """Waits for each Future into its bucket, then sends the side tensor; the
+        correction N_ref / N (None where it is 1)."""
         c = self.counts
         for b, (_, future) in self.launched.items():
-            bucket = self.buckets[b]
-            result = _hook_result(future.wait(), bucket, self.order.index(b))
+            bucket, value = self.buckets[b], future.wait()
+            result = value[0] if isinstance(value, (list, tuple)) and value else value  # a list: its first, as DDP
+            is_tensor = isinstance(result, torch.Tensor)
+            if not is_tensor or result.numel() != bucket.data.numel():
+                found = f"a tensor of {result.numel()} elements" if is_tensor else type(value).__name__
+                raise RuntimeError(
+                    "register_comm_hook: the hook's Future must hold one tensor of the bucket's "
+                    f"{bucket.data.numel()} elements (bucket {self.order.index(b)}), but it held {found}"
+                )
             if result.data_ptr() != bucket.data.data_ptr() or result.dtype != bucket.data.dtype:
                 bucket.data.copy_(result.reshape(-1))
-        total, counted = self._send_side(float(c.local), c.counted)
+        n, ref = self._send_side(float(c.local), c.counted)
         if c.counted:
             c.last = c.local
-        if not counted:
-            return None
-        n = max(total, 1.0)
-        ref = c.ref if c.ref is not None else n
-        factor = None if n == ref or not c.counted else ref / n
-        c.ref = max(ref, n)
-        return factor
+        return None if n is None or n == ref or not c.counted else ref / n
 
-    def _send_side(self, count: float, counted: bool) -> tuple[float, bool]:
-        """All-reduces the side tensor (the bucket flags already in it) with
-        this rank's count, counted flag and layout mark; returns the total
-        count and whether any rank counted."""
-        tail = self.side[len(self.side) - self.world_size - 2 :]
-        tail[0] = count
-        tail[1] = 1.0 if counted else 0.0
-        tail[2:].zero_()
+    def _send_side(self, count: float, counted: bool) -> tuple[float, float] | tuple[None, None]:
+        """All-reduces the side tensor; if any rank counted, the global count N (at
+        least 1) and N_ref before it (else N), and N_ref becomes the largest N."""
+        self.tail[0] = count
+        self.tail[1] = 1.0 if counted else 0.0
+        self.tail[2:].zero_()
         if self.pending:
-            tail[2 + self.rank] = 1.0
+            self.tail[2 + self.rank] = 1.0
         dist.all_reduce(self.side, group=self.group)
-        total, flag = tail[:2].tolist()
-        return total, flag != 0
-
-    def _fresh_alpha(self) -> float | torch.Tensor:
-        """Divided by P: the new buckets are summed without the hook's division."""
-        return super()._fresh_alpha() / self.world_size
+        total, flag = self.tail[:2].tolist()
+        if flag == 0:
+            return None, None
+        n = max(total, 1.0)
+        ref = self.counts.ref if self.counts.ref is not None else n
+        self.counts.ref = max(ref, n)
+        return n, ref
 
     def shadow(self, phantom: float, pending: bool) -> None:
-        """A joined rank's synchronization with a hook: the count once before
-        the first, the hook on zero buckets in order, each waited for, then
-        the side tensor."""
+        """A joined rank's synchronization: the hook on zero buckets, each waited for."""
         self.reset()
-        self.counts.started = True
-        self.pending = pending
-        c = self.counts
-        if c.ref is None:
-            total, counted = self._count_all(phantom, False)
-            if counted:
-                c.ref = max(total, 1.0)
+        self.counts.started, self.pending = True, pending
+        self._learn_ref(phantom, False)
         for b in self.order:
             bucket = self.buckets[b]
             bucket.flat.zero_()
             bucket.flags.zero_()
             self._call_hook(b).wait()
-        total, counted = self._send_side(phantom, False)
-        if counted:
-            n = max(total, 1.0)
-            c.ref = n if c.ref is None else max(c.ref, n)
+        self._send_side(phantom, False)

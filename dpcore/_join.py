@@ -1,13 +1,4 @@
-"""Join (uneven inputs) for the hybrid mode (private).
-
-Under ``Join([dp, ...])`` each training forward notifies the join context
-and makes one all-reduce (which ranks still train; whether its backward
-synchronizes); a rank that ran out of inputs shadows each of them
-(:class:`DataParallelJoinHook`): buffers from the highest rank still
-training, zero gradients in the same buckets, its last sample count or none
-in the weights. When all joined, the model is broadcast from the last
-joiner. As DDP; the weights: docs/design.md, "Hybrid".
-"""
+"""Join (uneven inputs) for the hybrid mode (private), as DDP's; docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -22,28 +13,22 @@ from dpcore._buckets import broadcast, flat_groups
 if TYPE_CHECKING:
     from dpcore.distributed import GradientSync
 
-__all__ = ["DataParallelJoinHook", "notify", "join_step", "join_finish"]
-
 
 def _join_state(sync: GradientSync, active: bool) -> tuple[int, bool]:
-    """One all-reduce per training forward under Join: element r is 1 where
-    rank r has not joined, the last one counts the ranks whose backward will
-    synchronize. Returns the highest rank not joined (the source of buffers,
-    as DDP's) and whether the backward synchronizes."""
+    """One all-reduce per training forward under Join: the highest rank not
+    joined (the source of buffers, as DDP's) and whether the backward synchronizes."""
     state = torch.zeros(sync.world_size + 1, dtype=torch.float32, device=sync.device)
     if active:
         state[sync.rank] = 1
         state[-1] = 1 if sync.no_sync_depth == 0 else 0
     dist.all_reduce(state, group=sync.group)
     values = state.tolist()
-    active_ranks = [r for r, v in enumerate(values[:-1]) if v != 0]
-    return (max(active_ranks) if active_ranks else 0), values[-1] != 0
+    return max((r for r, v in enumerate(values[:-1]) if v != 0), default=0), values[-1] != 0
 
 
 def notify(sync: GradientSync, joinable: Any) -> int:
-    """In a training forward: inside an enabled Join (`joinable` is the
-    wrapper), the join context's notification and :func:`_join_state`;
-    returns the rank whose buffers this forward uses (0 outside Join)."""
+    """In a training forward inside an enabled Join (`joinable`: the wrapper),
+    the join context's collectives; the rank whose buffers it uses (else 0)."""
     config = getattr(joinable, "_join_config", None)
     if config is None or not config.enable:
         return 0
@@ -54,50 +39,33 @@ def notify(sync: GradientSync, joinable: Any) -> int:
     return src
 
 
-def join_step(sync: GradientSync, divide_by_initial_world_size: bool) -> None:
-    """A joined rank's part of one training forward and backward of the
-    others: the same collectives, with zero gradients. Its sample count in
-    the weights is that of its last synchronization with
-    `divide_by_initial_world_size` (with equal local batches: DDP's division
-    by the initial world size), else 0 (the mean over the samples of the
-    ranks still training)."""
-    src, synchronizes = _join_state(sync, active=False)
-    sync.send_buffers(src)
-    if not synchronizes or not sync.reducer.buckets:
-        return
-    phantom = float(sync.counts.last if divide_by_initial_world_size else 0)
-    sync.reducer.shadow(phantom, sync.pending)
-    sync.send_buffers(src)
-    if sync.agree_if_changed():
-        sync.adopt_change(0.0, contribute=False)
-
-
-def join_finish(sync: GradientSync, is_last_joiner: bool) -> None:
-    """After every rank joined: parameters, and buffers with
-    ``forward_sync_buffers``, from the highest of the ranks that joined
-    last, as DDP."""
-    rank = torch.tensor([float(sync.rank) if is_last_joiner else -1.0], device=sync.device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=sync.group)
-    tensors = list(sync.module.parameters())
-    if sync.forward_sync_buffers:
-        tensors += list(sync.module.buffers())
-    if tensors:
-        broadcast(flat_groups(tensors, sync.device, sync.bucket_bytes), int(rank.item()), sync.rank, sync.group)
-
-
 class DataParallelJoinHook(JoinHook):
-    """The join hook of ``DataParallel(..., process_group=pg)``: while other
-    ranks train, a joined rank shadows each of their training forwards and
-    backward passes (:func:`join_step`); once all joined, the model is
-    broadcast from the last joiner (:func:`join_finish`)."""
+    """The join hook of ``DataParallel(..., process_group=pg)``."""
 
     def __init__(self, sync: GradientSync, divide_by_initial_world_size: bool = True) -> None:
         super().__init__()
-        self.sync = sync
-        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        self.sync, self.divide_by_initial_world_size = sync, bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
-        join_step(self.sync, self.divide_by_initial_world_size)
+        """A joined rank's part of the others' training step: the same collectives,
+        zero gradients, its last sample count (0 unless `divide_by_initial_world_size`)."""
+        sync = self.sync
+        src, synchronizes = _join_state(sync, active=False)
+        sync.send_buffers(src)
+        if not synchronizes or not sync.reducer.buckets:
+            return
+        sync.reducer.shadow(float(sync.counts.last if self.divide_by_initial_world_size else 0), sync.pending)
+        sync.send_buffers(src)
+        if sync.agree_if_changed():
+            sync.adopt_change(0.0, contribute=False)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        join_finish(self.sync, is_last_joiner)
+        """After every rank joined: the model from the highest of the last joiners."""
+        sync = self.sync
+        rank = torch.tensor([float(sync.rank) if is_last_joiner else -1.0], device=sync.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=sync.group)
+        tensors = list(sync.module.parameters())
+        if sync.forward_sync_buffers:
+            tensors += list(sync.module.buffers())
+        if tensors:
+            broadcast(flat_groups(tensors, sync.device, sync.bucket_bytes), int(rank.item()), sync.rank, sync.group)

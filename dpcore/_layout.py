@@ -1,58 +1,49 @@
-"""The layout every process of the hybrid mode must share (private).
-
-What must be equal on every rank (names, shapes, dtypes, requires_grad,
-gradient buckets, the buffer options) is compared as one hash at
-construction; a structural change after it is agreed at the next
-synchronization (:func:`agree_on_change`). The mechanism: docs/design.md,
-"Hybrid".
-"""
+"""The layout every rank of the hybrid mode shares (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpcore._loader import _C
 
-__all__ = ["structure_of", "layout_lines", "check_layout", "agree_on_change"]
+if TYPE_CHECKING:
+    from dpcore.distributed import GradientSync
+
+
+def _named(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(kind, name, tensor) of every parameter, then every buffer."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            yield kind, name, t
 
 
 def structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
     """What a rebuild of the buckets depends on: every parameter and buffer
     (kind, name, identity, shape, dtype, device, requires_grad), in order."""
-    return [
-        (kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
-        for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
-        for name, t in named
-    ]
+    return [(kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for kind, name, t in _named(module)]
 
 
 def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ...]]) -> list[str]:
-    """What changed between two :func:`structure_of` lists, one phrase per
-    tensor ("parameter 'fc.weight' frozen (requires_grad True -> False)")."""
+    """One phrase per tensor that changed between two :func:`structure_of` lists."""
     before = {(kind, name): rest for kind, name, *rest in old}
     after = {(kind, name): rest for kind, name, *rest in new}
     phrases = []
-    for (kind, name), (ident, shape, dtype, device, grad) in before.items():
+    for (kind, name), (ident, *was) in before.items():
         if (kind, name) not in after:
             phrases.append(f"{kind} {name!r} removed")
             continue
-        ident2, shape2, dtype2, device2, grad2 = after[(kind, name)]
-        what = []
-        if ident2 != ident:
-            what.append("replaced by another tensor")
-        if shape2 != shape:
-            what.append(f"shape {shape} -> {shape2}")
-        if dtype2 != dtype:
-            what.append(f"dtype {dtype} -> {dtype2}")
-        if device2 != device:
-            what.append(f"device {device} -> {device2}")
-        if grad2 != grad:
-            what.append("frozen (requires_grad True -> False)" if grad else "unfrozen (requires_grad False -> True)")
+        ident2, *now = after[(kind, name)]
+        what = ["replaced by another tensor"] if ident2 != ident else []
+        what += [f"{field} {a} -> {b}" for field, a, b in zip(("shape", "dtype", "device"), was, now) if a != b]
+        if now[3] != was[3]:
+            what.append("frozen (requires_grad True -> False)" if was[3] else "unfrozen (requires_grad False -> True)")
         if what:
             phrases.append(f"{kind} {name!r} " + ", ".join(what))
     phrases += [f"{kind} {name!r} added" for kind, name in after if (kind, name) not in before]
@@ -60,96 +51,60 @@ def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ..
 
 
 def _digest(t: torch.Tensor) -> str:
-    """A hash of a tensor's values (for comparing replaced tensors across processes)."""
+    """A hash of a tensor's values."""
     data = t.detach().to("cpu").contiguous().reshape(-1)
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def layout_lines(
-    named_params: Sequence[tuple[str, torch.Tensor]],
-    named_buffers: Sequence[tuple[str, torch.Tensor]],
-    buckets: Sequence[Sequence[int]],
-    options: str,
-) -> list[str]:
-    """What must be equal on every process, one line per item (`options`:
-    the options every rank must share, as one line)."""
+def layout_of(module: nn.Module, bucket_bytes: int, options: str) -> tuple[list[torch.Tensor], Any, list[str]]:
+    """The trainable parameters, their gradient buckets, and what must be equal on
+    every process, one line per item."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    buckets = _C.make_buckets(trainable, bucket_bytes)
     lines = [
-        f"parameter {name!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
-        for name, p in named_params
+        f"{kind} {name!r}: shape {tuple(t.shape)}, {t.dtype}"
+        + (f", requires_grad={t.requires_grad}" if kind == "parameter" else "")
+        for kind, name, t in _named(module)
     ]
-    lines += [f"buffer {name!r}: shape {tuple(b.shape)}, {b.dtype}" for name, b in named_buffers]
     lines += [f"gradient bucket {k}: parameters {list(group)}" for k, group in enumerate(buckets)]
     lines.append(options)
-    return lines
+    return trainable, buckets, lines
 
 
-def check_layout(lines: list[str], group: Any, device: torch.device, world_size: int) -> None:
-    """One all_gather of a 64-bit hash of `lines`; on a difference, every rank
-    gathers the layouts and raises ValueError naming the first difference."""
-    import torch.distributed as dist
-
+def check_layout(lines: list[str], sync: GradientSync) -> None:
+    """Collective: ValueError on every rank, naming the first difference from
+    rank 0, unless every rank has the same `lines` (one all-gather of a hash)."""
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=sync.device)
+    every = [torch.empty_like(mine) for _ in range(sync.world_size)]
+    dist.all_gather(every, mine, group=sync.group)
     if all(torch.equal(h, every[0]) for h in every):
         return
-    layouts: list[Any] = [None] * world_size
-    dist.all_gather_object(layouts, lines, group=group)
-    raise ValueError(_describe_difference(layouts))
-
-
-def _describe_difference(layouts: Sequence[Sequence[str]]) -> str:
-    """The first line in which a rank's layout differs from rank 0's."""
-    base = list(layouts[0])
-    for rank, lines in enumerate(layouts[1:], start=1):
-        lines = list(lines)
-        if lines == base:
-            continue
-        for k in range(max(len(lines), len(base))):
-            mine = lines[k] if k < len(lines) else "nothing"
-            theirs = base[k] if k < len(base) else "nothing"
-            if mine != theirs:
-                return (
+    layouts: list[Any] = [None] * sync.world_size
+    dist.all_gather_object(layouts, lines, group=sync.group)
+    base = layouts[0]
+    for rank, other in enumerate(layouts[1:], start=1):
+        for found, theirs in itertools.zip_longest(other, base, fillvalue="nothing"):
+            if found != theirs:
+                raise ValueError(
                     "process_group: the module must have the same layout in every process, but rank "
-                    f"{rank} has {mine} where rank 0 has {theirs}"
+                    f"{rank} has {found} where rank 0 has {theirs}"
                 )
-    return "process_group: the module's layout differs between processes"
+    raise ValueError("process_group: the module's layout differs between processes")
 
 
-def agree_on_change(
-    module: nn.Module,
-    built: Sequence[tuple[Any, ...]],
-    pending: bool,
-    changed: Sequence[int],
-    *,
-    bucket_bytes: int,
-    options: str,
-    group: Any,
-    world_size: int,
-) -> None:
-    """Collective, on every rank once a synchronization's marks show that the
-    ranks `changed` changed their module since it was `built` (this rank
-    among them where `pending`): gathers every rank's layout (and a hash of
-    the values of the tensors new since then) and raises ValueError on every
-    rank, naming each changed rank and what it changed, unless every rank
-    made the same change with the same values."""
-    import torch.distributed as dist
-
-    named_params = list(module.named_parameters())
-    named_buffers = list(module.named_buffers())
-    grads = [p for _, p in named_params if p.requires_grad]
-    lines = layout_lines(named_params, named_buffers, _C.make_buckets(grads, bucket_bytes), options)
-    known = {entry[2] for entry in built}
-    values = [  # tensors new since the build must hold the same values everywhere
-        f"{kind} {name!r} values {_digest(t)}"
-        for kind, named in (("parameter", named_params), ("buffer", named_buffers))
-        for name, t in named
-        if id(t) not in known
-    ]
-    what = _describe_change(built, structure_of(module)) if pending else []
+def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
+    """Collective, once the ranks `changed` changed their module since the build:
+    ValueError on every rank, naming each rank's change, unless every rank made
+    the same change with the same values in new tensors."""
+    module = sync.module
+    _, _, lines = layout_of(module, sync.bucket_bytes, sync.options)
+    known = {entry[2] for entry in sync.structure}
+    values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
+    what = _describe_change(sync.structure, structure_of(module)) if sync.pending else []
+    world_size = sync.world_size
     reports: list[Any] = [None] * world_size
-    dist.all_gather_object(reports, (lines, values, what), group=group)
+    dist.all_gather_object(reports, (lines, values, what), group=sync.group)
     if len(changed) == world_size and all(r[:2] == reports[0][:2] for r in reports):
         return  # the same change everywhere: adopted after this synchronization
     parts = [f"rank {r}: {'; '.join(reports[r][2]) or 'its layout'}" for r in changed]

@@ -1,26 +1,13 @@
-"""Synchronized BatchNorm across the replicas of one DataParallel call:
-``dpcore.DataParallel(module, ..., sync_batchnorm=True)``.
-
-Every BatchNorm call of the replicas that uses batch statistics normalizes
-with the mean and variance of the whole batch, over all replicas of the
-call (with a process group of several processes, of the global batch).
-Nothing is converted: inside each replica's task a ``TorchFunctionMode``
-catches ``torch.nn.functional.batch_norm`` and hands it to the C++
-rendezvous of the call (``dpcore._C.sync_batch_norm``), which exchanges
-each replica's statistics once and combines them with the parallel-variance
-formula; backward needs no rendezvous. Replica 0 updates the running
-statistics.
-
-Guarantees: forward and backward equal single-device BatchNorm on the whole
-batch (running statistics included); one exchange per BatchNorm call; never
-hangs: a replica that raises, skips or adds a call, or waits longer than
-``DPCORE_SYNC_TIMEOUT_S``, breaks the rendezvous for all with one error
-naming the replica and the layer. The rules: docs/sync_batchnorm.md; the
-mechanism, across processes too: docs/design.md, "Synchronized BatchNorm".
+"""Synchronized BatchNorm, ``dpcore.DataParallel(module, ..., sync_batchnorm=True)``:
+every BatchNorm call with batch statistics normalizes with those of the whole
+batch (of every process's, with a process group), as one device's BatchNorm
+on the whole batch does, running statistics included. The rules:
+docs/sync_batchnorm.md; the mechanism: docs/design.md, "Synchronized BatchNorm".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import threading
@@ -28,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -61,16 +49,6 @@ def needs_sync(module: nn.Module) -> bool:
     )
 
 
-class _Broken:
-    """What a replica returns when the rendezvous broke because of another
-    replica (or of a mismatch it took part in): the caller raises one error."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
 def synchronized_apply(
     modules: Sequence[nn.Module],
     calls: Sequence[Callable[..., Any]],
@@ -81,35 +59,41 @@ def synchronized_apply(
     run: Callable[..., list[Any]] = parallel_apply,
     across: AcrossProcesses | None = None,
 ) -> list[Any]:
-    """parallel_apply(calls, inputs, kwargs_tup, devices) with synchronized
-    BatchNorm among the calls (see the module docstring). ``modules[i]`` is
-    the replica module that ``calls[i]`` runs (used to name layers in errors);
-    replica 0 updates the running statistics. All calls run at once, each on
-    a worker thread of its own, since they wait for each other. ``run`` is
-    the parallel_apply to use (called with ``all_at_once=True``). With
-    `across`, the statistics are those of every process's calls (one call
-    is enough then), and a replica waits for the others up to
-    DPCORE_SYNC_TIMEOUT_S plus the process group's timeout.
-
-    Raises the root cause when the rendezvous breaks: the exception of the
-    lowest replica that raised one of its own, else SyncBatchNormError."""
+    """``run(calls, inputs, kwargs_tup, devices, all_at_once=True)`` with BatchNorm
+    synchronized among the calls (``calls[i]`` runs replica ``modules[i]``) and
+    across the processes with `across`. Raises the exception of the lowest
+    replica that raised one of its own, else SyncBatchNormError."""
     rendezvous = _C.Rendezvous(len(calls))
     if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
         rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
-    replicas = [
-        _SyncedReplica(call, module, rank, rendezvous, across)
-        for rank, (call, module) in enumerate(zip(calls, modules))
-    ]
+    broken: dict[int, BaseException] = {}  # the rendezvous' error, by the replica it was raised in
+
+    def replica(rank: int, call: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+        def task(*args: Any, **kwargs: Any) -> Any:
+            mode = _SyncBatchNormMode(rendezvous, rank, module, across)
+            try:
+                with mode:
+                    result = call(*args, **kwargs)
+            except BaseException as error:
+                if error is not mode.broken:
+                    rendezvous.fail(rank, _describe(error))
+                    raise
+                broken[rank], result = error, None
+            rendezvous.finish(rank)
+            return result
+
+        return task
+
+    tasks = [replica(rank, call, module) for rank, (call, module) in enumerate(zip(calls, modules))]
     try:
-        results = run(replicas, inputs, kwargs_tup, devices, all_at_once=True)
+        results = run(tasks, inputs, kwargs_tup, devices, all_at_once=True)
     except BaseException as error:
         # Replicas still running (a caller interrupted while waiting) must not wait for the others.
         rendezvous.abort(f"the call was abandoned: {_describe(error)}")
         raise
     if rendezvous.broken:
-        broken = [r.error for r in results if isinstance(r, _Broken)]
         if broken:
-            raise broken[0]
+            raise broken[min(broken)]
         raise SyncBatchNormError(rendezvous.reason)
     return results
 
@@ -121,49 +105,14 @@ def _describe(error: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-class _SyncedReplica:
-    """One replica's task: runs `call` under the BatchNorm interception and
-    tells the rendezvous when it finished or raised."""
-
-    def __init__(
-        self, call: Callable[..., Any], module: nn.Module, rank: int, rendezvous: Any, across: AcrossProcesses | None
-    ) -> None:
-        self.call = call
-        self.module = module
-        self.rank = rank
-        self.rendezvous = rendezvous
-        self.across = across
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mode = _SyncBatchNormMode(self.rendezvous, self.rank, self.module, self.across)
-        try:
-            with mode:
-                result = self.call(*args, **kwargs)
-        except BaseException as error:
-            if error is mode.broken:
-                self.rendezvous.finish(self.rank)
-                return _Broken(error)
-            self.rendezvous.fail(self.rank, _describe(error))
-            raise
-        self.rendezvous.finish(self.rank)
-        return result
-
-
 class _SyncBatchNormMode(TorchFunctionMode):
-    """Active on one replica's thread for the duration of its task:
-    ``torch.nn.functional.batch_norm`` with batch statistics becomes the
-    synchronized version; every other function runs unchanged. Threads that
-    inherit the mode (the worker pool hands function modes on, e.g. to the
-    replicas of a DataParallel nested in this replica) get plain BatchNorm."""
+    """On one replica's thread, for its task: ``F.batch_norm`` with batch
+    statistics becomes the synchronized version; everything else, and every
+    other thread that inherits the mode, runs unchanged."""
 
-    def __init__(
-        self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None = None
-    ) -> None:
+    def __init__(self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None) -> None:
         super().__init__()
-        self.rendezvous = rendezvous
-        self.rank = rank
-        self.module = module
-        self.across = across
+        self.rendezvous, self.rank, self.module, self.across = rendezvous, rank, module, across
         self.broken: BaseException | None = None  # the rendezvous' error, once raised here
         self._names: dict[int, str] | None = None
         self._calls: dict[str | None, int] = {}
@@ -177,9 +126,8 @@ class _SyncBatchNormMode(TorchFunctionMode):
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _key(self, weight: torch.Tensor | None, running_mean: torch.Tensor | None) -> str:
-        """'BatchNorm 'layer1.bn' (call 2)': the layer's qualified name in the
-        replica (found through its weight or running mean) and how many times
-        this replica has called it in this call."""
+        """ "BatchNorm 'layer1.bn' (call 2)": the layer's name in the replica
+        and how many times this replica has called it."""
         if self._names is None:
             self._names = {}
             if isinstance(self.module, nn.Module):
@@ -188,10 +136,7 @@ class _SyncBatchNormMode(TorchFunctionMode):
                         for t in (m.weight, m.running_mean):
                             if t is not None:
                                 self._names[id(t)] = name or f"<{type(m).__name__}, the wrapped module>"
-        label = None
-        for t in (weight, running_mean):
-            if label is None and t is not None:
-                label = self._names.get(id(t))
+        label = next((self._names[id(t)] for t in (weight, running_mean) if id(t) in self._names), None)
         count = self._calls[label] = self._calls.get(label, 0) + 1
         if label is None:
             return f"BatchNorm call {count} without a named layer (torch.nn.functional.batch_norm)"
@@ -211,77 +156,31 @@ class _SyncBatchNormMode(TorchFunctionMode):
         if not training:  # running statistics: plain BatchNorm
             return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         key = self._key(weight, running_mean)
-        if torch.is_autocast_enabled(input.device.type):  # statistics in full precision
-            with torch.autocast(input.device.type, enabled=False):
-                return self._synchronized(key, input, running_mean, running_var, weight, bias, momentum, eps)
-        return self._synchronized(key, input, running_mean, running_var, weight, bias, momentum, eps)
-
-    def _synchronized(
-        self,
-        key: str,
-        input: torch.Tensor,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        momentum: float,
-        eps: float,
-    ) -> torch.Tensor:
-        """Exchanges this replica's statistics under `key` (and, with
-        `across`, replica 0 those of the process with the other processes),
-        updates the running statistics (replica 0) and normalizes with the
-        global statistics, in C++ without the GIL (csrc/dpcore/sync_batchnorm.h)."""
-        try:
-            return _C.sync_batch_norm(
-                self.rendezvous,
-                self.rank,
-                key,
-                input,
-                weight,
-                bias,
-                running_mean,
-                running_var,
-                self.rank == 0,
-                momentum,
-                eps,
-                self.across,
-            )
-        except SyncBatchNormError as error:
-            self.broken = error
-            raise
-
-
-# -- across processes ---------------------------------------------------------
+        device = input.device.type
+        full_precision = torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else None
+        with full_precision or contextlib.nullcontext():
+            try:
+                args = (self.rendezvous, self.rank, key, input, weight, bias, running_mean, running_var, self.rank == 0)
+                return _C.sync_batch_norm(*args, momentum, eps, self.across)
+            except SyncBatchNormError as error:
+                self.broken = error
+                raise
 
 
 def _tag(text: str) -> int:
-    """A 20-bit number naming a BatchNorm call and its phase: small enough
-    that the sums of the tags and of their squares over 8192 ranks stay
-    exact in float64 (see AcrossProcesses._agree)."""
+    """A 20-bit number naming a BatchNorm call and its phase: the sums of the tags
+    and of their squares over 8192 ranks stay exact in float64."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little") >> 4
 
 
 class AcrossProcesses:
     """Synchronized BatchNorm across the processes of a ``torch.distributed``
-    group, for one forward (see the module docstring): the ``across``
-    callable of ``_C.sync_batch_norm``, which replica 0 calls at each
-    BatchNorm call with its process's statistics. ``group`` is a group of its
-    own (collectives of nothing else), ``timeout`` its timeout, ``weight``
-    this process's gradient weight in this forward as the hybrid weighs it
-    (its rows, or 1 with a summed criterion).
-
-    Each of its collectives (forward: all-gather of the statistics;
-    backward: all-reduce of their gradients) follows a 2-number all-reduce
-    of the same size for every call and phase, which checks that every rank
-    is at the same call and phase: collectives of different sizes never
-    meet (gloo aborts the process on those)."""
+    `group` of its own (with its `timeout`), for one forward: the ``across``
+    callable that replica 0 calls at each BatchNorm call with its process's
+    statistics. `weight`: this process's gradient weight in this forward."""
 
     def __init__(self, group: Any, timeout: datetime.timedelta, weight: float) -> None:
-        import torch.distributed as dist
-
-        self.group = group
-        self.timeout = timeout
-        self.weight = float(weight)
+        self.group, self.timeout, self.weight = group, timeout, float(weight)
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
 
@@ -292,52 +191,40 @@ class AcrossProcesses:
         BatchNorm call `key`, from this process's; differentiable."""
         self._agree(key, "forward", mean.device)
         channels = mean.numel()
-        row = torch.cat(
-            [
-                mean.detach().to(torch.float64),
-                var.detach().to(torch.float64),
-                torch.tensor([float(count)], dtype=torch.float64, device=mean.device),
-            ]
-        )
+        count_t = torch.tensor([float(count)], dtype=torch.float64, device=mean.device)
+        row = torch.cat([mean.detach().to(torch.float64), var.detach().to(torch.float64), count_t])
         rows = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=mean.device)
-        self._wait(key, "forward", self._dist().all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
-        counts = rows[:, 2 * channels]
-        total = int(counts.sum().item())
-        g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, counts, total, self, key)
+        self._wait(key, "forward", dist.all_gather(list(rows.unbind(0)), row, group=self.group, async_op=True))
+        total = int(rows[:, 2 * channels].sum().item())
+        g_mean, g_var = _GlobalStatistics.apply(mean, var, rows, total, self, key)
         return g_mean, g_var, total
 
     def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
-        """Backward of the call `key`: sum over the processes of each
-        process's gradient with respect to the global statistics times its
-        weight, divided by this process's weight (0 where it is 0)."""
+        """Backward of the call `key`: the sum over the processes of each one's
+        gradient times its weight, divided by this process's weight (0 where it is 0)."""
         self._agree(key, "backward", grads.device)
         payload = grads.to(torch.float64) * self.weight
-        self._wait(key, "backward", self._dist().all_reduce(payload, group=self.group, async_op=True))
-        if self.weight == 0:
-            return torch.zeros_like(grads)
-        return (payload / self.weight).to(grads.dtype)
-
-    @staticmethod
-    def _dist() -> Any:
-        import torch.distributed as dist
-
-        return dist
+        self._wait(key, "backward", dist.all_reduce(payload, group=self.group, async_op=True))
+        return torch.zeros_like(grads) if self.weight == 0 else (payload / self.weight).to(grads.dtype)
 
     def _agree(self, key: str, phase: str, device: torch.device) -> None:
-        """One all-reduce (sum) of (tag, tag squared), tag naming `phase` of
-        `key`: both sums equal world size times this rank's only where every
-        rank has the same tag, so every rank finds a difference (and raises,
-        naming each rank's call, see _differ)."""
+        """Before each collective, one all-reduce of one size for every call: every
+        rank raises where ranks are at different calls (gloo aborts on collectives of different sizes)."""
         tag = float(_tag(f"{phase} {key}"))
         header = torch.tensor([tag, tag * tag], dtype=torch.float64, device=device)
-        self._wait(key, phase, self._dist().all_reduce(header, group=self.group, async_op=True))
-        tag_sum, square_sum = header.tolist()
-        if tag_sum != self.world_size * tag or square_sum != self.world_size * tag * tag:
-            self._differ(key, phase)
+        self._wait(key, phase, dist.all_reduce(header, group=self.group, async_op=True))
+        if header.tolist() != [self.world_size * tag, self.world_size * tag * tag]:
+            reached: list[Any] = [None] * self.world_size
+            dist.all_gather_object(reached, f"the {phase} of {key}", group=self.group)
+            raise SyncBatchNormError(
+                "synchronized BatchNorm across processes: the ranks reached different BatchNorm calls ("
+                + "; ".join(f"rank {r}: {k}" for r, k in enumerate(reached))
+                + "); every rank must make the same BatchNorm calls with batch statistics in each training forward, "
+                "in the same order, and run their backward in the same order"
+            )
 
     def _wait(self, key: str, phase: str, work: Any) -> None:
-        """Waits for a collective of the BatchNorm call `key`, at most the
-        group's timeout; a failure or timeout is a SyncBatchNormError."""
+        """Waits for a collective at most the group's timeout; else SyncBatchNormError."""
         try:
             work.wait(self.timeout)
         except Exception as error:
@@ -348,54 +235,31 @@ class AcrossProcesses:
                 f"in each training forward, and their backward): {_describe(error)}"
             ) from error
 
-    def _differ(self, key: str, phase: str) -> None:
-        """Every rank found that the ranks reached different calls (one more
-        collective, so all of them raise the same error naming each rank's call)."""
-        reached: list[Any] = [None] * self.world_size
-        self._dist().all_gather_object(reached, f"the {phase} of {key}", group=self.group)
-        raise SyncBatchNormError(
-            "synchronized BatchNorm across processes: the ranks reached different BatchNorm calls ("
-            + "; ".join(f"rank {r}: {k}" for r, k in enumerate(reached))
-            + "); every rank must make the same BatchNorm calls with batch statistics in each training forward, "
-            "in the same order, and run their backward in the same order"
-        )
-
 
 class _GlobalStatistics(torch.autograd.Function):
-    """The global (mean, biased variance) from the gathered rows of every
-    process (mean, variance, count, tag), differentiable with respect to
-    this process's mean and variance: d mean_p = s_p (G_mean + 2 (mean_p -
-    mean) G_var), d var_p = s_p G_var, with s_p this process's share of the
-    count and G the all-reduced gradients (AcrossProcesses.reduce_gradients)."""
+    """The global (mean, biased variance) from every process's gathered rows,
+    differentiable in this process's: d mean_p = s_p (G_mean + 2 (mean_p - mean)
+    G_var), d var_p = s_p G_var (s_p: its share of the count; G: the all-reduced gradients)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        mean: torch.Tensor,
-        var: torch.Tensor,
-        rows: torch.Tensor,
-        counts: torch.Tensor,
-        total: int,
-        across: AcrossProcesses,
-        key: str,
+        ctx: Any, mean: torch.Tensor, var: torch.Tensor, rows: torch.Tensor, total: int, sync: AcrossProcesses, key: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         channels = mean.numel()
-        shares = counts / max(total, 1)  # a process without values weighs 0
+        shares = rows[:, 2 * channels] / max(total, 1)  # a process without values weighs 0
         means = rows[:, :channels]
         g_mean = shares @ means
         g_var = shares @ (rows[:, channels : 2 * channels] + (means - g_mean).square())
-        ctx.across, ctx.key, ctx.channels = across, key, channels
-        ctx.save_for_backward(shares[across.rank], means[across.rank], g_mean)
+        ctx.across, ctx.key, ctx.channels = sync, key, channels
+        ctx.save_for_backward(shares[sync.rank], means[sync.rank], g_mean)
         return g_mean.to(mean.dtype), g_var.to(var.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_mean: torch.Tensor, grad_var: torch.Tensor) -> tuple[Any, ...]:
         share, mean, g_mean = ctx.saved_tensors
-        channels = ctx.channels
         grads = torch.cat([grad_mean.reshape(-1), grad_var.reshape(-1)])
         total = ctx.across.reduce_gradients(ctx.key, grads).to(torch.float64)
-        total_mean, total_var = total[:channels], total[channels:]
+        total_mean, total_var = total[: ctx.channels], total[ctx.channels :]
         d_mean = share * (total_mean + 2.0 * (mean - g_mean) * total_var)
-        d_var = share * total_var
-        return d_mean.to(grad_mean.dtype), d_var.to(grad_var.dtype), None, None, None, None, None
+        return d_mean.to(grad_mean.dtype), (share * total_var).to(grad_var.dtype), None, None, None, None

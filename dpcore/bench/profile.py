@@ -49,7 +49,6 @@ STAGES: dict[str, tuple[str, ...]] = {
     ),
     "reduce": ("dpcore._functions:BroadcastBucket.backward",),
     "grad_hooks": (
-        "dpcore.distributed:GradientSync._on_grad",
         "dpcore._buckets:BucketReducer._begin",
         "dpcore._buckets:BucketReducer._ready",
     ),

@@ -22,15 +22,11 @@ from torch.autograd.function import once_differentiable
 
 from dpcore import _pytree as pt
 
-__all__ = [
-    "GraphRunner",
-    "CaptureSource",
-    "call_signature",
-    "hook_reason",
-    "Uncapturable",
-    "WARMUP_CALLS",
-    "CACHE_SIZE",
-]
+__all__ = ["GraphRunner", "CaptureSource", "call_signature", "hook_reason", "Uncapturable"]
+__all__ += ["WARMUP_CALLS", "CACHE_SIZE"]
+
+_MakeCall = Callable[[nn.Module], Callable[..., Any]]  # replica -> what to call it with
+_Leaves = list[list[torch.Tensor]]  # per replica, its input tensors in flatten order
 
 #: Eager calls of a signature before it is captured (as torch's make_graphed_callables).
 WARMUP_CALLS = 3
@@ -99,9 +95,8 @@ def _flatten_input(args: tuple[Any, ...], kwargs: dict[str, Any], root: str) -> 
 
 def _signature(
     args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]
-) -> tuple[tuple[Any, ...], list[list[torch.Tensor]], list[Any]]:
-    """(key, tensors, specs) of a call: call_signature's key and, per
-    replica, its input tensors and the spec of its ``(args, kwargs)``."""
+) -> tuple[tuple[Any, ...], _Leaves, list[Any]]:
+    """call_signature's key and, per replica, its input tensors and its ``(args, kwargs)`` spec."""
     cuda_autocast = torch.is_autocast_enabled("cuda")
     if cuda_autocast and torch.is_autocast_cache_enabled():
         raise Uncapturable(
@@ -165,9 +160,7 @@ _ABANDONED: list[torch.cuda.CUDAGraph] = []
 
 
 def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
-    """Ends a failed capture as far as torch lets one (capture_end raises for
-    an invalidated capture before it tells the allocator, so that is done
-    here too) and keeps the graph."""
+    """Ends a failed capture as far as torch lets one, and keeps the graph."""
     with contextlib.suppress(Exception):
         graph.capture_end()
     end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
@@ -232,14 +225,12 @@ class _ReplicaGraph:
         self._pending: weakref.ref[_ReplayToken] | None = None
 
     def busy(self) -> bool:
-        """Whether the last replay's backward is still to come: a replay now
-        would overwrite the activations it needs."""
+        """Whether the last replay's backward, which needs its activations, is still to come."""
         token = self._pending() if self._pending is not None else None
         return token is not None and not token.done
 
     def load(self, leaves: Sequence[torch.Tensor]) -> None:
-        """Copies the input tensors into the placeholders on the caller's
-        stream; the replica's stream must wait for it before :meth:`launch`."""
+        """Copies the inputs into the placeholders on the caller's stream (to wait for before :meth:`launch`)."""
         with torch.no_grad(), torch.cuda.device(self.device):
             for placeholder, value in zip(self.static_inputs, leaves):
                 if placeholder.data_ptr() != value.data_ptr():
@@ -262,8 +253,7 @@ class _ReplicaGraph:
         return self.output_spec.unflatten(outputs)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-        """Replays the backward with `grads` (one per forward output); returns
-        the static gradients of the differentiable inputs and parameters."""
+        """Replays the backward; returns the static gradients of the differentiable inputs and parameters."""
         assert self.bwd is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             slots = iter(self.static_grad_outputs)
@@ -314,8 +304,7 @@ class _Replay(torch.autograd.Function):
 
 
 class _SignatureGraphs:
-    """The captured graphs of one signature, one per replica used, and what
-    they assumed about the master (whose tensors are fixed while the cache is valid)."""
+    """The captured graphs of one signature, one per replica used, and what they assumed about the master."""
 
     def __init__(self, graphs: list[_ReplicaGraph], slots: list[list[tuple[int, int]]], module: nn.Module):
         self.graphs = graphs
@@ -402,9 +391,8 @@ class GraphRunner:
         return stream
 
     def _generator(self, index: int, device: torch.device) -> torch.Generator:
-        """A fresh random-number state for one capture (a failed capture
-        leaves its state unusable): a clone of the device generator seeded
-        from its initial seed, the replica and a capture count."""
+        """A fresh random-number state per capture (a failed one leaves its state unusable), seeded
+        from the device generator's initial seed, the replica and a capture count."""
         self._captures += 1
         default = torch.cuda.default_generators[device.index]
         rng = default.clone_state()
@@ -416,10 +404,8 @@ class GraphRunner:
 
     @contextlib.contextmanager
     def _master_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
-        """Replica 0's stream, after the caller's, as the current stream: the
-        autograd nodes touching the master's parameters are made on it (one
-        made on a stream that is not capturing would invalidate a capture of
-        replica 0's backward)."""
+        """Replica 0's stream, after the caller's, as the current stream: the autograd nodes touching
+        the master's parameters are made on it (elsewhere, they would invalidate replica 0's capture)."""
         stream = self.stream(0, device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -428,10 +414,10 @@ class GraphRunner:
     def step(
         self,
         cache: CaptureSource,
-        args: list[tuple[Any, ...]],
-        kws: list[dict[str, Any]],
+        args: list[Any],
+        kws: list[Any],
         used: list[int],
-        make_call: Callable[[nn.Module], Callable[..., Any]],
+        make_call: _MakeCall,
         *,
         combined: bool,
     ) -> list[Any] | None:
@@ -503,8 +489,8 @@ class GraphRunner:
         args: list[Any],
         kws: list[Any],
         used: list[int],
-        make_call: Callable[[nn.Module], Callable[..., Any]],
-        leaves: list[list[torch.Tensor]],
+        make_call: _MakeCall,
+        leaves: _Leaves,
     ) -> list[Any]:
         """An eager call, each replica in this thread on its own stream."""
         with self._master_stream(cache.devices[0]) as master:
@@ -531,12 +517,7 @@ class GraphRunner:
         return outputs
 
     def _capture(
-        self,
-        cache: CaptureSource,
-        used: list[int],
-        make_call: Callable[[nn.Module], Callable[..., Any]],
-        leaves: list[list[torch.Tensor]],
-        specs: list[pt.Spec],
+        self, cache: CaptureSource, used: list[int], make_call: _MakeCall, leaves: _Leaves, specs: list[pt.Spec]
     ) -> _SignatureGraphs:
         """Captures every replica of `used` for this call's signature."""
         replicas, slots = cache.capture_replicas(used[-1] + 1)
@@ -553,9 +534,7 @@ class GraphRunner:
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
         return _SignatureGraphs(graphs, used_slots, cache.module)
 
-    def _replay(
-        self, cache: CaptureSource, entry: _SignatureGraphs, used: list[int], leaves: list[list[torch.Tensor]]
-    ) -> list[Any]:
+    def _replay(self, cache: CaptureSource, entry: _SignatureGraphs, used: list[int], leaves: _Leaves) -> list[Any]:
         """Refreshes the replica buffers and replays; the outputs alias graph memory."""
         with self._master_stream(cache.devices[0]) as master:
             copies = cache.refresh_copies()

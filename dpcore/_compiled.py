@@ -128,14 +128,11 @@ class CompiledReplicas:
 
     def _set(self, j: int, i: int, kind: str, make: Callable[[int, int], _Made]) -> None:
         """Writes the (j, i) replica's compiled entries, remade by `make` when their sources changed."""
-        master = self._masters[i]
         state = self._rows[j][i].__dict__
-        key = (j, i, kind)
-        made = self._made.get(key)
-        sources = self._sources(master, kind, j, i)
-        if made is None or len(made[0]) != len(sources) or any(a is not b for a, b in zip(made[0], sources)):
-            made = make(j, i)
-            self._made[key] = made
+        made = self._made.get((j, i, kind))
+        sources = self._sources(self._masters[i], kind, j, i)
+        if made is None or any(a is not b for a, b in zip(made[0], sources)):
+            made = self._made[(j, i, kind)] = make(j, i)
         for name, value in made[1].items():
             if value is _ABSENT:
                 state.pop(name, None)
@@ -161,8 +158,7 @@ class CompiledReplicas:
                 f"or dynamo_ctx, so it cannot be compiled again for each replica"
             )
         fresh = ctx(inner)
-        own = fresh.__dict__
-        values = {name: own.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
+        values = {name: fresh.__dict__.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
         return self._sources(master, "optimized", j, i), values, fresh
 
     def _call_values(self, j: int, i: int) -> _Made:

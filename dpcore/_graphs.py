@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as module_mod
 
 from dpcore import _pytree as pt
 
@@ -49,8 +50,6 @@ class Uncapturable(Exception):
 def hook_reason(modules: Sequence[nn.Module]) -> str | None:
     """Why `modules` cannot be captured because of hooks (a module's or a
     global forward or backward hook, which a replay would skip), or None."""
-    from torch.nn.modules import module as module_mod
-
     for name in _GLOBAL_HOOK_DICTS:
         if getattr(module_mod, name, None):
             return f"a global module hook is registered (torch.nn.modules.module.{name})"

@@ -74,18 +74,12 @@ def _check_initialized(module: nn.Module) -> None:
 
 
 class ReplicaCache:
-    """Replicas of `module` for ``devices[1:]``, kept across calls: one C++
-    ``ReplicaSet`` plus the autograd part (each bucket needing grad goes
-    through its own :class:`BroadcastBucket` node).
-
-    ``replicas(n)`` returns the master and n-1 replicas equal to it at the
-    call, whose gradients flow to the master. Every change of the master
-    reaches them at the next call (version counters, optimizer steps, norm
-    statistics); writes no version counter saw are found within
-    CHECK_INTERVAL_MAX calls (warned once); a structural change makes
-    ``valid()`` False. Thread-safe: calls are serialized. ``bucket_plan``,
-    ``refresh_copies()`` and ``capture_replicas()`` are the CUDA-graph
-    interface (dpcore._graphs.CaptureSource).
+    """Replicas of `module` for ``devices[1:]``, kept across calls (one C++
+    ``ReplicaSet``; each bucket needing grad goes through a BroadcastBucket
+    node). ``replicas(n)`` returns the master and n-1 replicas equal to it,
+    whose gradients flow to it; writes no version counter saw are found
+    within CHECK_INTERVAL_MAX calls; a structural change makes ``valid()``
+    False. Calls are serialized across threads.
     """
 
     def __init__(

@@ -413,8 +413,8 @@ class GraphRunner:
     def step(
         self,
         cache: CaptureSource,
-        args: list[Any],
-        kws: list[Any],
+        args: list[tuple[Any, ...]],
+        kws: list[dict[str, Any]],
         used: list[int],
         make_call: _MakeCall,
         *,

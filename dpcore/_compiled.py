@@ -1,20 +1,7 @@
-"""Compiled modules (``torch.compile``) inside dpcore's replicas.
-
-torch's ``_replicate_for_data_parallel()`` fits neither form of compiled
-code: on an ``OptimizedModule`` its assignments go through ``__setattr__``
-into the master's inner module, and a replica of a ``module.compile()``'d
-module runs the master's compiled callable on the master's parameters.
-This module gives the replica cache what it needs instead:
-
-* :func:`replicate_module`, the replica factory for ``dpcore._C.ReplicaSet``:
-  an ``OptimizedModule``'s ``__dict__`` is copied directly; the user's
-  modules are not touched;
-* :class:`CompiledReplicas`: after each refresh, every replica of a
-  compiled module gets its own callable, compiled from the replica itself
-  with the master's options, made once per replica and kept while the
-  master's compiled callable is the same.
-
-The rule and its details: docs/design.md, "Compiled modules".
+"""Compiled modules (``torch.compile``) inside dpcore's replicas: a replica
+factory that never writes through an ``OptimizedModule`` (:func:`replicate_module`)
+and per-replica compiled calls (:class:`CompiledReplicas`). The rule:
+docs/design.md, "Compiled modules".
 """
 
 from __future__ import annotations
@@ -28,10 +15,8 @@ from torch import nn
 
 __all__ = ["CompiledReplicas", "has_compiled", "replicate_module"]
 
-#: The entries of an OptimizedModule's ``__dict__`` that hold its compiled
-#: call, or refer to it: each replica gets its own.
+#: The entries of an OptimizedModule's ``__dict__`` that each replica gets its own of.
 _OPTIMIZED_OWN = ("forward", "_forward", "_torchdynamo_orig_callable", "_torchdynamo_wrapper_id", "get_compiler_config")
-
 
 #: What one replica's compiled entries were made from (compared by identity),
 #: the entries to write into its __dict__, and an object to keep alive.
@@ -40,8 +25,7 @@ _Made = tuple[tuple[Any, ...], dict[str, Any], Any]
 
 def _optimized_module_type() -> type | None:
     """torch's OptimizedModule class, or None while torch._dynamo was never
-    imported (then no module can have been compiled): importing Dynamo only
-    to check would cost every user a second."""
+    imported (then nothing was compiled; importing it only to check is slow)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return None if eval_frame is None else getattr(eval_frame, "OptimizedModule", None)
 
@@ -58,21 +42,16 @@ def _compiled_call(module: nn.Module) -> Any:
 
 
 def has_compiled(module: nn.Module) -> bool:
-    """Whether `module` or a submodule is compiled: an OptimizedModule, or a
-    module on which ``compile()`` was called."""
+    """Whether `module` or a submodule is an OptimizedModule or was ``compile()``'d."""
     if _optimized_module_type() is None:
         return False
     return any(is_optimized(m) or _compiled_call(m) is not None for m in module.modules())
 
 
 def replicate_module(master: nn.Module) -> nn.Module:
-    """A replica of `master` as ``_replicate_for_data_parallel()`` makes it
-    (its ``__dict__`` copied; its own empty ``_parameters`` and copies of
-    ``_buffers`` and ``_modules``; ``_is_replica`` set), that never writes
-    through the master's ``__setattr__``: for an OptimizedModule, that
-    would reach (and empty) the master's inner module. Any other module is
-    replicated by its own ``_replicate_for_data_parallel()``, overrides
-    included."""
+    """A replica of `master` as ``_replicate_for_data_parallel()`` makes it,
+    but for an OptimizedModule without writing through its ``__setattr__``
+    (which would reach, and empty, the master's inner module)."""
     if not is_optimized(master):
         return master._replicate_for_data_parallel()
     replica = type(master).__new__(type(master))
@@ -86,9 +65,8 @@ def replicate_module(master: nn.Module) -> nn.Module:
 
 
 def _dynamo_context(compiled: Any) -> Any:
-    """The Dynamo context (torch.compile's options) that made `compiled`, a
-    function returned by ``torch.compile(fn, ...)``, or None. torch keeps
-    it only in the closure of the function's ``get_compiler_config``."""
+    """The Dynamo context that made `compiled` (a ``torch.compile(fn, ...)``
+    result), from its ``get_compiler_config`` closure, or None."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
     getter = getattr(compiled, "get_compiler_config", None)
@@ -101,12 +79,9 @@ def _dynamo_context(compiled: Any) -> Any:
 
 
 def _compile_call_for(replica: nn.Module, master: nn.Module, compiled: Any, index: int) -> Callable[..., Any]:
-    """The replica's counterpart of the master's ``_compiled_call_impl``:
-    ``replica._call_impl`` compiled with the same Dynamo context (or, for
-    ``compile(disable=True)``, which stores the master's bound
-    ``_call_impl``, the replica's own). Raises TypeError for anything else:
-    running the master's callable in a replica would compute on the master's
-    parameters."""
+    """The replica's counterpart of the master's ``_compiled_call_impl``
+    (compiled with the same Dynamo context, or for ``compile(disable=True)``
+    the replica's own ``_call_impl``); TypeError for anything else."""
     ctx = _dynamo_context(compiled)
     if ctx is not None:
         return ctx(replica._call_impl)
@@ -122,17 +97,10 @@ def _compile_call_for(replica: nn.Module, master: nn.Module, compiled: Any, inde
 
 class CompiledReplicas:
     """Per-replica compiled calls for the compiled modules among `masters`
-    (``module.modules()``, in that order) and their replicas ``rows[j][i]``
-    (``ReplicaSet.replica_modules``).
-
-    Guarantees: after :meth:`apply` (called after every refresh of the
-    replica ``__dict__``\\ s, which copies the masters'), the replica of an
-    OptimizedModule calls its own inner replica through a compiled call made
-    by the master's Dynamo context, and the replica of a module with
-    ``_compiled_call_impl`` calls its own ``_call_impl`` compiled with the
-    master's options. Each is made on first use and kept while the master's
-    compiled callable (and, for an OptimizedModule, its Dynamo context) is
-    the same object; the user's modules are never written.
+    (``module.modules()``) and their replicas ``rows[j][i]``: after
+    :meth:`apply`, each replica of a compiled module calls its own compiled
+    call, made with the master's Dynamo context on first use and kept while
+    the master's compiled callable is the same object.
     """
 
     def __init__(self, masters: Sequence[nn.Module], rows: Sequence[Sequence[nn.Module]]):
@@ -145,15 +113,13 @@ class CompiledReplicas:
 
     @staticmethod
     def of(module: nn.Module, rows: Sequence[Sequence[nn.Module]]) -> CompiledReplicas | None:
-        """The per-replica compiled calls of `module`'s replicas, or None
-        when no module of its tree is compiled (nothing to do per step)."""
+        """The per-replica compiled calls of `module`'s replicas, or None when nothing is compiled."""
         if not rows or not has_compiled(module):
             return None
         return CompiledReplicas(list(module.modules()), rows)
 
     def apply(self, n: int) -> None:
-        """Gives the replicas of rows 0..n-1 their own compiled calls (see
-        the class guarantees)."""
+        """Gives the replicas of rows 0..n-1 their own compiled calls."""
         for j in range(n):
             for i in self._optimized:
                 self._set(j, i, "optimized", self._optimized_values)
@@ -161,16 +127,12 @@ class CompiledReplicas:
                 self._set(j, i, "call", self._call_values)
 
     def _set(self, j: int, i: int, kind: str, make: Callable[[int, int], _Made]) -> None:
-        """Writes the (j, i) replica's own compiled entries, remade by `make`
-        first when what they were made from changed."""
-        master = self._masters[i]
+        """Writes the (j, i) replica's compiled entries, remade by `make` when their sources changed."""
         state = self._rows[j][i].__dict__
-        key = (j, i, kind)
-        made = self._made.get(key)
-        sources = self._sources(master, kind, j, i)
-        if made is None or len(made[0]) != len(sources) or any(a is not b for a, b in zip(made[0], sources)):
-            made = make(j, i)
-            self._made[key] = made
+        made = self._made.get((j, i, kind))
+        sources = self._sources(self._masters[i], kind, j, i)
+        if made is None or any(a is not b for a, b in zip(made[0], sources)):
+            made = self._made[(j, i, kind)] = make(j, i)
         for name, value in made[1].items():
             if value is _ABSENT:
                 state.pop(name, None)
@@ -178,16 +140,14 @@ class CompiledReplicas:
                 state[name] = value
 
     def _sources(self, master: nn.Module, kind: str, j: int, i: int) -> tuple[Any, ...]:
-        """What the replica's compiled call was made from: remade when any changes."""
+        """What the replica's compiled call is made from."""
         if kind == "call":
             return (_compiled_call(master),)
         inner = self._rows[j][i].__dict__["_modules"].get("_orig_mod")
         return (master.__dict__.get("forward"), master.__dict__.get("dynamo_ctx"), inner)
 
     def _optimized_values(self, j: int, i: int) -> _Made:
-        """The OptimizedModule replica's own compiled forward: the master's
-        Dynamo context applied to the replica's inner module (what
-        ``torch.compile(inner, same options)`` returns)."""
+        """The OptimizedModule replica's own entries: the master's Dynamo context on its inner module."""
         master = self._masters[i]
         replica = self._rows[j][i]
         inner = replica.__dict__["_modules"].get("_orig_mod")
@@ -198,8 +158,7 @@ class CompiledReplicas:
                 f"or dynamo_ctx, so it cannot be compiled again for each replica"
             )
         fresh = ctx(inner)
-        own = fresh.__dict__
-        values = {name: own.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
+        values = {name: fresh.__dict__.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
         return self._sources(master, "optimized", j, i), values, fresh
 
     def _call_values(self, j: int, i: int) -> _Made:

@@ -1,23 +1,8 @@
-"""Autograd Functions over dpcore.comm.
-
-The collectives in :mod:`dpcore.comm` move data and carry no autograd
-history; these Functions make them differentiable, with the contract of
+"""Autograd Functions over dpcore.comm, with the contract of
 ``torch.nn.parallel._functions`` (same argument order), on CUDA and CPU
-device lists alike:
-
-* :class:`Scatter` and :class:`Gather` are each other's backward, so first
-  and higher-order gradients (double backward) flow through them.
-* :class:`BroadcastTensor` copies one tensor to several devices; its
-  backward sums the gradients back onto the source's device (differentiably
-  under ``create_graph=True``).
-* The coalesced broadcasts of parameters (:class:`BroadcastBucket`,
-  :class:`BroadcastCoalesced`) sum in backward only the gradients that
-  exist: a copy that nothing used contributes nothing, and a source none of
-  whose copies was used gets no gradient at all (None), so an unused
-  parameter keeps ``.grad`` None, as on one device.
-
-With no input requiring grad (or under ``torch.no_grad()``) ``apply``
-returns plain tensors without autograd history.
+device lists alike. Each one's backward is itself differentiable (double
+backward). The coalesced broadcasts sum in backward only the gradients that
+exist, so an unused parameter keeps ``.grad`` None, as on one device.
 """
 
 from __future__ import annotations
@@ -30,15 +15,8 @@ import torch
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
 
-__all__ = [
-    "Scatter",
-    "Gather",
-    "BroadcastTensor",
-    "BroadcastCoalesced",
-    "ReduceAddCoalesced",
-    "BroadcastBucket",
-    "reduce_present",
-]
+__all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket"]
+__all__ += ["reduce_present"]
 
 
 class Function(torch.autograd.Function):
@@ -56,20 +34,9 @@ class Function(torch.autograd.Function):
 
 
 class Scatter(Function):
-    """Differentiable ``comm.scatter``.
-
-    ``Scatter.apply(devices, chunk_sizes, dim, input) -> tuple[Tensor, ...]``
-
-    Guarantees:
-
-    * Output i is the i-th chunk of ``input`` along ``dim`` (sizes
-      ``chunk_sizes``, which must sum to ``input.size(dim)``; a 0 gives an
-      empty chunk) on ``devices[i]``; a chunk for ``input``'s own device is
-      a view of ``input`` (as in torch, such a view cannot be modified in
-      place while ``input`` requires grad).
-    * Backward gathers the output gradients along ``dim`` onto
-      ``input.device`` with :class:`Gather`, so it is itself differentiable.
-    """
+    """Differentiable ``comm.scatter``: ``Scatter.apply(devices, chunk_sizes,
+    dim, input)``, output i the i-th chunk on ``devices[i]`` (a view of
+    ``input`` on its own device). Backward is :class:`Gather`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -87,21 +54,9 @@ class Scatter(Function):
 
 
 class Gather(Function):
-    """Differentiable ``comm.gather``.
-
-    ``Gather.apply(destination, dim, *inputs) -> Tensor``
-
-    Guarantees:
-
-    * Returns a new tensor on ``destination``: the concatenation of
-      ``inputs`` along ``dim``.
-    * If every input is 0-dim (per-replica scalars such as losses), they are
-      stacked into a 1-D tensor of ``len(inputs)`` elements, whatever
-      ``dim`` is, and without a warning (torch warns here every step).
-    * Backward scatters the gradient back to each input's device with
-      :class:`Scatter` (each input's gradient has its shape: 0-dim inputs get
-      0-dim gradients), so it is itself differentiable.
-    """
+    """Differentiable ``comm.gather``: ``Gather.apply(destination, dim,
+    *inputs)``, a new tensor on ``destination``; 0-dim inputs are stacked
+    into a 1-D tensor without a warning. Backward is :class:`Scatter`."""
 
     @staticmethod
     def forward(destination: DeviceLike | None, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -129,20 +84,9 @@ class Gather(Function):
 
 
 class BroadcastTensor(Function):
-    """Differentiable ``comm.broadcast`` of one tensor.
-
-    ``BroadcastTensor.apply(devices, input) -> tuple[Tensor, ...]``
-
-    Guarantees:
-
-    * Output i equals ``input`` and lies on ``devices[i]``; the first output
-      on ``input``'s own device shares its memory (autograd hands out an
-      alias of ``input``, not ``input`` itself, when input requires grad);
-      every other output owns its memory.
-    * Backward sums the output gradients onto ``input.device``: in C++
-      (``comm.reduce_add``) normally, with differentiable tensor ops under
-      ``create_graph=True`` so that double backward works.
-    """
+    """Differentiable ``comm.broadcast`` of one tensor: ``BroadcastTensor.apply(devices, input)``,
+    output i on ``devices[i]`` (the first on ``input``'s device shares its memory). Backward
+    sums onto ``input.device`` (with tensor ops under ``create_graph=True``)."""
 
     @staticmethod
     def forward(devices: Sequence[DeviceLike], input: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -169,15 +113,9 @@ def _split_lists(flat: Sequence[torch.Tensor], size: int) -> list[list[torch.Ten
 
 
 class ReduceAddCoalesced(Function):
-    """Differentiable ``comm.reduce_add_coalesced``: the gradient path of the
-    parameter broadcasts.
-
-    ``ReduceAddCoalesced.apply(destination, num_inputs, *grads)`` takes K lists
-    of ``num_inputs`` tensors, flattened one after another (list k on one
-    device), and returns ``num_inputs`` sums on ``destination``. Its backward
-    broadcasts the output gradients back to the K source devices with
-    :class:`BroadcastCoalesced`, so double backward works.
-    """
+    """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination,
+    num_inputs, *grads)`` sums K flattened lists of ``num_inputs`` tensors
+    onto ``destination``. Backward is :class:`BroadcastCoalesced`."""
 
     @staticmethod
     def forward(destination: torch.device, num_inputs: int, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -193,15 +131,9 @@ class ReduceAddCoalesced(Function):
 
 
 class BroadcastCoalesced(Function):
-    """Differentiable ``comm.broadcast_coalesced`` onto fresh memory.
-
-    ``BroadcastCoalesced.apply(devices, *inputs)`` returns, for every device
-    of ``devices`` in order, a copy of every input (flattened: device 0's
-    copies first). Each copy owns its memory, also when its device is the
-    inputs' own. Backward sums the copies' gradients onto the inputs' device
-    with :class:`ReduceAddCoalesced` (see :func:`reduce_present`: an input
-    none of whose copies was used gets None).
-    """
+    """Differentiable ``comm.broadcast_coalesced`` onto fresh memory:
+    ``apply(devices, *inputs)``, a copy of every input per device, device by
+    device. Backward is :func:`reduce_present`."""
 
     @staticmethod
     def forward(devices: Sequence[torch.device], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -218,57 +150,26 @@ class BroadcastCoalesced(Function):
 
 
 class BroadcastBucket(Function):
-    """One bucket of parameters onto the persistent buffers of cached replicas.
-
-    ``BroadcastBucket.apply(replicas, *params)``, with ``replicas`` a
-    ``dpcore._C.ReplicaBuffers`` built for these parameters (one bucket of a
-    ``dpcore._C.ReplicaSet``), refreshes its per-device buffers (skipping the
-    copy when nothing changed) and returns fresh tensors viewing them, device
-    by device, as BroadcastCoalesced does.
-    Each bucket is its own autograd node, so its gradients are reduced onto
-    the master as soon as they all exist, while backward goes on elsewhere.
-
-    Backward (see :func:`reduce_present`) returns for each master parameter
-    the sum of the gradients of the replica copies that were used, and None
-    for a parameter no replica copy was used by: then, where replica 0 (the
-    master module itself) did not use it either, its ``.grad`` stays as it
-    was (None, or the gradient accumulated so far), as on one device.
-    """
+    """One bucket of parameters onto the persistent buffers of cached replicas:
+    ``apply(replicas, *params)``, with ``replicas`` the bucket's
+    ``dpcore._C.ReplicaBuffers``, refreshes them and returns tensors viewing
+    them, as BroadcastCoalesced does (and with its backward)."""
 
     @staticmethod
     def forward(replicas: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return tuple(replicas.refresh(list(params)))
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _set_up_copies(ctx, inputs[1:], output)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None,) + reduce_present(ctx.input_device, ctx.num_inputs, grads)
+    setup_context = staticmethod(BroadcastCoalesced.setup_context)
+    backward = staticmethod(BroadcastCoalesced.backward)
 
 
 def reduce_present(
     destination: torch.device, num_inputs: int, grads: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor | None, ...]:
-    """The backward of a coalesced broadcast whose gradients may be missing.
-
-    ``grads`` holds K lists of ``num_inputs`` gradients, one list per copy
-    device, flattened one after another, with None for a copy that received
-    no gradient (``ctx.set_materialize_grads(False)``). Returns
-    ``num_inputs`` results on ``destination``:
-
-    * input j's result is the sum of the present gradients of its K copies,
-      or None when none of them is present;
-    * the sums go through :class:`ReduceAddCoalesced` (one C++
-      ``comm.reduce_add_coalesced`` call, differentiable for double
-      backward) over the inputs that have a gradient and the devices that
-      hold one of them; a missing gradient among those is a zero tensor of
-      its device (only where another copy of the same input has one).
-
-    When every gradient is present (the usual step) this is exactly one
-    ReduceAddCoalesced over all of them.
-    """
+    """The backward of a coalesced broadcast: `grads` holds K flattened lists
+    of ``num_inputs`` gradients, None where missing. Input j gets the sum of
+    its present gradients on `destination` (one :class:`ReduceAddCoalesced`,
+    missing ones as zeros), or None when none is present."""
     if all(g is not None for g in grads):
         return ReduceAddCoalesced.apply(destination, num_inputs, *grads)
     lists = _split_lists(grads, num_inputs)
@@ -294,9 +195,7 @@ def reduce_present(
 
 
 def _set_up_copies(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-    """The context of a coalesced copy of `inputs`: missing gradients stay
-    None, and the copies of inputs that do not require grad are marked
-    non-differentiable."""
+    """Missing gradients stay None; copies of inputs not requiring grad are non-differentiable."""
     ctx.set_materialize_grads(False)
     ctx.num_inputs = len(inputs)
     ctx.input_device = inputs[0].device

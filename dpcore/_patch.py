@@ -1,15 +1,7 @@
 """``dpcore.patch_torch()``: library code that builds ``torch.nn.DataParallel``
-itself (Hugging Face Trainer's ``_wrap_model``) builds dpcore's wrapper instead.
-
-Opt-in, process-wide and reversible: nothing happens on import. While the
-patch is on, ``torch.nn.DataParallel``, ``torch.nn.parallel.DataParallel``
-and ``torch.nn.parallel.data_parallel.DataParallel`` are a subclass of
-:class:`dpcore.DataParallel` (named ``DataParallel``) with the same
-constructor; ``isinstance(x, torch.nn.DataParallel)`` still holds for
-wrappers that torch built (before the patch), so code that unwraps by
-isinstance (accelerate's ``extract_model_from_parallel``) unwraps both.
-Names bound before the patch (``from torch.nn import DataParallel`` at a
-module's top) keep torch's class.
+itself (Hugging Face Trainer) builds dpcore's wrapper instead. Opt-in,
+process-wide and reversible; nothing happens on import. The rule:
+docs/migration.md and docs/design.md.
 """
 
 from __future__ import annotations
@@ -26,27 +18,19 @@ __all__ = ["TorchPatch", "patch_torch", "unpatch_torch"]
 
 
 class _StandInMeta(type(_DpcoreDataParallel)):  # ABCMeta: the wrapper is a Joinable
-    """Metaclass of the class that stands in for torch's while patched:
-    torch's own wrappers count as its instances too (only for that class
-    itself, not for its subclasses). dpcore.DataParallel's own checks stay
-    nominal (data_parallel._WrapperMeta), so they never ask this class."""
+    """Metaclass of the stand-in for torch's class: torch's own wrappers
+    count as instances of the stand-in itself (not of its subclasses)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        if super().__instancecheck__(obj):
-            return True
-        return cls is DataParallel and isinstance(obj, TorchDataParallel)
+        return super().__instancecheck__(obj) or (cls is DataParallel and isinstance(obj, TorchDataParallel))
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        if super().__subclasscheck__(sub):
-            return True
-        return cls is DataParallel and issubclass(sub, TorchDataParallel)
+        return super().__subclasscheck__(sub) or (cls is DataParallel and issubclass(sub, TorchDataParallel))
 
 
 class DataParallel(_DpcoreDataParallel, metaclass=_StandInMeta):
-    """What ``torch.nn.DataParallel`` is while dpcore's patch is on:
-    :class:`dpcore.DataParallel` itself (constructor, defaults, behaviour),
-    such that ``isinstance(w, torch.nn.DataParallel)`` also holds for a
-    wrapper built by torch's own class."""
+    """``torch.nn.DataParallel`` while patched: :class:`dpcore.DataParallel`,
+    of which torch's own wrappers are instances too."""
 
 
 def _targets() -> list[ModuleType]:
@@ -79,9 +63,8 @@ def _restore() -> None:
 
 class TorchPatch:
     """The handle :func:`patch_torch` returns: ``undo()`` (or leaving its
-    ``with`` block) ends this patch; torch's class is back once every
-    handle is undone (nested patches: the outermost restores) or after
-    :func:`unpatch_torch`. Undoing twice does nothing."""
+    ``with`` block) ends this patch; torch's class is back once every handle
+    is undone or after :func:`unpatch_torch`. Undoing twice does nothing."""
 
     def __init__(self, generation: int) -> None:
         self._generation = generation
@@ -96,13 +79,11 @@ class TorchPatch:
         """Ends this handle's patch (see the class)."""
         global _depth
         with _lock:
-            if not (self._active and self._generation == _generation):
-                self._active = False
-                return
-            self._active = False
-            _depth -= 1
-            if _depth == 0:
-                _restore()
+            held, self._active = self.active, False
+            if held:
+                _depth -= 1
+                if _depth == 0:
+                    _restore()
 
     def __enter__(self) -> TorchPatch:
         return self
@@ -114,22 +95,12 @@ class TorchPatch:
 
 
 def patch_torch() -> TorchPatch:
-    """Makes ``torch.nn.DataParallel(module, device_ids=None,
-    output_device=None, dim=0)`` build a :class:`dpcore.DataParallel`, for
-    library code that wraps a model in torch's class itself (Hugging Face
-    Trainer with several GPUs). Process-wide until undone: ``with
-    dpcore.patch_torch(): ...``, ``handle.undo()`` or
-    :func:`unpatch_torch`.
-
-    Guarantees: the three public names of torch's class
-    (``torch.nn.DataParallel``, ``torch.nn.parallel.DataParallel``,
-    ``torch.nn.parallel.data_parallel.DataParallel``) are rebound to a
-    subclass of dpcore's class, so the wrappers built are dpcore's, with
-    dpcore's defaults (every visible GPU; with no GPU and no device list the
-    module runs as is, as torch's). ``isinstance(w, torch.nn.DataParallel)``
-    holds for dpcore's wrappers and torch's alike while patched; after the
-    patch ends, the names are torch's class again and wrappers built
-    meanwhile stay dpcore's. Nested calls are counted."""
+    """Makes ``torch.nn.DataParallel`` (and torch's two other names of it)
+    build a :class:`dpcore.DataParallel`, with dpcore's defaults, until
+    undone: ``with dpcore.patch_torch(): ...``, ``handle.undo()`` or
+    :func:`unpatch_torch`. ``isinstance(w, torch.nn.DataParallel)`` holds
+    for dpcore's wrappers and torch's alike while patched. Nested calls are
+    counted; names bound before the patch keep torch's class."""
     global _depth
     with _lock:
         if _depth == 0:
@@ -140,8 +111,7 @@ def patch_torch() -> TorchPatch:
 
 def unpatch_torch() -> bool:
     """Ends every patch of :func:`patch_torch` at once (their handles become
-    inactive) and rebinds torch's names to torch's class. Returns whether a
-    patch was on."""
+    inactive); returns whether a patch was on."""
     global _depth, _generation
     with _lock:
         was_on = _depth > 0

@@ -1,15 +1,7 @@
-"""torch's RNG-state functions, made to see a replica's own random stream.
-
-Replicas that share a device's default generator each draw from a stream of
-their own (the rule and the mechanism, in C++: docs/design.md,
-"Randomness"). Code that saves and restores "the" generator state reads it with
-``torch.get_rng_state`` (``torch.random.fork_rng``; activation
-checkpointing, which recomputes dropout masks in backward from the state
-saved in forward), and that function reads ``torch.default_generator``,
-which no C++ hook can redirect. So, on the first parallel call that gives a
-replica a stream, ``dpcore._C`` calls :func:`install_state_functions` once:
-inside such a replica these functions act on its stream; everywhere else
-they call torch's own functions, as before.
+"""torch's RNG-state functions, made to see a replica's own random stream
+(``fork_rng``, activation checkpointing). ``dpcore._C`` calls
+:func:`install_state_functions` on the first parallel call that gives a
+replica a stream. Why and how: docs/design.md, "Randomness, what is process-wide".
 """
 
 from __future__ import annotations
@@ -27,25 +19,24 @@ __all__ = ["install_state_functions"]
 _install_lock = threading.Lock()
 
 
-def _own(device_type: str) -> torch.Generator | None:
+def _own(device_type: str, device: Any = None) -> torch.Generator | None:
     """The generator of this thread's replica stream if it is on a device of
-    `device_type`, else None."""
+    `device_type` (for CUDA: the one torch.cuda resolves `device` to), else None."""
     own = _C.replica_generator()
-    return own if own is not None and own.device.type == device_type else None
-
-
-def _cuda_index(device: Any) -> int:
-    """The CUDA device index torch.cuda's RNG-state functions resolve `device` to."""
-    index = device if isinstance(device, int) else torch.device(device).index
-    return torch.cuda.current_device() if index is None else index
+    if own is None or own.device.type != device_type:
+        return None
+    if device_type == "cuda":
+        index = device if isinstance(device, int) else torch.device(device).index
+        if own.device.index != (torch.cuda.current_device() if index is None else index):
+            return None
+    return own
 
 
 def install_state_functions() -> None:
     """Rebinds ``torch.get_rng_state``/``set_rng_state`` (and torch.random's
-    and torch.cuda's names of them): on a thread running a replica with a
-    stream of its own for the device, they read and write the stream's
-    generator; elsewhere they call the functions they replace. Idempotent
-    and thread-safe: they are rebound once."""
+    and torch.cuda's names of them) to act on the calling replica's stream
+    for the device, and elsewhere call the functions they replace. Idempotent
+    and thread-safe."""
     import torch.cuda
     import torch.cuda.random
     import torch.random
@@ -75,15 +66,13 @@ def _rebind() -> None:
 
     @functools.wraps(cuda_get)
     def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        own = _own("cuda")
-        if own is None or own.device.index != _cuda_index(device):
-            return cuda_get(device)
-        return own.get_state()
+        own = _own("cuda", device)
+        return cuda_get(device) if own is None else own.get_state()
 
     @functools.wraps(cuda_set)
     def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        own = _own("cuda")
-        if own is None or own.device.index != _cuda_index(device):
+        own = _own("cuda", device)
+        if own is None:
             cuda_set(new_state, device)
         else:
             own.set_state(new_state)

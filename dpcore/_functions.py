@@ -19,21 +19,17 @@ __all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "Reduce
 __all__ += ["reduce_present"]
 
 
-class Function(torch.autograd.Function):
-    """``torch.autograd.Function`` whose ``apply`` takes positional arguments
-    only and, outside functorch transforms, goes straight to autograd's C++
-    ``apply``: torch's binds the arguments with ``inspect.signature`` at every
-    call of a Function that defines ``setup_context``. Under a transform
-    (``torch.func``) it is torch's ``apply``."""
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
-        if torch._C._are_functorch_transforms_active():
-            return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*args)  # torch._C._FunctionBase.apply
+def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)``. Outside functorch transforms and dynamo's
+    tracing it goes straight to autograd's C++ ``apply``: torch's binds the
+    arguments with ``inspect.signature`` at every call of a Function that
+    defines ``setup_context``, as dpcore's do."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)  # torch._C._FunctionBase.apply
 
 
-class Scatter(Function):
+class Scatter(torch.autograd.Function):
     """Differentiable ``comm.scatter``: ``Scatter.apply(devices, chunk_sizes,
     dim, input)``, output i the i-th chunk on ``devices[i]`` (a view of
     ``input`` on its own device). Backward is :class:`Gather`."""
@@ -50,10 +46,10 @@ class Scatter(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        return None, None, None, Gather.apply(ctx.input_device, ctx.dim, *grad_outputs)
+        return None, None, None, apply(Gather, ctx.input_device, ctx.dim, *grad_outputs)
 
 
-class Gather(Function):
+class Gather(torch.autograd.Function):
     """Differentiable ``comm.gather``: ``Gather.apply(destination, dim,
     *inputs)``, a new tensor on ``destination``; 0-dim inputs are stacked
     into a 1-D tensor without a warning. Backward is :class:`Scatter`."""
@@ -77,13 +73,13 @@ class Gather(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        grads = Scatter.apply(ctx.input_devices, ctx.input_sizes, ctx.dim, grad_output)
+        grads = apply(Scatter, ctx.input_devices, ctx.input_sizes, ctx.dim, grad_output)
         if ctx.unsqueezed_scalars:
             grads = tuple(g.view(()) for g in grads)
         return (None, None) + tuple(grads)
 
 
-class BroadcastTensor(Function):
+class BroadcastTensor(torch.autograd.Function):
     """Differentiable ``comm.broadcast`` of one tensor: ``BroadcastTensor.apply(devices, input)``,
     output i on ``devices[i]`` (the first on ``input``'s device shares its memory). Backward
     sums onto ``input.device`` (with tensor ops under ``create_graph=True``)."""
@@ -112,7 +108,7 @@ def _split_lists(flat: Sequence[torch.Tensor], size: int) -> list[list[torch.Ten
     return [list(flat[i : i + size]) for i in range(0, len(flat), size)]
 
 
-class ReduceAddCoalesced(Function):
+class ReduceAddCoalesced(torch.autograd.Function):
     """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination,
     num_inputs, *grads)`` sums K flattened lists of ``num_inputs`` tensors
     onto ``destination``. Backward is :class:`BroadcastCoalesced`."""
@@ -127,10 +123,10 @@ class ReduceAddCoalesced(Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None) + BroadcastCoalesced.apply(ctx.source_devices, *grad_outputs)
+        return (None, None) + apply(BroadcastCoalesced, ctx.source_devices, *grad_outputs)
 
 
-class BroadcastCoalesced(Function):
+class BroadcastCoalesced(torch.autograd.Function):
     """Differentiable ``comm.broadcast_coalesced`` onto fresh memory:
     ``apply(devices, *inputs)``, a copy of every input per device, device by
     device. Backward is :func:`reduce_present`."""
@@ -149,7 +145,7 @@ class BroadcastCoalesced(Function):
         return (None,) + reduce_present(ctx.input_device, ctx.num_inputs, grads)
 
 
-class BroadcastBucket(Function):
+class BroadcastBucket(torch.autograd.Function):
     """One bucket of parameters onto the persistent buffers of cached replicas:
     ``apply(replicas, *params)``, with ``replicas`` the bucket's
     ``dpcore._C.ReplicaBuffers``, refreshes them and returns tensors viewing
@@ -171,7 +167,7 @@ def reduce_present(
     its present gradients on `destination` (one :class:`ReduceAddCoalesced`,
     missing ones as zeros), or None when none is present."""
     if all(g is not None for g in grads):
-        return ReduceAddCoalesced.apply(destination, num_inputs, *grads)
+        return apply(ReduceAddCoalesced, destination, num_inputs, *grads)
     lists = _split_lists(grads, num_inputs)
     used = [j for j in range(num_inputs) if any(group[j] is not None for group in lists)]
     results: list[torch.Tensor | None] = [None] * num_inputs
@@ -188,7 +184,7 @@ def reduce_present(
                 like = next(other[j] for other in lists if other[j] is not None)
                 g = torch.zeros_like(like, device=present.device)
             flat.append(g)
-    sums = ReduceAddCoalesced.apply(destination, len(used), *flat)
+    sums = apply(ReduceAddCoalesced, destination, len(used), *flat)
     for j, total in zip(used, sums):
         results[j] = total
     return tuple(results)

@@ -12,7 +12,7 @@ import torch
 from dpcore import _packed
 from dpcore import _pytree as pt
 from dpcore._devices import DeviceLike, as_destination
-from dpcore._functions import Gather
+from dpcore._functions import Gather, apply
 from dpcore._pytree import BROADCAST, ITERABLE, LEAF, MAPPING, NODE, PACKED, SAMPLES, TENSOR
 
 
@@ -145,7 +145,7 @@ class _Merger:
         def make() -> list[torch.Tensor]:
             rows = _packed.data_rows(column, self.hints.rows, self.dim)
             if rows is None:
-                return [Gather.apply(self.destination, self.dim, *column)]
+                return [apply(Gather, self.destination, self.dim, *column)]
             return [_packed.join_rows(column, rows, self.destination)]
 
         return make
@@ -156,7 +156,7 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
     first = values[0]
     if not hints.rows and all(type(v) is torch.Tensor for v in values):
         try:
-            return Gather.apply(target_device, dim, *values)
+            return apply(Gather, target_device, dim, *values)
         except _WRAPPABLE as e:
             _reraise(e, "gather: output: ")
     flats = [pt.flatten(v) for v in values]
@@ -165,7 +165,7 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
     gathered: list[torch.Tensor] = []
     for column in merger.columns:
         try:
-            gathered.extend(column() if callable(column) else [Gather.apply(target_device, dim, *column)])
+            gathered.extend(column() if callable(column) else [apply(Gather, target_device, dim, *column)])
         except _WRAPPABLE as e:
             _reraise(e, f"gather: {pt.lazy_path(first, spec, len(gathered), 'output')}: ")
     try:

@@ -10,7 +10,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._devices import DeviceLike
-from dpcore._functions import Gather, Scatter
+from dpcore._functions import Gather, Scatter, apply
 
 
 class Layout(NamedTuple):
@@ -92,7 +92,7 @@ def split(
     rows = per_step.sum(1).tolist()
     data = packed.data
     picked = data.index_select(0, order.to(data.device))
-    parts = Scatter.apply(list(devices), rows, 0, picked)
+    parts = apply(Scatter, list(devices), rows, 0, picked)
     starts = [0, *bounds.tolist()[:-1]]
     out = []
     for j, device in enumerate(devices):
@@ -130,7 +130,7 @@ def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -
 
 def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike | None) -> torch.Tensor:
     """The replicas' packed data `parts` as one tensor in the batch's packed order, differentiably."""
-    gathered = Gather.apply(destination, 0, *parts)
+    gathered = apply(Gather, destination, 0, *parts)
     if rows.order is None:
         return gathered
     return gathered.index_select(0, _inverse(rows.order).to(gathered.device))
@@ -164,7 +164,7 @@ def join(
     step_starts = torch.cumsum(batch_sizes, 0) - batch_sizes
     position = _inverse(order)
     targets = torch.cat([step_starts[t] + position[i] for t, i in sources])  # joined row of each gathered row
-    gathered = Gather.apply(destination, 0, *[p.data for p in packs])
+    gathered = apply(Gather, destination, 0, *[p.data for p in packs])
     data = gathered.index_select(0, _inverse(targets).to(gathered.device))
     if not given:
         return PackedSequence(data, batch_sizes, None, None)

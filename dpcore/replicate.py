@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 from dpcore._compiled import CompiledReplicas, has_compiled, replicate_module
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_devices, normalize_device
-from dpcore._functions import BroadcastBucket
+from dpcore._functions import BroadcastBucket, apply
 from dpcore._step_hook import track
 
 __all__ = ["replicate", "check_on_device", "check_replica_refresh", "ReplicaCache", "DEFAULT_BUCKET_BYTES"]
@@ -157,7 +157,7 @@ class ReplicaCache:
     def _copies(self, grad_enabled: bool) -> list[tuple[torch.Tensor, ...] | None]:
         """Per bucket, its copies through a BroadcastBucket node where it needs autograd, else None."""
         return [
-            BroadcastBucket.apply(bucket, *masters) if grad_enabled and requires_grad else None
+            apply(BroadcastBucket, bucket, *masters) if grad_enabled and requires_grad else None
             for bucket, masters, requires_grad in self._bucket_plan
         ]
 

@@ -14,7 +14,7 @@ from dpcore import _packed
 from dpcore import _pytree as pt
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, normalize_device
-from dpcore._functions import BroadcastTensor, Scatter
+from dpcore._functions import BroadcastTensor, Scatter, apply
 from dpcore._gather import NO_HINTS, GatherHints, gather_outputs
 from dpcore._markers import Broadcast, Samples, is_namedtuple
 from dpcore._split import check_repeated_rows, check_split, plan_split
@@ -43,7 +43,7 @@ class Scattered(NamedTuple):
 def _broadcast_tensor(tensor: torch.Tensor, devices: list[torch.device]) -> list[torch.Tensor]:
     if not (torch.is_grad_enabled() and tensor.requires_grad):
         return list(comm.broadcast(tensor, devices))
-    outs = list(BroadcastTensor.apply(devices, tensor))
+    outs = list(apply(BroadcastTensor, devices, tensor))
     source = normalize_device(tensor.device)
     if source in devices:
         outs[devices.index(source)] = tensor  # the source replica gets the object itself
@@ -144,7 +144,7 @@ def _split_trees(
                 size = t.size(dim)
                 if size != plan.batch and size != count:  # rule 3b: one row per device, fewer replicas
                     t = check_repeated_rows(t, dim, count, next((p for p, leaf in leaves if leaf is t), "a tensor"))
-                parts = Scatter.apply(used_devices, used_sizes if size == plan.batch else [1] * count, dim, t)
+                parts = apply(Scatter, used_devices, used_sizes if size == plan.batch else [1] * count, dim, t)
             hit = memo[key] = (source, parts)  # the source kept alive: its id stays its own
         return hit[1]
 

@@ -212,7 +212,7 @@ class ReplicaCache:
             self._compiled.apply(rows)
         return roots
 
-    # -- The CUDA-graph interface (dpcore._graphs.CaptureSource) --
+    # -- The CUDA-graph interface (dpcore._graphs.GraphRunner) --
 
     @property
     def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:

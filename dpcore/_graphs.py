@@ -349,10 +349,7 @@ class GraphRunner:
         self._cache = cache
         self._devices = list(dict.fromkeys(cache.devices))
         self._modules = list(cache.module.modules())
-        buffers = {id(b) for b in cache.module.buffers()}
-        self._buffer_buckets = [
-            bucket for bucket, masters, _ in cache.bucket_plan if any(id(t) in buffers for t in masters)
-        ]
+        self._buffer_buckets = cache.buckets_of(cache.module.buffers())
 
     def _warn(self, reason: str) -> None:
         """Warns once per reason that calls run eagerly."""

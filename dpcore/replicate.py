@@ -103,7 +103,8 @@ class ReplicaCache:
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
         if self._bucket_plan:
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
-        self._compiled = CompiledReplicas.of(module, self._set.replica_modules)
+        rows = self._set.replica_modules
+        self._compiled = CompiledReplicas(list(module.modules()), rows) if factory and rows else None
         # norm layers' running statistics, which batch_norm updates unseen by version counters
         self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
         self._norm_buckets = self.buckets_of(t for m in self._norms for t in (m.running_mean, m.running_var))

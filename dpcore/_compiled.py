@@ -22,8 +22,7 @@ _OPTIMIZED_OWN = ("forward", "_forward", "_torchdynamo_orig_callable", "_torchdy
 def _optimized_module_type() -> type | None:
     """torch's OptimizedModule class, or None while torch._dynamo was never
     imported (then nothing was compiled; importing it only to check is slow)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return None if eval_frame is None else getattr(eval_frame, "OptimizedModule", None)
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
 def is_optimized(module: nn.Module) -> bool:

@@ -2,9 +2,7 @@
 
 Each replica's forward and backward are captured once per call signature
 and replayed (:class:`GraphRunner`); what cannot be captured runs eagerly,
-with one warning naming the reason. The rule and the fallbacks:
-docs/design.md, "CUDA graphs", and docs/cuda_graphs.md. Imported only where
-``cuda_graphs=True``.
+with one warning naming the reason (docs/design.md, "CUDA graphs"; docs/cuda_graphs.md).
 """
 
 from __future__ import annotations

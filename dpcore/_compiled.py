@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -18,16 +18,11 @@ __all__ = ["CompiledReplicas", "has_compiled", "replicate_module"]
 #: The entries of an OptimizedModule's ``__dict__`` that each replica gets its own of.
 _OPTIMIZED_OWN = ("forward", "_forward", "_torchdynamo_orig_callable", "_torchdynamo_wrapper_id", "get_compiler_config")
 
-#: What one replica's compiled entries were made from (compared by identity),
-#: the entries to write into its __dict__, and an object to keep alive.
-_Made = tuple[tuple[Any, ...], dict[str, Any], Any]
-
 
 def _optimized_module_type() -> type | None:
     """torch's OptimizedModule class, or None while torch._dynamo was never
     imported (then nothing was compiled; importing it only to check is slow)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return None if eval_frame is None else getattr(eval_frame, "OptimizedModule", None)
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
 def is_optimized(module: nn.Module) -> bool:
@@ -78,15 +73,26 @@ def _dynamo_context(compiled: Any) -> Any:
     return ctx if isinstance(ctx, _TorchDynamoContext) else None
 
 
-def _compile_call_for(replica: nn.Module, master: nn.Module, compiled: Any, index: int) -> Callable[..., Any]:
-    """The replica's counterpart of the master's ``_compiled_call_impl``
-    (compiled with the same Dynamo context, or for ``compile(disable=True)``
-    the replica's own ``_call_impl``); TypeError for anything else."""
+def _own_entries(kind: str, master: nn.Module, replica: nn.Module, index: int, sources: tuple[Any, ...]) -> Any:
+    """(entries, keep-alive): the replica's own compiled entries, made from `sources`. An OptimizedModule
+    gets the master's Dynamo context on its inner module; a ``compile()``'d module the counterpart of the
+    master's ``_compiled_call_impl`` (same Dynamo context, or for ``compile(disable=True)`` its own
+    ``_call_impl``); TypeError for anything else."""
+    if kind == "optimized":
+        ctx, inner = sources[1], sources[2]
+        if inner is None or ctx is None:
+            raise TypeError(
+                f"DataParallel: the compiled module {index} of the model ({type(master).__name__}) has no _orig_mod "
+                f"or dynamo_ctx, so it cannot be compiled again for each replica"
+            )
+        fresh = ctx(inner)
+        return {name: fresh.__dict__.get(name, _ABSENT) for name in _OPTIMIZED_OWN}, fresh
+    compiled = sources[0]
     ctx = _dynamo_context(compiled)
     if ctx is not None:
-        return ctx(replica._call_impl)
+        return {"_compiled_call_impl": ctx(replica._call_impl)}, None
     if isinstance(compiled, types.MethodType) and compiled.__self__ is master:
-        return types.MethodType(compiled.__func__, replica)
+        return {"_compiled_call_impl": types.MethodType(compiled.__func__, replica)}, None
     raise TypeError(
         f"DataParallel: module {index} of the model ({type(master).__name__}) holds a _compiled_call_impl "
         f"({type(compiled).__name__}) that was not made by module.compile() or torch.compile, so it cannot be "
@@ -106,67 +112,34 @@ class CompiledReplicas:
     def __init__(self, masters: Sequence[nn.Module], rows: Sequence[Sequence[nn.Module]]):
         self._masters = list(masters)
         self._rows = [list(row) for row in rows]
-        self._optimized = [i for i, m in enumerate(self._masters) if is_optimized(m)]
-        self._called = [i for i, m in enumerate(self._masters) if _compiled_call(m) is not None]
-        # (row, module index, kind) -> (source objects, values to set, keep-alive)
-        self._made: dict[tuple[int, int, str], _Made] = {}
-
-    @staticmethod
-    def of(module: nn.Module, rows: Sequence[Sequence[nn.Module]]) -> CompiledReplicas | None:
-        """The per-replica compiled calls of `module`'s replicas, or None when nothing is compiled."""
-        if not rows or not has_compiled(module):
-            return None
-        return CompiledReplicas(list(module.modules()), rows)
+        optimized = [("optimized", i) for i, m in enumerate(self._masters) if is_optimized(m)]
+        self._kinds = optimized + [("call", i) for i, m in enumerate(self._masters) if _compiled_call(m) is not None]
+        # (row, module index, kind) -> (what the entries were made from, the entries, a keep-alive)
+        self._made: dict[tuple[int, int, str], tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
 
     def apply(self, n: int) -> None:
         """Gives the replicas of rows 0..n-1 their own compiled calls."""
         for j in range(n):
-            for i in self._optimized:
-                self._set(j, i, "optimized", self._optimized_values)
-            for i in self._called:
-                self._set(j, i, "call", self._call_values)
+            for kind, i in self._kinds:
+                self._set(j, i, kind)
 
-    def _set(self, j: int, i: int, kind: str, make: Callable[[int, int], _Made]) -> None:
-        """Writes the (j, i) replica's compiled entries, remade by `make` when their sources changed."""
-        state = self._rows[j][i].__dict__
+    def _set(self, j: int, i: int, kind: str) -> None:
+        """Writes the (j, i) replica's compiled entries, remade when what they were made from changed."""
+        master, replica = self._masters[i], self._rows[j][i]
+        state = replica.__dict__
+        if kind == "call":
+            sources: tuple[Any, ...] = (_compiled_call(master),)
+        else:
+            inner = state["_modules"].get("_orig_mod")
+            sources = (master.__dict__.get("forward"), master.__dict__.get("dynamo_ctx"), inner)
         made = self._made.get((j, i, kind))
-        sources = self._sources(self._masters[i], kind, j, i)
         if made is None or any(a is not b for a, b in zip(made[0], sources)):
-            made = self._made[(j, i, kind)] = make(j, i)
+            made = self._made[(j, i, kind)] = (sources, *_own_entries(kind, master, replica, i, sources))
         for name, value in made[1].items():
             if value is _ABSENT:
                 state.pop(name, None)
             else:
                 state[name] = value
-
-    def _sources(self, master: nn.Module, kind: str, j: int, i: int) -> tuple[Any, ...]:
-        """What the replica's compiled call is made from."""
-        if kind == "call":
-            return (_compiled_call(master),)
-        inner = self._rows[j][i].__dict__["_modules"].get("_orig_mod")
-        return (master.__dict__.get("forward"), master.__dict__.get("dynamo_ctx"), inner)
-
-    def _optimized_values(self, j: int, i: int) -> _Made:
-        """The OptimizedModule replica's own entries: the master's Dynamo context on its inner module."""
-        master = self._masters[i]
-        replica = self._rows[j][i]
-        inner = replica.__dict__["_modules"].get("_orig_mod")
-        ctx = master.__dict__.get("dynamo_ctx")
-        if inner is None or ctx is None:
-            raise TypeError(
-                f"DataParallel: the compiled module {i} of the model ({type(master).__name__}) has no _orig_mod "
-                f"or dynamo_ctx, so it cannot be compiled again for each replica"
-            )
-        fresh = ctx(inner)
-        values = {name: fresh.__dict__.get(name, _ABSENT) for name in _OPTIMIZED_OWN}
-        return self._sources(master, "optimized", j, i), values, fresh
-
-    def _call_values(self, j: int, i: int) -> _Made:
-        """The replica's own ``_compiled_call_impl`` (see _compile_call_for)."""
-        master = self._masters[i]
-        compiled = _compiled_call(master)
-        call = _compile_call_for(self._rows[j][i], master, compiled, i)
-        return (compiled,), {"_compiled_call_impl": call}, None
 
 
 #: Marks an entry to remove from a replica's ``__dict__``.

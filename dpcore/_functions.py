@@ -138,7 +138,13 @@ class BroadcastCoalesced(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _set_up_copies(ctx, inputs[1:], output)
+        """Missing gradients stay None; copies of inputs not requiring grad are non-differentiable."""
+        ctx.set_materialize_grads(False)
+        ctx.num_inputs = n = len(inputs) - 1
+        ctx.input_device = inputs[1].device
+        frozen = [i for i, t in enumerate(inputs[1:]) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*[output[k] for k in range(len(output)) if k % n in frozen])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -169,33 +175,14 @@ def reduce_present(
     if all(g is not None for g in grads):
         return apply(ReduceAddCoalesced, destination, num_inputs, *grads)
     lists = _split_lists(grads, num_inputs)
-    used = [j for j in range(num_inputs) if any(group[j] is not None for group in lists)]
-    results: list[torch.Tensor | None] = [None] * num_inputs
+    like = {j: next((group[j] for group in lists if group[j] is not None), None) for j in range(num_inputs)}
+    used = [j for j in range(num_inputs) if like[j] is not None]
     if not used:
-        return tuple(results)
+        return (None,) * num_inputs
     flat: list[torch.Tensor] = []
     for group in lists:
-        present = next((g for g in group if g is not None), None)
-        if present is None:
-            continue  # this device used none of the inputs: it takes no part
-        for j in used:
-            g = group[j]
-            if g is None:
-                like = next(other[j] for other in lists if other[j] is not None)
-                g = torch.zeros_like(like, device=present.device)
-            flat.append(g)
-    sums = apply(ReduceAddCoalesced, destination, len(used), *flat)
-    for j, total in zip(used, sums):
-        results[j] = total
-    return tuple(results)
-
-
-def _set_up_copies(ctx: Any, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-    """Missing gradients stay None; copies of inputs not requiring grad are non-differentiable."""
-    ctx.set_materialize_grads(False)
-    ctx.num_inputs = len(inputs)
-    ctx.input_device = inputs[0].device
-    frozen = [i for i, t in enumerate(inputs) if not t.requires_grad]
-    if frozen:
-        n = len(inputs)
-        ctx.mark_non_differentiable(*[outputs[k] for k in range(len(outputs)) if k % n in frozen])
+        device = next((g.device for g in group if g is not None), None)
+        if device is not None:  # else this device used none of the inputs: it takes no part
+            flat += [torch.zeros_like(like[j], device=device) if group[j] is None else group[j] for j in used]
+    sums = dict(zip(used, apply(ReduceAddCoalesced, destination, len(used), *flat)))
+    return tuple(sums.get(j) for j in range(num_inputs))

@@ -2,9 +2,7 @@
 
 Each replica's forward and backward are captured once per call signature
 and replayed (:class:`GraphRunner`); what cannot be captured runs eagerly,
-with one warning naming the reason. The rule and the fallbacks:
-docs/design.md, "CUDA graphs", and docs/cuda_graphs.md. Imported only where
-``cuda_graphs=True``.
+with one warning naming the reason (docs/design.md, "CUDA graphs"; docs/cuda_graphs.md).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,8 +21,10 @@ from torch.nn.modules import module as module_mod
 
 from dpcore import _pytree as pt
 
-__all__ = ["GraphRunner", "CaptureSource", "call_signature", "hook_reason", "Uncapturable"]
-__all__ += ["WARMUP_CALLS", "CACHE_SIZE"]
+if TYPE_CHECKING:
+    from dpcore.replicate import ReplicaCache
+
+__all__ = ["GraphRunner", "call_signature", "hook_reason", "Uncapturable", "WARMUP_CALLS", "CACHE_SIZE"]
 
 _MakeCall = Callable[[nn.Module], Callable[..., Any]]  # replica -> what to call it with
 _Leaves = list[list[torch.Tensor]]  # per replica, its input tensors in flatten order
@@ -69,13 +69,11 @@ def _flatten_input(args: tuple[Any, ...], kwargs: dict[str, Any], root: str) -> 
     tensors, spec = pt.flatten(tree)
     metas = []
     for i, t in enumerate(tensors):
-        if t.device.type != _DEVICE_TYPE:
+        only = "CUDA" if t.device.type != _DEVICE_TYPE else "dense" if t.layout != torch.strided else None
+        if only is not None:
+            what = f"a tensor on {t.device}" if only == "CUDA" else f"a {t.layout} tensor"
             raise Uncapturable(
-                f"{pt.tensor_path(tree, spec, i, root)} is a tensor on {t.device}; a CUDA graph takes CUDA tensors only"
-            )
-        if t.layout != torch.strided:
-            raise Uncapturable(
-                f"{pt.tensor_path(tree, spec, i, root)} is a {t.layout} tensor; a CUDA graph takes dense tensors only"
+                f"{pt.tensor_path(tree, spec, i, root)} is {what}; a CUDA graph takes {only} tensors only"
             )
         metas.append((tuple(t.shape), t.stride(), t.dtype, t.device.index, t.requires_grad))
     try:
@@ -129,6 +127,10 @@ class _ReplayToken:
         self.replay = replay  # which replay of its graph
 
 
+#: Graphs whose capture failed, kept alive: the allocator may still refer to them.
+_ABANDONED: list[torch.cuda.CUDAGraph] = []
+
+
 @contextlib.contextmanager
 def _capturing(
     graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, rng: torch.Generator
@@ -147,26 +149,17 @@ def _capturing(
             try:
                 yield
                 graph.capture_end()
-            except BaseException:
-                _abandon(graph, pool, device)
+            except BaseException:  # end the capture as far as torch lets one, and keep the graph
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
+                if end_pool is not None:
+                    with contextlib.suppress(Exception):
+                        end_pool(device.index, pool)
+                _ABANDONED.append(graph)
                 raise
     finally:
         generator.graphsafe_set_state(previous)
-
-
-#: Graphs whose capture failed, kept alive: the allocator may still refer to them.
-_ABANDONED: list[torch.cuda.CUDAGraph] = []
-
-
-def _abandon(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
-    """Ends a failed capture as far as torch lets one, and keeps the graph."""
-    with contextlib.suppress(Exception):
-        graph.capture_end()
-    end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end_pool is not None:
-        with contextlib.suppress(Exception):
-            end_pool(device.index, pool)
-    _ABANDONED.append(graph)
 
 
 class _ReplicaGraph:
@@ -183,9 +176,8 @@ class _ReplicaGraph:
         params: list[torch.Tensor],
         stream: torch.cuda.Stream,
         rng: torch.Generator,
-        *,
-        keep: Any = None,
-        copy_grads: bool = False,
+        keep: Any,
+        copy_grads: bool,
     ) -> None:
         self.keep = keep  # the replica buffers the captured memory views: a pending node may outlive the cache
         self.copy_grads = copy_grads  # replica 0 alone: its gradients reach the caller directly, so as copies
@@ -317,23 +309,6 @@ class _SignatureGraphs:
         return tuple(t.data_ptr() for t in self.master_tensors)
 
 
-class CaptureSource(Protocol):
-    """What a :class:`GraphRunner` needs of the replicas it captures: the
-    wrapper's :class:`dpcore.replicate.ReplicaCache`."""
-
-    module: nn.Module
-    devices: list[torch.device]
-
-    @property
-    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]: ...
-
-    def replicas(self, n: int) -> list[nn.Module]: ...
-
-    def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]: ...
-
-    def capture_replicas(self, n: int) -> tuple[list[nn.Module], list[list[tuple[int, int]]]]: ...
-
-
 class GraphRunner:
     """The CUDA-graph side of one DataParallel: per-replica streams, the
     captured signatures (at most CACHE_SIZE, least recently used dropped) and
@@ -364,7 +339,7 @@ class GraphRunner:
         for device in self._devices:
             torch.cuda.synchronize(device)
 
-    def _bind(self, cache: CaptureSource) -> None:
+    def _bind(self, cache: ReplicaCache) -> None:
         """Follows the wrapper's current replica cache."""
         if cache is self._cache:
             return
@@ -372,22 +347,19 @@ class GraphRunner:
         self._cache = cache
         self._devices = list(dict.fromkeys(cache.devices))
         self._modules = list(cache.module.modules())
-        buffers = {id(b) for b in cache.module.buffers()}
-        self._buffer_buckets = [
-            bucket for bucket, masters, _ in cache.bucket_plan if any(id(t) in buffers for t in masters)
-        ]
+        self._buffer_buckets = cache.buckets_of(cache.module.buffers())
 
     def _warn(self, reason: str) -> None:
+        """Warns once per reason that calls run eagerly."""
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"DataParallel(cuda_graphs=True): running eagerly: {reason}", RuntimeWarning, stacklevel=4)
 
     def stream(self, index: int, device: torch.device) -> torch.cuda.Stream:
         """Replica `index`'s own stream on `device`."""
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=device)
-        return stream
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=device)
+        return self._streams[index]
 
     def _generator(self, index: int, device: torch.device) -> torch.Generator:
         """A fresh random-number state per capture (a failed one leaves its state unusable), seeded
@@ -412,7 +384,7 @@ class GraphRunner:
 
     def step(
         self,
-        cache: CaptureSource,
+        cache: ReplicaCache,
         args: list[tuple[Any, ...]],
         kws: list[dict[str, Any]],
         used: list[int],
@@ -428,17 +400,13 @@ class GraphRunner:
         self._bind(cache)
         reason = hook_reason(self._modules)
         if reason is not None:
-            self._warn(reason)
-            return None
+            return self._warn(reason)
         try:
             key, leaves, specs = _signature(args, kws, used, self._modules)
         except Uncapturable as e:
-            self._warn(str(e))
-            return None
-        refused = self._refused.get(key)
-        if refused is not None:
-            self._warn(refused)
-            return None
+            return self._warn(str(e))
+        if key in self._refused:
+            return self._warn(self._refused[key])
         entry = self._entries.get(key)
         if entry is None:
             seen = self._seen.pop(key, 0) + 1
@@ -454,8 +422,7 @@ class GraphRunner:
                     self._synchronize()
                 first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self._refused[key] = f"capture failed ({type(e).__name__}: {first_line})"
-                self._warn(self._refused[key])
-                return None
+                return self._warn(self._refused[key])
             self._entries[key] = entry
             while len(self._entries) > CACHE_SIZE:
                 self._synchronize()
@@ -468,28 +435,20 @@ class GraphRunner:
                 "a parameter or buffer of the module now lives at another address than when its graphs were "
                 "captured (an optimizer or other code replaced it instead of updating it in place)"
             )
-            self._warn(self._refused[key])
-            return None
+            return self._warn(self._refused[key])
         if any(g.busy() for g in entry.graphs):
-            self._warn(
+            return self._warn(
                 "forward was called again before the backward of the previous call with the same input "
                 "signature ran; a replay would overwrite the activations that backward needs, so such calls "
                 "run eagerly"
             )
-            return None
         outputs = self._replay(cache, entry, used, leaves)
         if combined:
             return outputs
         return [pt.map_tensors(torch.Tensor.clone, o) for o in outputs]
 
     def _warm_up(
-        self,
-        cache: CaptureSource,
-        args: list[Any],
-        kws: list[Any],
-        used: list[int],
-        make_call: _MakeCall,
-        leaves: _Leaves,
+        self, cache: ReplicaCache, args: list[Any], kws: list[Any], used: list[int], call: _MakeCall, leaves: _Leaves
     ) -> list[Any]:
         """An eager call, each replica in this thread on its own stream."""
         with self._master_stream(cache.devices[0]) as master:
@@ -507,7 +466,7 @@ class GraphRunner:
                 t.record_stream(stream)  # allocated on the caller's stream, read on this one
             try:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
-                    outputs.append(make_call(replicas[i])(*args[j], **kws[j]))
+                    outputs.append(call(replicas[i])(*args[j], **kws[j]))
             except BaseException as e:
                 e.add_note(f"raised in replica {i} on device {device}")
                 raise
@@ -516,28 +475,24 @@ class GraphRunner:
         return outputs
 
     def _capture(
-        self, cache: CaptureSource, used: list[int], make_call: _MakeCall, leaves: _Leaves, specs: list[pt.Spec]
+        self, cache: ReplicaCache, used: list[int], make_call: _MakeCall, leaves: _Leaves, specs: list[pt.Spec]
     ) -> _SignatureGraphs:
         """Captures every replica of `used` for this call's signature."""
         replicas, slots = cache.capture_replicas(used[-1] + 1)
         self._synchronize()
         graphs = []
         for j, i in enumerate(used):
-            device = cache.devices[i]
-            replica = replicas[i]
+            device, replica = cache.devices[i], replicas[i]
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
             call, stream, rng = make_call(replica), self.stream(i, device), self._generator(i, device)
-            graphs.append(
-                _ReplicaGraph(call, leaves[j], specs[j], params, stream, rng, keep=cache, copy_grads=len(used) == 1)
-            )
+            graphs.append(_ReplicaGraph(call, leaves[j], specs[j], params, stream, rng, cache, len(used) == 1))
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
         return _SignatureGraphs(graphs, used_slots, cache.module)
 
-    def _replay(self, cache: CaptureSource, entry: _SignatureGraphs, used: list[int], leaves: _Leaves) -> list[Any]:
+    def _replay(self, cache: ReplicaCache, entry: _SignatureGraphs, used: list[int], leaves: _Leaves) -> list[Any]:
         """Refreshes the replica buffers and replays; the outputs alias graph memory."""
         with self._master_stream(cache.devices[0]) as master:
             copies = cache.refresh_copies()
-        grad = torch.is_grad_enabled()
         callers = [torch.cuda.current_stream(graph.device) for graph in entry.graphs]
         for graph, inputs in zip(entry.graphs, leaves):
             graph.load(inputs)
@@ -546,14 +501,10 @@ class GraphRunner:
             graph.stream.wait_stream(caller)
             graph.stream.wait_stream(master)
         outputs = []
-        for j, i in enumerate(used):
-            graph = entry.graphs[j]
-            if not grad or graph.bwd is None:
-                params: list[torch.Tensor] = []
-            elif i == 0:
-                params = entry.master_params
-            else:
-                params = [copies[b][k] for b, k in entry.slots[j]]  # type: ignore[index]
+        for j, (i, graph) in enumerate(zip(used, entry.graphs)):  # a graph with a backward was captured with grad
+            params: list[torch.Tensor] = []
+            if graph.bwd is not None:
+                params = [copies[b][k] for b, k in entry.slots[j]] if i else entry.master_params  # type: ignore[index]
             outputs.append(graph.launch(leaves[j], params))
         for graph, caller in zip(entry.graphs, callers):
             caller.wait_stream(graph.stream)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 from dpcore.data_parallel import DataParallel as _DpcoreDataParallel
@@ -33,14 +33,6 @@ class DataParallel(_DpcoreDataParallel, metaclass=_StandInMeta):
     of which torch's own wrappers are instances too."""
 
 
-def _targets() -> list[ModuleType]:
-    """The modules whose attribute ``DataParallel`` is torch's class."""
-    import torch.nn
-    import torch.nn.parallel
-
-    return [torch.nn, torch.nn.parallel, importlib.import_module("torch.nn.parallel.data_parallel")]
-
-
 _lock = threading.Lock()
 _depth = 0  # handles active
 _generation = 0  # bumped by unpatch_torch, which ends every handle
@@ -48,8 +40,11 @@ _saved: list[tuple[ModuleType, Any]] = []  # (module, its DataParallel before th
 
 
 def _install() -> None:
+    import torch.nn
+    import torch.nn.parallel
+
     _saved.clear()
-    for module in _targets():
+    for module in (torch.nn, torch.nn.parallel, importlib.import_module("torch.nn.parallel.data_parallel")):
         _saved.append((module, module.DataParallel))
         module.DataParallel = DataParallel
 
@@ -88,9 +83,7 @@ class TorchPatch:
     def __enter__(self) -> TorchPatch:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.undo()
 
 

@@ -47,7 +47,6 @@ def install_state_functions() -> None:
 
 
 def _rebind() -> None:
-    """install_state_functions' work, under its lock."""
     cpu_get, cpu_set = torch.random.get_rng_state, torch.random.set_rng_state
     cuda_get, cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rng_state
 
@@ -59,10 +58,7 @@ def _rebind() -> None:
     @functools.wraps(cpu_set)
     def set_rng_state(new_state: torch.Tensor) -> None:
         own = _own("cpu")
-        if own is None:
-            cpu_set(new_state)
-        else:
-            own.set_state(new_state)
+        cpu_set(new_state) if own is None else own.set_state(new_state)
 
     @functools.wraps(cuda_get)
     def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
@@ -72,10 +68,7 @@ def _rebind() -> None:
     @functools.wraps(cuda_set)
     def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
         own = _own("cuda", device)
-        if own is None:
-            cuda_set(new_state, device)
-        else:
-            own.set_state(new_state)
+        cuda_set(new_state, device) if own is None else own.set_state(new_state)
 
     for function in (get_rng_state, set_rng_state, cuda_get_rng_state, cuda_set_rng_state):
         function._dpcore_streams = True  # type: ignore[attr-defined]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -24,21 +22,13 @@ from dpcore._comm_hooks import GradBucket, HookedReducer, check_hook
 from dpcore._join import DataParallelJoinHook, notify
 from dpcore._layout import agree_on_change, check_layout, layout_of, structure_of
 from dpcore._pytree import map_tensors
+from dpcore.replicate import caller_stacklevel
 from dpcore.sync_batchnorm import AcrossProcesses
 
 __all__ = ["GradientSync", "GradBucket", "DataParallelJoinHook"]
 
 #: The live GradientSync of each module (a second would reduce every gradient twice).
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientSync]] = weakref.WeakKeyDictionary()
-
-
-def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside dpcore, for the caller's warning."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
@@ -61,7 +51,7 @@ def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bo
                 "`forward_sync_buffers=False` still syncs buffers at construction; for buffers that must stay "
                 "rank-local from the start, keep `broadcast_buffers=False`."
             )
-        warnings.warn(message, FutureWarning, stacklevel=_caller_stacklevel())
+        warnings.warn(message, FutureWarning, stacklevel=caller_stacklevel())
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
     effective = True if broadcast_buffers is None else broadcast_buffers

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,15 +64,6 @@ def _normal_mode() -> Iterator[None]:
         yield
 
 
-def _check_initialized(module: nn.Module) -> None:
-    """Raises torch's RuntimeError for a module with uninitialized (lazy) parameters or buffers."""
-    if any(is_lazy(t) for t in itertools.chain(module.parameters(), module.buffers())):
-        raise RuntimeError(
-            "Modules with uninitialized parameters can't be used with `DataParallel`. "
-            "Run a dummy forward pass to correctly initialize the modules"
-        )
-
-
 class ReplicaCache:
     """Replicas of `module` for ``devices[1:]``, kept across calls (one C++
     ``ReplicaSet``; each bucket needing grad goes through a BroadcastBucket
@@ -100,8 +91,11 @@ class ReplicaCache:
         self._warned = False
         self._lock = threading.Lock()
         self.devices = list(devices)
-        if len(self.devices) > 1:
-            _check_initialized(module)
+        if len(self.devices) > 1 and any(is_lazy(t) for t in itertools.chain(module.parameters(), module.buffers())):
+            raise RuntimeError(  # torch's message
+                "Modules with uninitialized parameters can't be used with `DataParallel`. "
+                "Run a dummy forward pass to correctly initialize the modules"
+            )
         with _normal_mode():
             factory = replicate_module if has_compiled(module) else None
             self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes, factory)
@@ -109,17 +103,22 @@ class ReplicaCache:
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
         if self._bucket_plan:
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
-        self._compiled = CompiledReplicas.of(module, self._set.replica_modules)
+        rows = self._set.replica_modules
+        self._compiled = CompiledReplicas(list(module.modules()), rows) if factory and rows else None
         # norm layers' running statistics, which batch_norm updates unseen by version counters
         self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-        running = {id(m.running_mean) for m in self._norms} | {id(m.running_var) for m in self._norms}
-        self._norm_buckets = [b for b, masters, _ in self._bucket_plan if any(id(t) in running for t in masters)]
+        self._norm_buckets = self.buckets_of(t for m in self._norms for t in (m.running_mean, m.running_var))
         self._norms_trained = False
 
     @property
     def buckets(self) -> list[Any]:
         """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order."""
         return [bucket for bucket, _, _ in self._bucket_plan]
+
+    def buckets_of(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
+        """The buckets holding any of the master tensors `tensors`."""
+        ids = {id(t) for t in tensors}
+        return [bucket for bucket, masters, _ in self._bucket_plan if any(id(t) in ids for t in masters)]
 
     @property
     def replica_modules(self) -> list[list[nn.Module]]:
@@ -139,16 +138,13 @@ class ReplicaCache:
     def replicas(self, n: int) -> list[nn.Module]:
         """The master plus n-1 refreshed replicas."""
         with self._lock:
-            return self._refresh(n)
-
-    def _refresh(self, n: int) -> list[nn.Module]:
-        self._check_n(n)
-        self._before_refresh()  # on a lone master too: it may train a norm layer
-        if n == 1:
-            return [self.module]
-        grad_enabled = torch.is_grad_enabled()
-        with _normal_mode():
-            return [self.module, *self._synced(n - 1, self._copies(grad_enabled))]
+            self._check_n(n)
+            self._before_refresh()  # on a lone master too: it may train a norm layer
+            if n == 1:
+                return [self.module]
+            grad_enabled = torch.is_grad_enabled()
+            with _normal_mode():
+                return [self.module, *self._synced(n - 1, self._copies(grad_enabled))]
 
     def _check_n(self, n: int) -> None:
         if n < 1 or n > len(self.devices):
@@ -212,12 +208,7 @@ class ReplicaCache:
             self._compiled.apply(rows)
         return roots
 
-    # -- The CUDA-graph interface (dpcore._graphs.CaptureSource) --
-
-    @property
-    def bucket_plan(self) -> list[tuple[Any, list[torch.Tensor], bool]]:
-        """(``dpcore._C.ReplicaBuffers``, master tensors, requires_grad) of every bucket."""
-        return self._bucket_plan
+    # -- The CUDA-graph interface (dpcore._graphs.GraphRunner) --
 
     def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
         """Brings every bucket's replica buffers up to date without touching the
@@ -276,13 +267,13 @@ def _warn_stale(module: nn.Module, stale: list[torch.Tensor], since: int) -> Non
         f'call `mark_parameters_changed()` on the wrapper, or build it with `replica_refresh="always"` to copy '
         f"every parameter and buffer at every call, as torch.nn.DataParallel does.",
         UserWarning,
-        stacklevel=_caller_stacklevel(),
+        stacklevel=caller_stacklevel(),
     )
 
 
-def _caller_stacklevel() -> int:
+def caller_stacklevel() -> int:
     """The stacklevel, for the caller's ``warnings.warn``, of the first frame outside dpcore and torch."""
-    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+    inside = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1

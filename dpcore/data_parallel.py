@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from dpcore._devices import DeviceLike, as_devices
 from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, ddp_only_error, has_module_prefix
 from dpcore._dropin import split_of, strip_module_prefix
+from dpcore._graphs import GraphRunner
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
@@ -28,10 +29,7 @@ from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import NO_HINTS, Scattered, check_image_lists, gather_with_hints, image_list_model
 from dpcore.scatter_gather import scatter_with_hints
-from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
-
-if TYPE_CHECKING:
-    from dpcore._graphs import GraphRunner
+from dpcore.sync_batchnorm import needs_sync, synchronized_apply
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -45,26 +43,19 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     """Runs ``module`` on several devices in one process: the batch is split
     along ``dim``, each device runs a replica on its chunk, and the results
     are combined on ``output_device``. A drop-in for torch.nn.DataParallel
-    and an instance of it. The options are in the README's table; the pages
-    of docs/ give their rules.
+    and an instance of it; options and their rules: docs/. ``forward`` calls
+    ``scatter``, ``replicate``, ``parallel_apply`` and ``gather`` with
+    torch's signatures, so a subclass written for torch's wrapper works
+    unchanged (an option that would skip an override is an error).
 
-    ``forward`` calls ``scatter``, ``replicate``, ``parallel_apply`` and
-    ``gather`` with torch's signatures, so a subclass written for torch's
-    wrapper works unchanged; where none is overridden, dpcore's fast paths
-    run. An overridden ``scatter`` returns ``(inputs, kwargs)``, one entry
-    per replica on the first devices. Options that would silently skip an
-    override are errors.
-
-    Guarantees: outputs and parameter gradients equal the single-device ones
-    (up to floating-point summation order); a parameter no replica used
-    keeps ``.grad`` None; tensors whose batch sizes disagree raise
-    ValueError naming both; the first replica is ``module`` itself. Calls
-    from several threads are serialized; after Ctrl-C reaches the caller,
-    nothing this wrapper started still touches the module.
+    Guarantees: outputs and gradients equal the single-device ones (up to
+    summation order); a parameter no replica used keeps ``.grad`` None; the
+    first replica is ``module`` itself; calls from several threads are
+    serialized; after Ctrl-C reaches the caller, nothing this wrapper
+    started still touches the module.
     """
 
-    # Per-instance state that a replica of this wrapper and a pickle never
-    # share (ReplicaSet reads this name); made by _fresh_private_state.
+    # Per-instance state a replica of this wrapper and a pickle never share (ReplicaSet reads this name).
     _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
     def __init__(
@@ -165,8 +156,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # As a submodule: our entries were saved without "module.", but the
-        # loader descends into self.module with prefix + "module.".
+        # As a submodule: saved without "module.", loaded through self.module with prefix + "module.".
         keys = [k for k in state_dict if k.startswith(prefix)]
         if keys and not has_module_prefix([k[len(prefix) :] for k in keys], self.module):
             for k in keys:
@@ -238,11 +228,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     forward = SignedForward(forward)  # type: ignore[assignment]
 
     def _forward(
-        self,
-        inputs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        through: Callable[[Any], Any] | None = None,
-        method: Method | None = None,
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], through: Any = None, method: Method | None = None
     ) -> tuple[Any, int]:
         """The call's result and this process's rows. `through(replica)` runs
         in place of each replica, eagerly; a `method` call has no loss rule."""
@@ -300,7 +286,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             self._check_per("replicate", "replica per device", replicas, count)
         modules = [replicas[i] for i in call.used]
         calls = _PerCall([make_call(m) for m in modules], call)
-        across = self._batchnorm_across(call.rows)
+        across = None if self._sync is None else self._sync.batchnorm_across(call.rows, self._loss.summed)
         if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
             return synchronized_apply(
                 modules, calls, call.args, call.kws, call.devices, run=self._parallel_apply, across=across
@@ -345,17 +331,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 self._sync.check_structure()
         return self._cache
 
-    def _batchnorm_across(self, rows: int) -> AcrossProcesses | None:
-        """Synchronized BatchNorm's link to the other processes (hybrid mode with ``sync_batchnorm``), else None."""
-        if self._sync is None or not self.sync_batchnorm:
-            return None
-        return self._sync.batchnorm_across(rows, self._loss.summed)
-
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every
-        replica: call it after writes that bypass version counters outside
-        an optimizer step (``p.data.add_(...)``, numpy); without it such a
-        write is found at the checks of ``replica_refresh="auto"``, with a warning."""
+        replica: call it after writes that bypass version counters outside an
+        optimizer step (``p.data.add_(...)``, numpy)."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
@@ -377,9 +356,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         """DDP's ``register_comm_hook``: each gradient bucket is sent by
         ``hook(state, bucket)``, which returns a Future of the reduced
         gradient; torch's own hooks work. One hook, before the first backward."""
-        self._require_group("register_comm_hook", "there is no gradient communication to hook").register_comm_hook(
-            state, hook
-        )
+        sync = self._require_group("register_comm_hook", "there is no gradient communication to hook")
+        sync.register_comm_hook(state, hook)
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """DDP's ``join_hook``: lets ranks that ran out of inputs shadow the
@@ -415,13 +393,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's ``no_sync``: backward passes of forwards run inside
-        accumulate ``.grad`` in this process only. Without a process group:
-        nothing to skip."""
-        if self._sync is None:
+        accumulate ``.grad`` in this process only (without a process group, always)."""
+        with contextlib.nullcontext() if self._sync is None else self._sync.no_sync():
             yield
-        else:
-            with self._sync.no_sync():
-                yield
 
 
 class _ScatteredPair(tuple):  # type: ignore[type-arg]
@@ -431,8 +405,7 @@ class _ScatteredPair(tuple):  # type: ignore[type-arg]
 
 
 class _PerCall(list):  # type: ignore[type-arg]
-    """One entry per replica, with the call's record as ``.call`` (for
-    torch's ``parallel_apply`` and ``gather``, whose signatures have no place for it)."""
+    """One entry per replica, with the call's record as ``.call`` (torch's signatures have no place for it)."""
 
     def __init__(self, items: Sequence[Any], call: Call) -> None:
         super().__init__(items)
@@ -441,12 +414,7 @@ class _PerCall(list):  # type: ignore[type-arg]
 
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
     """New values of DataParallel._replica_private_attrs."""
-    graphs: GraphRunner | None = None
-    if cuda_graphs:
-        from dpcore._graphs import GraphRunner
-
-        graphs = GraphRunner()
-    return {"_cache": None, "_calls": CallGuard(), "_graphs": graphs}
+    return {"_cache": None, "_calls": CallGuard(), "_graphs": GraphRunner() if cuda_graphs else None}
 
 
 def data_parallel(

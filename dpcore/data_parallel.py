@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_devices
-from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, ddp_only_error, has_module_prefix
-from dpcore._dropin import split_of, strip_module_prefix
+from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, has_module_prefix, split_of
+from dpcore._dropin import strip_module_prefix
 from dpcore._graphs import GraphRunner
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
@@ -127,7 +127,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             except AttributeError:
                 if name not in DDP_ONLY:
                     raise
-                raise ddp_only_error(name, self.module) from None
+                raise AttributeError(
+                    f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a "
+                    f"{type(self.module).__name__}): it is an attribute of torch.nn.parallel.DistributedDataParallel "
+                    f"that dpcore's hybrid mode (process_group=) does not provide"
+                ) from None
             return self.parallel(name) if name in PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:

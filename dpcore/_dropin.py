@@ -1,7 +1,6 @@
-"""The shims that make dpcore's wrapper stand where torch.nn.DataParallel
-stood: the signed ``forward``, the bare-key state dict, DDP-only attribute
-errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by
-torch's rules, and :func:`functional_call`."""
+"""The shims that make dpcore's wrapper stand where torch.nn.DataParallel stood: the signed ``forward``, the bare-key
+state dict, DDP-only attribute errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by torch's rules,
+and :func:`functional_call`."""
 
 from __future__ import annotations
 

@@ -193,9 +193,8 @@ def _is_loss_dict(output: Any) -> bool:
 
 
 def _loss_of(output: Any, replica: int, device: torch.device, samples: bool) -> Any:
-    """The loss in one replica's output: a tensor itself, a Mapping's
-    "loss", a dataclass's or namedtuple's ``loss``, else a sequence's entry
-    0; None where a Mapping has none, and for a list in a Samples call."""
+    """The loss in one replica's output: a tensor itself, a Mapping's "loss", a dataclass's or namedtuple's ``loss``,
+    else a sequence's entry 0; None where a Mapping has none, and for a list in a Samples call."""
     where = f"replica {replica} (on {device})"
     if isinstance(output, torch.Tensor):
         return output

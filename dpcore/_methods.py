@@ -93,9 +93,8 @@ class ParallelMethod:
 
 @dataclasses.dataclass(frozen=True)
 class _Generated:
-    """transformers' ``generate``: the replicas' outputs aligned as the bare
-    model returns them for the whole batch (`fill`: its pad of finished
-    rows, None where it keeps generating; `beams` per row; `pad`: missing steps)."""
+    """transformers' ``generate``: the replicas' outputs aligned as the bare model returns them for the whole batch
+    (`fill`: its pad of finished rows, None where it keeps generating; `beams` per row; `pad`: missing steps)."""
 
     label: str
     fill: int | None
@@ -186,9 +185,8 @@ class _Generated:
 
 
 def pad_outputs(values: list[Any], dim: int, pad_value: float | None, label: str, path: str = "output") -> list[Any]:
-    """The replicas' outputs `values`, each tensor that differs from another
-    replica's beyond `dim` padded at the end to the largest with `pad_value`
-    (ValueError naming the path where None); other differences are left."""
+    """The replicas' outputs `values`, each tensor that differs from another replica's beyond `dim` padded at the end
+    to the largest with `pad_value` (ValueError naming the path where None); other differences are left."""
     first = values[0]
     if all(isinstance(v, torch.Tensor) for v in values):
         return _padded_tensors(values, dim, pad_value, label, path)

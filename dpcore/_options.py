@@ -1,6 +1,5 @@
-"""DataParallel's options and every rule that ties them together, checked
-once at construction (:func:`check_options`); errors name the option (and,
-for lists, the index and the value)."""
+"""DataParallel's options and every rule that ties them together, checked once at construction
+(:func:`check_options`); errors name the option (and, for lists, the index and the value)."""
 
 from __future__ import annotations
 

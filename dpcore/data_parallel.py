@@ -1,7 +1,6 @@
-"""dpcore.DataParallel: torch.nn.DataParallel over cached replicas, a C++ worker
-pool and CPU device lists. One pipeline through torch's four extension points:
-``scatter`` (the call's record), ``replicate``, ``parallel_apply``, and the loss
-rule's combine through ``gather`` (docs/design.md, "Semantics")."""
+"""dpcore.DataParallel: torch.nn.DataParallel over cached replicas, a C++ worker pool and CPU device lists. One
+pipeline through torch's four extension points: ``scatter`` (the call's record), ``replicate``, ``parallel_apply``,
+and the loss rule's combine through ``gather`` (docs/design.md, "Semantics")."""
 
 from __future__ import annotations
 
@@ -40,19 +39,15 @@ _LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_outpu
 
 
 class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
-    """Runs ``module`` on several devices in one process: the batch is split
-    along ``dim``, each device runs a replica on its chunk, and the results
-    are combined on ``output_device``. A drop-in for torch.nn.DataParallel
-    and an instance of it; options and their rules: docs/. ``forward`` calls
-    ``scatter``, ``replicate``, ``parallel_apply`` and ``gather`` with
-    torch's signatures, so a subclass written for torch's wrapper works
+    """Runs ``module`` on several devices in one process: the batch is split along ``dim``, each device runs a
+    replica on its chunk, and the results are combined on ``output_device``. A drop-in for torch.nn.DataParallel
+    and an instance of it; options and their rules: docs/. ``forward`` calls ``scatter``, ``replicate``,
+    ``parallel_apply`` and ``gather`` with torch's signatures, so a subclass written for torch's wrapper works
     unchanged (an option that would skip an override is an error).
 
-    Guarantees: outputs and gradients equal the single-device ones (up to
-    summation order); a parameter no replica used keeps ``.grad`` None; the
-    first replica is ``module`` itself; calls from several threads are
-    serialized; after Ctrl-C reaches the caller, nothing this wrapper
-    started still touches the module.
+    Guarantees: outputs and gradients equal the single-device ones (up to summation order); a parameter no
+    replica used keeps ``.grad`` None; the first replica is ``module`` itself; calls from several threads are
+    serialized; after Ctrl-C reaches the caller, nothing this wrapper started still touches the module.
     """
 
     # Per-instance state a replica of this wrapper and a pickle never share (ReplicaSet reads this name).
@@ -135,15 +130,13 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             return self.parallel(name) if name in PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
-        """The module's method `name`, run data parallel as forward (no loss
-        rule); outputs whose sizes differ beyond ``dim`` are padded with
-        `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
+        """The module's method `name`, run data parallel as forward (no loss rule); outputs whose sizes differ beyond
+        ``dim`` are padded with `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
         return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The bare module's state dict (no ``module.`` prefix; a read by
-        torch's prefixed key is a KeyError that says so). With a
-        ``destination``, the module's entries are written into it."""
+        """The bare module's state dict (no ``module.`` prefix; a read by torch's prefixed key is a KeyError that says
+        so). With a ``destination``, the module's entries are written into it."""
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
         kwargs.pop("destination", None)
@@ -194,9 +187,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return pair
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
-        """torch's ``replicate``: one module per device, the first ``module``
-        itself (cached and refreshed for this wrapper's module on a leading
-        part of its devices)."""
+        """torch's ``replicate``: one module per device, the first ``module`` itself (cached and refreshed for this
+        wrapper's module on a leading part of its devices)."""
         devices = as_devices(device_ids, "device_ids")
         if module is self.module and devices and devices == self.device_ids[: len(devices)]:
             return self._replica_cache().replicas(len(devices))
@@ -336,9 +328,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self._cache
 
     def mark_parameters_changed(self) -> None:
-        """Makes the next forward copy every parameter and buffer to every
-        replica: call it after writes that bypass version counters outside an
-        optimizer step (``p.data.add_(...)``, numpy)."""
+        """Makes the next forward copy every parameter and buffer to every replica: call it after writes that bypass
+        version counters outside an optimizer step (``p.data.add_(...)``, numpy)."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
@@ -357,9 +348,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self._sync
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """DDP's ``register_comm_hook``: each gradient bucket is sent by
-        ``hook(state, bucket)``, which returns a Future of the reduced
-        gradient; torch's own hooks work. One hook, before the first backward."""
+        """DDP's ``register_comm_hook``: each gradient bucket is sent by ``hook(state, bucket)``, which returns a
+        Future of the reduced gradient; torch's own hooks work. One hook, before the first backward."""
         sync = self._require_group("register_comm_hook", "there is no gradient communication to hook")
         sync.register_comm_hook(state, hook)
 

@@ -96,7 +96,6 @@ class LossRule:
         return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
     def _counted(self, call: Call) -> list[float]:
-        assert self.loss_items is not None
         return [
             _as_weight(self.loss_items(*a, **k), f"loss_items: the count of replica {j}")
             for j, (a, k) in enumerate(zip(call.args, call.kws))

@@ -17,14 +17,10 @@ from dpcore._split import as_int, check_split
 from dpcore.parallel_apply import _module_device
 from dpcore.replicate import check_on_device, check_replica_refresh
 
-#: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
-CRITERION_REDUCTIONS = ("mean", "sum")
 #: A loss module's own ``.reduction`` -> its reduction over the batch ("none" is refused per call).
 _OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
 #: What ``model_loss=`` takes.
 MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
-#: torch's four extension points, in the order forward calls them.
-EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
 
 
 def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNamespace:
@@ -45,7 +41,6 @@ def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNames
     if o.cuda_graphs:
         check_not_compiled(module)
     _check_overrides(cls, base, o)
-    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights)
     o.model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
     reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
     o.reduction = reduction
@@ -63,8 +58,7 @@ def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNames
             f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {o.bucket_bytes}"
         )
     o.devices, o.output_device = _devices(o)
-    if o.devices:
-        check_split(o.chunk_sizes, o.weights, len(o.devices))
+    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights, len(o.devices) or None)
     o.replica_refresh = check_replica_refresh(o.replica_refresh)
     return o
 
@@ -135,7 +129,7 @@ def overrides(cls: type, base: type, name: str) -> bool:
 
 def _check_overrides(cls: type, base: type, o: SimpleNamespace) -> None:
     """Raises ValueError where an option would silently skip a method that `cls` overrides."""
-    overridden = [name for name in EXTENSION_POINTS if overrides(cls, base, name)]
+    overridden = [name for name in ("scatter", "replicate", "parallel_apply", "gather") if overrides(cls, base, name)]
     bypass = {
         "criterion=": o.criterion is not None,
         "gather=False": not o.gather,
@@ -174,7 +168,7 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
             raise TypeError(
                 f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}"
             )
-        if declared not in CRITERION_REDUCTIONS:
+        if declared not in ("mean", "sum"):
             raise ValueError(f"criterion_reduction: expected 'mean' or 'sum', but got {declared!r}")
         if criterion is None:
             raise ValueError("criterion_reduction: given without a criterion; it says how criterion= reduces its chunk")

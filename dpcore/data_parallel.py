@@ -77,34 +77,30 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     ) -> None:
         nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
         Joinable.__init__(self)
-        self.__dict__.update(_fresh_private_state(cuda_graphs=False))
         options = check_options(type(self), DataParallel, locals())  # locals(): exactly the arguments here
+        self.__dict__.update(_fresh_private_state(cuda_graphs))  # cuda_graphs=True has devices
         self.module = module
         self.device_ids: list[torch.device] = options.devices
-        self.output_device = options.output_device
-        self.dim = dim
+        self.output_device, self.dim = options.output_device, dim
         self.chunk_sizes, self.weights = options.chunk_sizes, options.weights
         self.criterion, self.criterion_reduction = criterion, criterion_reduction
         self.model_loss, self.loss_items = options.model_loss, loss_items
         self.gather_output = gather  # ``gather`` is torch's method name
-        self.bucket_bytes = options.bucket_bytes
+        self.bucket_bytes, self.replica_refresh = options.bucket_bytes, options.replica_refresh
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
-        self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
         self._image_lists = image_list_model(module)
         self._sync: GradientSync | None = None
-        if self.device_ids:
-            self.__dict__.update(_fresh_private_state(cuda_graphs))
-            if process_group is not None:
-                self._sync = GradientSync(
-                    module,
-                    self.device_ids[0],
-                    process_group,
-                    broadcast_buffers=broadcast_buffers,
-                    forward_sync_buffers=forward_sync_buffers,
-                    bucket_bytes=self.bucket_bytes,
-                    sync_batchnorm=sync_batchnorm,
-                )
+        if self.device_ids and process_group is not None:
+            self._sync = GradientSync(
+                module,
+                self.device_ids[0],
+                process_group,
+                broadcast_buffers=broadcast_buffers,
+                forward_sync_buffers=forward_sync_buffers,
+                bucket_bytes=self.bucket_bytes,
+                sync_batchnorm=sync_batchnorm,
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -139,10 +135,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         so). With a ``destination``, the module's entries are written into it."""
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
-        kwargs.pop("destination", None)
-        destination = BareStateDict()
+        kwargs["destination"] = destination = BareStateDict()
         destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        return self.module.state_dict(destination=destination, **kwargs)
+        return self.module.state_dict(**kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict, or one with torch's ``module.``

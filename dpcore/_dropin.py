@@ -22,12 +22,10 @@ if TYPE_CHECKING:
 
 #: DistributedDataParallel's attributes that dpcore's wrapper lacks (an AttributeError names the wrapper).
 DDP_ONLY = frozenset(
-    (
-        "_register_builtin_comm_hook _register_fused_optim reducer logger static_graph _set_static_graph "
-        "find_unused_parameters gradient_as_bucket_view bucket_bytes_cap broadcast_bucket_size "
-        "require_backward_grad_sync require_forward_param_sync will_sync_module_buffers _get_ddp_logging_data "
-        "_register_buffer_comm_hook mixed_precision forward_sync_buffers parameters_to_ignore"
-    ).split()
+    """_register_builtin_comm_hook _register_fused_optim reducer logger static_graph _set_static_graph
+    find_unused_parameters gradient_as_bucket_view bucket_bytes_cap broadcast_bucket_size require_backward_grad_sync
+    require_forward_param_sync will_sync_module_buffers _get_ddp_logging_data _register_buffer_comm_hook
+    mixed_precision forward_sync_buffers parameters_to_ignore""".split()
 )
 
 

@@ -170,9 +170,7 @@ class LossRule:
                 )
             mode = "sum" if passed else "items"
         out = self.output_device
-        counts: Sequence[Any] = call.sizes
-        if mode == "items" and len(call.sizes) > 1:
-            counts = self._counted(call)
+        counts = self._counted(call) if mode == "items" and len(call.sizes) > 1 else call.sizes
 
         def combine(losses: list[torch.Tensor]) -> torch.Tensor:
             parts = [loss.to(out).reshape(()) for loss in losses]

@@ -80,9 +80,7 @@ class ParallelMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dp = self.dp
-        method = Method(self.label, dp.dim, self.pad_value)
-        if self.hugging_face:
-            method = _Generated.rule(self, kwargs)
+        method = _Generated.rule(self, kwargs) if self.hugging_face else Method(self.label, dp.dim, self.pad_value)
         with dp._calls:
             return dp._forward(args, kwargs, operator.attrgetter(self.name), method)[0]  # each replica's own
 

@@ -42,12 +42,11 @@ def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNames
         check_not_compiled(module)
     _check_overrides(cls, base, o)
     o.model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
-    reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
-    o.reduction = reduction
+    o.reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
     if criterion is not None and loss_items is not None:
-        if reduction != "mean":
+        if o.reduction != "mean":
             raise ValueError(
-                f"loss_items: with criterion=, only for a mean criterion (its reduction is {reduction!r}): "
+                f"loss_items: with criterion=, only for a mean criterion (its reduction is {o.reduction!r}): "
                 f"it counts the items each replica's loss averages over"
             )
         if o.process_group is not None:
@@ -130,12 +129,8 @@ def overrides(cls: type, base: type, name: str) -> bool:
 def _check_overrides(cls: type, base: type, o: SimpleNamespace) -> None:
     """Raises ValueError where an option would silently skip a method that `cls` overrides."""
     overridden = [name for name in ("scatter", "replicate", "parallel_apply", "gather") if overrides(cls, base, name)]
-    bypass = {
-        "criterion=": o.criterion is not None,
-        "gather=False": not o.gather,
-        "model_loss=": o.model_loss is not None,
-    }
-    bypasses_gather = next((k for k, on in bypass.items() if on), None)
+    on = {"criterion=": o.criterion is not None, "gather=False": not o.gather, "model_loss=": o.model_loss is not None}
+    bypasses_gather = next((option for option, given in on.items() if given), None)
     if bypasses_gather is not None and "gather" in overridden:
         raise ValueError(
             f"{cls.__name__} overrides gather, but {bypasses_gather} returns a loss or the per-replica "

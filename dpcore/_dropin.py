@@ -4,6 +4,7 @@ and :func:`functional_call`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -68,10 +69,8 @@ class _BoundForward:
     def __signature__(self) -> inspect.Signature:
         dp = self.__self__
         if getattr(dp, "criterion", None) is None:
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 return inspect.signature(dp.module.forward)
-            except (TypeError, ValueError):
-                pass
         return inspect.signature(functools.partial(self.__func__, dp))
 
     @property

@@ -53,11 +53,7 @@ class LossRule:
         criterion = self.criterion
         if criterion is None or method is not None:
             return module
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return criterion(module(*args[:-1], **kwargs), args[-1])
-
-        return call
+        return lambda *args, **kwargs: criterion(module(*args[:-1], **kwargs), args[-1])
 
     def combine(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
         """What the call returns from the replicas' `outputs`; `gather` joins

@@ -30,8 +30,7 @@ STEP_FIELDS = tuple(
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A method call's rule (in its :class:`Call`): `align` the replicas'
-    results, pad them with `pad_value` beyond `dim`, then gather."""
+    """A method call's rule (in its :class:`Call`): `align` the results, pad beyond `dim` with `pad_value`, gather."""
 
     label: str
     dim: int
@@ -124,13 +123,10 @@ class _Generated:
         criteria = kwargs.get("stopping_criteria") or ()
         if beams > 1:  # transformers' _beam_search: its output_fill_value
             fill = -1 if eos is None else (pad or eos0)
-        elif eos is not None or any(hasattr(c, "eos_token_id") for c in criteria):
-            fill = pad  # _sample pads finished rows only under an eos criterion
-        else:
-            fill = None
+        else:  # _sample pads finished rows only under an eos criterion
+            fill = pad if eos is not None or any(hasattr(c, "eos_token_id") for c in criteria) else None
         value = math.nan if parallel.pad_value is None else parallel.pad_value
-        align = cls(parallel.label, fill, beams, value).align
-        return Method(parallel.label, 0, value, align)
+        return Method(parallel.label, 0, value, cls(parallel.label, fill, beams, value).align)
 
     def align(self, outputs: list[Any], call: Call) -> list[Any]:
         """`outputs` with their token ids, beam indices and steps aligned."""
@@ -155,9 +151,8 @@ class _Generated:
 
     def _tokens(self, sequences: list[torch.Tensor], path: str) -> list[torch.Tensor]:
         """Token ids right-padded to the longest with the bare model's fill."""
-        longest = max(s.size(1) for s in sequences)
-        if self.fill is None and any(s.size(1) != longest for s in sequences):
-            lengths = [s.size(1) for s in sequences]
+        lengths = [s.size(1) for s in sequences]
+        if self.fill is None and len(set(lengths)) > 1:
             raise ValueError(
                 f"{self.label}: {path} has {lengths} tokens on the replicas: some stopped before others, and this "
                 f"model gives no token to pad their rows with as it pads finished rows (without an eos_token_id it "

@@ -1,6 +1,5 @@
-"""dpcore: single-process, multi-device data parallelism for PyTorch, a thin
-Python front end over a C++ core (dpcore._C). Device lists hold CUDA or CPU
-devices, repeats allowed: ``dpcore.DataParallel(model, ["cpu"] * 4)``."""
+"""dpcore: single-process, multi-device data parallelism for PyTorch, a thin Python front end over a C++ core
+(dpcore._C). Device lists hold CUDA or CPU devices, repeats allowed: ``dpcore.DataParallel(model, ["cpu"] * 4)``."""
 
 from dpcore import comm
 from dpcore._loader import _C as _C

@@ -1,10 +1,10 @@
-"""The shims that make dpcore's wrapper stand where torch.nn.DataParallel
-stood: the signed ``forward``, the bare-key state dict, DDP-only attribute
-errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by
-torch's rules, and :func:`functional_call`."""
+"""The shims that make dpcore's wrapper stand where torch.nn.DataParallel stood: the signed ``forward``, the bare-key
+state dict, DDP-only attribute errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by torch's rules,
+and :func:`functional_call`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -21,31 +21,18 @@ from dpcore._pytree import flatten
 if TYPE_CHECKING:
     from dpcore.data_parallel import DataParallel
 
-#: Attributes of torch's DistributedDataParallel that dpcore's wrapper lacks:
-#: where its module lacks them too, the AttributeError names the wrapper.
+#: DistributedDataParallel's attributes that dpcore's wrapper lacks (an AttributeError names the wrapper).
 DDP_ONLY = frozenset(
-    (
-        "_register_builtin_comm_hook _register_fused_optim reducer logger static_graph _set_static_graph "
-        "find_unused_parameters gradient_as_bucket_view bucket_bytes_cap broadcast_bucket_size "
-        "require_backward_grad_sync require_forward_param_sync will_sync_module_buffers _get_ddp_logging_data "
-        "_register_buffer_comm_hook mixed_precision forward_sync_buffers parameters_to_ignore"
-    ).split()
+    """_register_builtin_comm_hook _register_fused_optim reducer logger static_graph _set_static_graph
+    find_unused_parameters gradient_as_bucket_view bucket_bytes_cap broadcast_bucket_size require_backward_grad_sync
+    require_forward_param_sync will_sync_module_buffers _get_ddp_logging_data _register_buffer_comm_hook
+    mixed_precision forward_sync_buffers parameters_to_ignore""".split()
 )
 
 
-def ddp_only_error(name: str, module: nn.Module) -> AttributeError:
-    """The error for a DDP-only attribute `name` that `module` lacks too."""
-    return AttributeError(
-        f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a {type(module).__name__}): it is an "
-        f"attribute of torch.nn.parallel.DistributedDataParallel that dpcore's hybrid mode (process_group=) "
-        f"does not provide"
-    )
-
-
 class NominalMeta(type(Joinable)):  # type: ignore[misc]
-    """ABCMeta (the wrapper is a Joinable) with plain nominal isinstance and
-    issubclass: ABCMeta would ask the subclasses, among them patch_torch's
-    stand-in, which accepts torch's own wrappers."""
+    """ABCMeta (the wrapper is a Joinable) with nominal isinstance and issubclass: ABCMeta would ask the
+    subclasses, among them patch_torch's stand-in, which accepts torch's own wrappers."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return type.__instancecheck__(cls, obj)
@@ -82,10 +69,8 @@ class _BoundForward:
     def __signature__(self) -> inspect.Signature:
         dp = self.__self__
         if getattr(dp, "criterion", None) is None:
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 return inspect.signature(dp.module.forward)
-            except (TypeError, ValueError):
-                pass
         return inspect.signature(functools.partial(self.__func__, dp))
 
     @property
@@ -117,9 +102,8 @@ def strip_module_prefix(state_dict: Any, module: nn.Module) -> Any:
 
 
 class BareStateDict(OrderedDict):  # type: ignore[type-arg]
-    """A DataParallel's state dict: the bare module's keys; a read by torch's
-    ``module.`` key is a KeyError naming the rule. Pickles as a plain
-    OrderedDict with its ``_metadata`` (a checkpoint never needs dpcore)."""
+    """A DataParallel's state dict: the bare module's keys (a read by torch's ``module.`` key is a KeyError
+    naming the rule); pickles as a plain OrderedDict with its ``_metadata`` (a checkpoint never needs dpcore)."""
 
     def __missing__(self, key: Any) -> Any:
         if isinstance(key, str) and key.startswith("module.") and dict.__contains__(self, key[len("module.") :]):
@@ -136,9 +120,8 @@ class BareStateDict(OrderedDict):  # type: ignore[type-arg]
 
 
 def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[Any], list[int]]:
-    """(args, kwargs, rows) per replica from the pair an overridden
-    ``scatter`` returned, read as torch reads it: replicas on the first
-    devices; rows: the size along `dim` of the first tensor of each."""
+    """(args, kwargs, rows) per replica from the pair an overridden ``scatter`` returned, read as torch reads
+    it: replicas on the first devices; rows: each one's first tensor's size along `dim` (0 where it has none)."""
     if not isinstance(result, Sequence) or len(result) != 2:
         raise TypeError(
             f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
@@ -156,15 +139,8 @@ def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[
         )
     if len(args) > device_count:
         raise ValueError(f"scatter: returned {len(args)} replicas' arguments for {device_count} device(s)")
-    return args, kws, [_rows((a, k), dim) for a, k in zip(args, kws)]
-
-
-def _rows(tree: Any, dim: int) -> int:
-    """The size along `dim` of the first tensor in `tree` (0 where none has that dimension)."""
-    tensors, _ = flatten(tree)
-    if not tensors or not -tensors[0].dim() <= dim < tensors[0].dim():
-        return 0
-    return int(tensors[0].size(dim))
+    firsts = [next(iter(flatten((a, k))[0]), None) for a, k in zip(args, kws)]
+    return args, kws, [int(t.size(dim)) if t is not None and -t.dim() <= dim < t.dim() else 0 for t in firsts]
 
 
 def functional_call(
@@ -176,11 +152,9 @@ def functional_call(
     tie_weights: bool = True,
     strict: bool = False,
 ) -> Any:
-    """``torch.func.functional_call`` over a dpcore wrapper, data parallel
-    (torch refuses its DataParallel): ``dp(*args, **kwargs)`` with the
-    module's parameters and buffers replaced by the given tensors (keyed by
-    the module's names or torch's ``module.`` ones). Gradients with respect
-    to them are those of the whole batch on one device."""
+    """``torch.func.functional_call`` over a dpcore wrapper, data parallel (torch refuses its DataParallel):
+    ``dp(*args, **kwargs)`` with the module's parameters and buffers replaced by the given tensors (keyed by
+    the module's names or torch's ``module.`` ones); their gradients are the whole batch's on one device."""
     from dpcore.data_parallel import DataParallel as Wrapper  # the wrapper's module imports this one
 
     if not isinstance(dp, Wrapper):

@@ -17,10 +17,8 @@ from dpcore._split import _as_weight
 
 @dataclasses.dataclass
 class Call:
-    """One call's record, from its scatter to its result: each replica's
-    arguments, rows and device (``used``: indices into the device list), the
-    gather's ``hints``, and the rule of a call of another method than
-    forward (``method``: a :class:`dpcore._methods.Method`)."""
+    """One call's record: each replica's arguments, rows and device (``used``: indices into the device
+    list), the gather's ``hints``, and a non-forward method's rule (a :class:`dpcore._methods.Method`)."""
 
     args: list[Any]
     kws: list[Any]
@@ -40,12 +38,9 @@ class LossRule:
     """How the replicas' results of a call become what it returns."""
 
     def __init__(self, options: SimpleNamespace) -> None:
-        self.criterion = options.criterion
-        self.reduction = options.reduction
-        self.model_loss = options.model_loss
-        self.loss_items = options.loss_items
-        self.gather_output = options.gather
-        self.output_device = options.output_device
+        self.criterion, self.reduction = options.criterion, options.reduction
+        self.model_loss, self.loss_items = options.model_loss, options.loss_items
+        self.gather_output, self.output_device = options.gather, options.output_device
 
     @property
     def summed(self) -> bool:
@@ -58,11 +53,7 @@ class LossRule:
         criterion = self.criterion
         if criterion is None or method is not None:
             return module
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return criterion(module(*args[:-1], **kwargs), args[-1])
-
-        return call
+        return lambda *args, **kwargs: criterion(module(*args[:-1], **kwargs), args[-1])
 
     def combine(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
         """What the call returns from the replicas' `outputs`; `gather` joins
@@ -91,10 +82,9 @@ class LossRule:
                     f"replica {i} (on {device}) returned a loss of shape {list(loss.shape)}. Use a reducing "
                     f"criterion (reduction='mean' or 'sum'), or drop criterion= and reduce the gathered outputs"
                 )
-        total = call.rows
+        total, out = call.rows, self.output_device
         if total == 0:
             return losses[0]
-        out = self.output_device
         counts = self._criterion_counts(call)
         if counts is not None:  # a mean over counted items (loss_items, or CrossEntropyLoss's own targets)
             return _weighted_mean([loss.to(out) for loss in losses], counts)
@@ -102,17 +92,14 @@ class LossRule:
         return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
     def _counted(self, call: Call) -> list[float]:
-        assert self.loss_items is not None
         return [
             _as_weight(self.loss_items(*a, **k), f"loss_items: the count of replica {j}")
             for j, (a, k) in enumerate(zip(call.args, call.kws))
         ]
 
     def _criterion_counts(self, call: Call) -> list[Any] | None:
-        """How many items each replica's mean criterion averages over, where
-        not its rows: ``loss_items``, or for torch's CrossEntropyLoss and
-        NLLLoss with class-index targets, their weighted valid targets (on the
-        devices); else None."""
+        """How many items each replica's mean criterion averages over where not its rows: ``loss_items``, or
+        CrossEntropyLoss's and NLLLoss's weighted valid class-index targets (on the devices); else None."""
         if self.loss_items is not None:
             return self._counted(call)
         if not self.summed and isinstance(call.args[0][-1], PackedSequence):
@@ -123,10 +110,8 @@ class LossRule:
                 f"args[-1].data.size(0) for a mean over packed rows, lambda *args: args[-1].batch_sizes[0] for "
                 f"one over sequences), or use a summed criterion (criterion_reduction='sum')"
             )
-        if self.reduction != "mean":
-            return None
         criterion = self.criterion
-        if not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        if self.reduction != "mean" or not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
             return None
         targets = [a[-1] for a in call.args]
         if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() for t in targets):
@@ -181,24 +166,17 @@ class LossRule:
                 )
             mode = "sum" if passed else "items"
         out = self.output_device
-        counts: Sequence[Any] = call.sizes
-        if mode == "items" and len(call.sizes) > 1:
-            counts = self._counted(call)
+        counts = self._counted(call) if mode == "items" and len(call.sizes) > 1 else call.sizes
 
         def combine(losses: list[torch.Tensor]) -> torch.Tensor:
             parts = [loss.to(out).reshape(()) for loss in losses]
-            if len(parts) == 1:
-                return parts[0]
-            if mode == "sum":
-                return torch.stack(parts).sum()
-            return _weighted_mean(parts, counts)
+            return torch.stack(parts).sum() if mode == "sum" and len(parts) > 1 else _weighted_mean(parts, counts)
 
         return combine
 
 
 def _is_loss_dict(output: Any) -> bool:
-    """Whether `output` is a loss dict (torchvision's detection models in
-    training): a non-empty Mapping of one-element tensors without "loss"."""
+    """Whether `output` is a non-empty Mapping of one-element tensors without "loss" (torchvision's detection)."""
     return (
         isinstance(output, Mapping)
         and bool(output)
@@ -208,9 +186,8 @@ def _is_loss_dict(output: Any) -> bool:
 
 
 def _loss_of(output: Any, replica: int, device: torch.device, samples: bool) -> Any:
-    """The loss in one replica's output: a tensor itself, a Mapping's
-    "loss", a dataclass's or namedtuple's ``loss``, else a sequence's entry
-    0; None where a Mapping has none, and for a list in a Samples call."""
+    """The loss in one replica's output: a tensor itself, a Mapping's "loss", a dataclass's or namedtuple's ``loss``,
+    else a sequence's entry 0; None where a Mapping has none, and for a list in a Samples call."""
     where = f"replica {replica} (on {device})"
     if isinstance(output, torch.Tensor):
         return output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import operator
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from dpcore import _pytree as pt
+from dpcore._gather import _WRAPPABLE, _reraise
 from dpcore._loss import Call
 
 if TYPE_CHECKING:
@@ -24,14 +26,11 @@ PARALLEL_BY_NAME = frozenset({"generate"})
 STEP_FIELDS = tuple(
     "scores logits attentions hidden_states decoder_attentions cross_attentions decoder_hidden_states".split()
 )
-_WRAPPABLE = (RuntimeError, ValueError, IndexError, TypeError)
-_WALKED = (pt.NODE, pt.MAPPING, pt.ITERABLE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A method call's rule (in its :class:`Call`): `align` the replicas'
-    results, pad them with `pad_value` beyond `dim`, then gather."""
+    """A method call's rule (in its :class:`Call`): `align` the results, pad beyond `dim` with `pad_value`, gather."""
 
     label: str
     dim: int
@@ -46,9 +45,7 @@ class Method:
         try:
             return gather(outputs)
         except _WRAPPABLE as e:
-            if type(e) not in _WRAPPABLE:
-                raise
-            raise type(e)(f"{self.label}: the replicas' results cannot be gathered: {e}") from e
+            _reraise(e, f"{self.label}: the replicas' results cannot be gathered: ")
 
 
 class ParallelMethod:
@@ -69,7 +66,8 @@ class ParallelMethod:
             raise AttributeError(
                 f"parallel({name!r}): the module, a {type(module).__name__}, has no method {name!r}"
             ) from None
-        if not isinstance(target, nn.Module) and not _bound_to(target, module):
+        owner = getattr(target, "__self__", None) if inspect.ismethod(target) else None
+        if not isinstance(target, nn.Module) and not any(owner is m for m in module.modules()):
             raise TypeError(
                 f"parallel({name!r}): {type(module).__name__}.{name} is a {type(target).__name__}, not a method of "
                 f"the module (nor a submodule): each replica must run its own, so define it as a method of the "
@@ -81,31 +79,18 @@ class ParallelMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dp = self.dp
-        method = Method(self.label, dp.dim, self.pad_value)
-        if self.hugging_face:
-            method = _Generated.rule(self, kwargs)
+        method = _Generated.rule(self, kwargs) if self.hugging_face else Method(self.label, dp.dim, self.pad_value)
         with dp._calls:
-            return dp._forward(args, kwargs, self._of, method)[0]
-
-    def _of(self, replica: nn.Module) -> Callable[..., Any]:
-        """What runs in place of `replica`: its own method."""
-        return getattr(replica, self.name)
+            return dp._forward(args, kwargs, operator.attrgetter(self.name), method)[0]  # each replica's own
 
     def __repr__(self) -> str:
         return f"<{self.label} over {len(self.dp.device_ids)} device(s)>"
 
 
-def _bound_to(target: Any, module: nn.Module) -> bool:
-    """Whether `target` is a method bound to `module` or one of its submodules."""
-    owner = getattr(target, "__self__", None) if inspect.ismethod(target) else None
-    return owner is module or (isinstance(owner, nn.Module) and any(owner is m for m in module.modules()))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Generated:
-    """transformers' ``generate``: the replicas' outputs aligned as the bare
-    model returns them for the whole batch (`fill`: its pad of finished
-    rows, None where it keeps generating; `beams` per row; `pad`: missing steps)."""
+    """transformers' ``generate``: the replicas' outputs aligned as the bare model returns them for the whole batch
+    (`fill`: its pad of finished rows, None where it keeps generating; `beams` per row; `pad`: missing steps)."""
 
     label: str
     fill: int | None
@@ -138,13 +123,10 @@ class _Generated:
         criteria = kwargs.get("stopping_criteria") or ()
         if beams > 1:  # transformers' _beam_search: its output_fill_value
             fill = -1 if eos is None else (pad or eos0)
-        elif eos is not None or any(hasattr(c, "eos_token_id") for c in criteria):
-            fill = pad  # _sample pads finished rows only under an eos criterion
-        else:
-            fill = None
+        else:  # _sample pads finished rows only under an eos criterion
+            fill = pad if eos is not None or any(hasattr(c, "eos_token_id") for c in criteria) else None
         value = math.nan if parallel.pad_value is None else parallel.pad_value
-        align = cls(parallel.label, fill, beams, value).align
-        return Method(parallel.label, 0, value, align)
+        return Method(parallel.label, 0, value, cls(parallel.label, fill, beams, value).align)
 
     def align(self, outputs: list[Any], call: Call) -> list[Any]:
         """`outputs` with their token ids, beam indices and steps aligned."""
@@ -158,7 +140,7 @@ class _Generated:
         if all(isinstance(o.get("beam_indices"), torch.Tensor) for o in outputs):
             starts = [sum(call.sizes[:j]) * self.beams for j in range(len(outputs))]
             moved = [torch.where(o["beam_indices"] >= 0, o["beam_indices"] + s, -1) for o, s in zip(outputs, starts)]
-            for f, padded in zip(fields, _pad_dim1(moved, -1)):
+            for f, padded in zip(fields, _padded_tensors(moved, 0, -1, self.label, "output['beam_indices']")):
                 f["beam_indices"] = padded
         for name in STEP_FIELDS:
             steps = [o.get(name) for o in outputs]
@@ -169,16 +151,15 @@ class _Generated:
 
     def _tokens(self, sequences: list[torch.Tensor], path: str) -> list[torch.Tensor]:
         """Token ids right-padded to the longest with the bare model's fill."""
-        longest = max(s.size(1) for s in sequences)
-        if self.fill is None and any(s.size(1) != longest for s in sequences):
-            lengths = [s.size(1) for s in sequences]
+        lengths = [s.size(1) for s in sequences]
+        if self.fill is None and len(set(lengths)) > 1:
             raise ValueError(
                 f"{self.label}: {path} has {lengths} tokens on the replicas: some stopped before others, and this "
                 f"model gives no token to pad their rows with as it pads finished rows (without an eos_token_id it "
                 f"keeps generating for them); set model.generation_config.eos_token_id (and pad_token_id), or pass "
                 f"eos_token_id= and pad_token_id= to generate"
             )
-        return _pad_dim1(sequences, self.fill)
+        return _padded_tensors(sequences, 0, self.fill, self.label, path)
 
     def _steps(self, steps: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Per-step tuples extended to the longest one's steps, filled with `pad`."""
@@ -195,24 +176,14 @@ class _Generated:
         return out
 
 
-def _pad_dim1(tensors: list[torch.Tensor], fill: Any) -> list[torch.Tensor]:
-    """2-D tensors right-padded along dimension 1 to the longest, with `fill`."""
-    longest = max(t.size(1) for t in tensors)
-    return [
-        t if t.size(1) == longest else torch.cat([t, t.new_full((t.size(0), longest - t.size(1)), fill)], 1)
-        for t in tensors
-    ]
-
-
 def pad_outputs(values: list[Any], dim: int, pad_value: float | None, label: str, path: str = "output") -> list[Any]:
-    """The replicas' outputs `values`, each tensor that differs from another
-    replica's beyond `dim` padded at the end to the largest with `pad_value`
-    (ValueError naming the path where None); other differences are left."""
+    """The replicas' outputs `values`, each tensor that differs from another replica's beyond `dim` padded at the end
+    to the largest with `pad_value` (ValueError naming the path where None); other differences are left."""
     first = values[0]
     if all(isinstance(v, torch.Tensor) for v in values):
         return _padded_tensors(values, dim, pad_value, label, path)
     node = pt.node_of(first)
-    if node.kind not in _WALKED or any(type(v) is not type(first) for v in values):
+    if node.kind not in (pt.NODE, pt.MAPPING, pt.ITERABLE) or any(type(v) is not type(first) for v in values):
         return values
     flat = [node.flatten(v) for v in values]
     kids = [list(children) for children, _ in flat]
@@ -243,12 +214,8 @@ def _padded_tensors(values: list[torch.Tensor], dim: int, pad_value: float | Non
         )
     if not (values[0].is_floating_point() or values[0].is_complex()) and not float(pad_value).is_integer():
         raise ValueError(f"{label}: pad_value={pad_value!r} cannot pad {path}, a {values[0].dtype} tensor")
-    out = []
-    for v in values:
-        if all(v.size(i) == target[i] for i in range(rank) if i != batch):
-            out.append(v)
-            continue
-        full = v.new_full([v.size(i) if i == batch else target[i] for i in range(rank)], pad_value)
-        full[tuple(slice(0, n) for n in v.shape)] = v
-        out.append(full)
+    out = list(values)
+    for j in ragged:
+        out[j] = values[j].new_full([values[j].size(i) if i == batch else target[i] for i in range(rank)], pad_value)
+        out[j][tuple(slice(0, n) for n in values[j].shape)] = values[j]
     return out

@@ -1,6 +1,5 @@
-"""DataParallel's options and every rule that ties them together, checked
-once at construction (:func:`check_options`); errors name the option (and,
-for lists, the index and the value)."""
+"""DataParallel's options and every rule that ties them together, checked once at construction
+(:func:`check_options`); errors name the option (and, for lists, the index and the value)."""
 
 from __future__ import annotations
 
@@ -18,21 +17,15 @@ from dpcore._split import as_int, check_split
 from dpcore.parallel_apply import _module_device
 from dpcore.replicate import check_on_device, check_replica_refresh
 
-#: What ``criterion_reduction=`` takes: how the criterion reduces its chunk.
-CRITERION_REDUCTIONS = ("mean", "sum")
 #: A loss module's own ``.reduction`` -> its reduction over the batch ("none" is refused per call).
 _OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
 #: What ``model_loss=`` takes.
 MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
-#: torch's four extension points, in the order forward calls them.
-EXTENSION_POINTS = ("scatter", "replicate", "parallel_apply", "gather")
 
 
 def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNamespace:
-    """`args` (the arguments of a `cls` wrapper's ``__init__``, by name),
-    checked, as attributes, plus ``devices`` (empty where the module runs as
-    is) and ``reduction`` (how the returned loss reduces over the batch; None
-    without a loss). `base`: dpcore's class, to find overridden methods."""
+    """`args` (a `cls` wrapper's ``__init__`` arguments) checked, as attributes, plus ``devices`` (empty where
+    the module runs as is) and ``reduction`` (of the returned loss; None without one). `base`: dpcore's class."""
     o = SimpleNamespace(**{k: v for k, v in args.items() if k != "self"})
     module, criterion, loss_items = o.module, o.criterion, o.loss_items
     if not isinstance(module, nn.Module):
@@ -47,64 +40,51 @@ def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNames
         )
     if o.cuda_graphs:
         check_not_compiled(module)
-    bypass = {
-        "criterion=": criterion is not None,
-        "gather=False": not o.gather,
-        "model_loss=": o.model_loss is not None,
-    }
-    _check_overrides(cls, base, o.cuda_graphs, o.sync_batchnorm, next((k for k, on in bypass.items() if on), None))
-    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights)
+    _check_overrides(cls, base, o)
     o.model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
-    reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
+    o.reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
     if criterion is not None and loss_items is not None:
-        if reduction != "mean":
+        if o.reduction != "mean":
             raise ValueError(
-                f"loss_items: with criterion=, only for a mean criterion (its reduction is {reduction!r}): "
+                f"loss_items: with criterion=, only for a mean criterion (its reduction is {o.reduction!r}): "
                 f"it counts the items each replica's loss averages over"
             )
         if o.process_group is not None:
             raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
-    o.reduction = reduction
     o.bucket_bytes = as_int(o.bucket_bytes, "bucket_bytes")
     if o.bucket_bytes <= 0:
         raise ValueError(
             f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {o.bucket_bytes}"
         )
-    o.devices, o.output_device = _devices(module, o.device_ids, o.output_device, o.cuda_graphs, o.process_group)
-    if o.devices:
-        check_split(o.chunk_sizes, o.weights, len(o.devices))
+    o.devices, o.output_device = _devices(o)
+    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights, len(o.devices) or None)
     o.replica_refresh = check_replica_refresh(o.replica_refresh)
     return o
 
 
-def _devices(
-    module: nn.Module,
-    device_ids: Sequence[DeviceLike] | None,
-    output_device: DeviceLike | None,
-    cuda_graphs: bool,
-    process_group: Any,
-) -> tuple[list[torch.device], torch.device | None]:
+def _devices(o: SimpleNamespace) -> tuple[list[torch.device], torch.device | None]:
     """The checked devices and output device; with a process group and no
     list, the module's device (as DDP); with neither a list nor a GPU, none."""
-    if device_ids is None and process_group is not None:
-        device_ids = [_module_device(module)]
+    device_ids = o.device_ids
+    if device_ids is None and o.process_group is not None:
+        device_ids = [_module_device(o.module)]
     if device_ids is None:
         device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         if not device_ids:
-            if cuda_graphs:
+            if o.cuda_graphs:
                 raise ValueError(
                     "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
                 )
             return [], None
     devices = check_device_list(device_ids, "device_ids")
-    if cuda_graphs and devices[0].type != "cuda":
+    if o.cuda_graphs and devices[0].type != "cuda":
         raise ValueError(
             f"cuda_graphs=True needs a CUDA device list, but device_ids is {[str(d) for d in devices]}: "
             f"CUDA graphs capture CUDA work only"
         )
-    out = as_destination(output_device, "output_device") or devices[0]
+    out = as_destination(o.output_device, "output_device") or devices[0]
     check_usable(out, "output_device")
-    check_on_device(module, devices[0], "device_ids[0]")
+    check_on_device(o.module, devices[0], "device_ids[0]")
     return devices, out
 
 
@@ -146,24 +126,23 @@ def overrides(cls: type, base: type, name: str) -> bool:
     return getattr(cls, name) is not getattr(base, name)
 
 
-def _check_overrides(
-    cls: type, base: type, cuda_graphs: bool, sync_batchnorm: bool, bypasses_gather: str | None
-) -> None:
-    """Raises ValueError where an option would silently skip a method that
-    `cls` overrides; `bypasses_gather`: the option that skips gather, if given."""
-    overridden = [name for name in EXTENSION_POINTS if overrides(cls, base, name)]
+def _check_overrides(cls: type, base: type, o: SimpleNamespace) -> None:
+    """Raises ValueError where an option would silently skip a method that `cls` overrides."""
+    overridden = [name for name in ("scatter", "replicate", "parallel_apply", "gather") if overrides(cls, base, name)]
+    on = {"criterion=": o.criterion is not None, "gather=False": not o.gather, "model_loss=": o.model_loss is not None}
+    bypasses_gather = next((option for option, given in on.items() if given), None)
     if bypasses_gather is not None and "gather" in overridden:
         raise ValueError(
             f"{cls.__name__} overrides gather, but {bypasses_gather} returns a loss or the per-replica "
             f"outputs without calling gather, so the override would never run: drop {bypasses_gather} or the override"
         )
     skipped = [name for name in overridden if name in ("replicate", "parallel_apply")]
-    if cuda_graphs and skipped:
+    if o.cuda_graphs and skipped:
         raise ValueError(
             f"cuda_graphs=True replays captured replicas and calls neither replicate nor parallel_apply, "
             f"but {cls.__name__} overrides {' and '.join(skipped)}: drop cuda_graphs=True or the override"
         )
-    if sync_batchnorm and "parallel_apply" in overridden:
+    if o.sync_batchnorm and "parallel_apply" in overridden:
         raise ValueError(
             f"sync_batchnorm=True runs the replicas itself, all at once, since they wait for each other, but "
             f"{cls.__name__} overrides parallel_apply: drop sync_batchnorm=True or the override"
@@ -173,8 +152,7 @@ def _check_overrides(
 def _describe(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"functools.partial({_describe(fn.func)}, ...)"
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return f"{name!r}"
+    return repr(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
 def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) -> str | None:
@@ -185,7 +163,7 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
             raise TypeError(
                 f"criterion_reduction: expected 'mean' or 'sum', but got {type(declared).__name__} {declared!r}"
             )
-        if declared not in CRITERION_REDUCTIONS:
+        if declared not in ("mean", "sum"):
             raise ValueError(f"criterion_reduction: expected 'mean' or 'sum', but got {declared!r}")
         if criterion is None:
             raise ValueError("criterion_reduction: given without a criterion; it says how criterion= reduces its chunk")
@@ -194,10 +172,9 @@ def _criterion_reduction(criterion: Callable[..., Any] | None, declared: Any) ->
     if not callable(criterion):
         raise TypeError(f"criterion: expected a callable loss_fn(output, target), but got {type(criterion).__name__}")
     own = getattr(criterion, "reduction", None)
-    if own is not None and not isinstance(own, str):
-        own = None  # not torch's convention: the user declares it
+    own = own if isinstance(own, str) else None  # else not torch's convention: the user declares it
     if declared is not None:
-        if own is not None and own in _OWN_REDUCTIONS and _OWN_REDUCTIONS[own] != declared:
+        if _OWN_REDUCTIONS.get(own, declared) != declared:
             raise ValueError(f"criterion_reduction={declared!r} disagrees with the criterion's own reduction={own!r}")
         return declared
     if own is not None and own not in _OWN_REDUCTIONS:

@@ -42,8 +42,6 @@ def track(owner: object, tensors: Iterable[torch.Tensor]) -> None:
 
 
 def _untrack(ids: list[int]) -> None:
+    global _tracked
     with _lock:
-        _tracked.subtract(ids)
-        for i in ids:
-            if _tracked[i] <= 0:
-                del _tracked[i]
+        _tracked -= collections.Counter(ids)  # keeps the positive counts only

@@ -1,22 +1,22 @@
-"""dpcore.DataParallel: torch.nn.DataParallel over cached replicas, a C++ worker
-pool and CPU device lists. One pipeline through torch's four extension points:
-``scatter`` (the call's record), ``replicate``, ``parallel_apply``, and the loss
-rule's combine through ``gather`` (docs/design.md, "Semantics")."""
+"""dpcore.DataParallel: torch.nn.DataParallel over cached replicas, a C++ worker pool and CPU device lists. One
+pipeline through torch's four extension points: ``scatter`` (the call's record), ``replicate``, ``parallel_apply``,
+and the loss rule's combine through ``gather`` (docs/design.md, "Semantics")."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_devices
-from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, ddp_only_error, has_module_prefix
-from dpcore._dropin import split_of, strip_module_prefix
+from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, has_module_prefix, split_of
+from dpcore._dropin import strip_module_prefix
+from dpcore._graphs import GraphRunner
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
 from dpcore._options import check_not_compiled, check_options, overrides
@@ -28,10 +28,7 @@ from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
 from dpcore.replicate import replicate as replicate_module
 from dpcore.scatter_gather import NO_HINTS, Scattered, check_image_lists, gather_with_hints, image_list_model
 from dpcore.scatter_gather import scatter_with_hints
-from dpcore.sync_batchnorm import AcrossProcesses, needs_sync, synchronized_apply
-
-if TYPE_CHECKING:
-    from dpcore._graphs import GraphRunner
+from dpcore.sync_batchnorm import needs_sync, synchronized_apply
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -42,29 +39,18 @@ _LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_outpu
 
 
 class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
-    """Runs ``module`` on several devices in one process: the batch is split
-    along ``dim``, each device runs a replica on its chunk, and the results
-    are combined on ``output_device``. A drop-in for torch.nn.DataParallel
-    and an instance of it. The options are in the README's table; the pages
-    of docs/ give their rules.
+    """Runs ``module`` on several devices in one process: the batch is split along ``dim``, each device runs a
+    replica on its chunk, and the results are combined on ``output_device``. A drop-in for torch.nn.DataParallel
+    and an instance of it; options and their rules: docs/. ``forward`` calls ``scatter``, ``replicate``,
+    ``parallel_apply`` and ``gather`` with torch's signatures, so a subclass written for torch's wrapper works
+    unchanged (an option that would skip an override is an error).
 
-    ``forward`` calls ``scatter``, ``replicate``, ``parallel_apply`` and
-    ``gather`` with torch's signatures, so a subclass written for torch's
-    wrapper works unchanged; where none is overridden, dpcore's fast paths
-    run. An overridden ``scatter`` returns ``(inputs, kwargs)``, one entry
-    per replica on the first devices. Options that would silently skip an
-    override are errors.
-
-    Guarantees: outputs and parameter gradients equal the single-device ones
-    (up to floating-point summation order); a parameter no replica used
-    keeps ``.grad`` None; tensors whose batch sizes disagree raise
-    ValueError naming both; the first replica is ``module`` itself. Calls
-    from several threads are serialized; after Ctrl-C reaches the caller,
-    nothing this wrapper started still touches the module.
+    Guarantees: outputs and gradients equal the single-device ones (up to summation order); a parameter no
+    replica used keeps ``.grad`` None; the first replica is ``module`` itself; calls from several threads are
+    serialized; after Ctrl-C reaches the caller, nothing this wrapper started still touches the module.
     """
 
-    # Per-instance state that a replica of this wrapper and a pickle never
-    # share (ReplicaSet reads this name); made by _fresh_private_state.
+    # Per-instance state a replica of this wrapper and a pickle never share (ReplicaSet reads this name).
     _replica_private_attrs = ("_cache", "_calls", "_graphs")
 
     def __init__(
@@ -91,34 +77,30 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     ) -> None:
         nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
         Joinable.__init__(self)
-        self.__dict__.update(_fresh_private_state(cuda_graphs=False))
         options = check_options(type(self), DataParallel, locals())  # locals(): exactly the arguments here
+        self.__dict__.update(_fresh_private_state(cuda_graphs))  # cuda_graphs=True has devices
         self.module = module
         self.device_ids: list[torch.device] = options.devices
-        self.output_device = options.output_device
-        self.dim = dim
+        self.output_device, self.dim = options.output_device, dim
         self.chunk_sizes, self.weights = options.chunk_sizes, options.weights
         self.criterion, self.criterion_reduction = criterion, criterion_reduction
         self.model_loss, self.loss_items = options.model_loss, loss_items
         self.gather_output = gather  # ``gather`` is torch's method name
-        self.bucket_bytes = options.bucket_bytes
+        self.bucket_bytes, self.replica_refresh = options.bucket_bytes, options.replica_refresh
         self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
-        self.replica_refresh = options.replica_refresh
         self._loss = LossRule(options)
         self._image_lists = image_list_model(module)
         self._sync: GradientSync | None = None
-        if self.device_ids:
-            self.__dict__.update(_fresh_private_state(cuda_graphs))
-            if process_group is not None:
-                self._sync = GradientSync(
-                    module,
-                    self.device_ids[0],
-                    process_group,
-                    broadcast_buffers=broadcast_buffers,
-                    forward_sync_buffers=forward_sync_buffers,
-                    bucket_bytes=self.bucket_bytes,
-                    sync_batchnorm=sync_batchnorm,
-                )
+        if self.device_ids and process_group is not None:
+            self._sync = GradientSync(
+                module,
+                self.device_ids[0],
+                process_group,
+                broadcast_buffers=broadcast_buffers,
+                forward_sync_buffers=forward_sync_buffers,
+                bucket_bytes=self.bucket_bytes,
+                sync_batchnorm=sync_batchnorm,
+            )
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -136,25 +118,26 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             except AttributeError:
                 if name not in DDP_ONLY:
                     raise
-                raise ddp_only_error(name, self.module) from None
+                raise AttributeError(
+                    f"dpcore.DataParallel has no attribute {name!r} (nor has its module, a "
+                    f"{type(self.module).__name__}): it is an attribute of torch.nn.parallel.DistributedDataParallel "
+                    f"that dpcore's hybrid mode (process_group=) does not provide"
+                ) from None
             return self.parallel(name) if name in PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
-        """The module's method `name`, run data parallel as forward (no loss
-        rule); outputs whose sizes differ beyond ``dim`` are padded with
-        `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
+        """The module's method `name`, run data parallel as forward (no loss rule); outputs whose sizes differ beyond
+        ``dim`` are padded with `pad_value`. ``dp.generate`` is one (docs/generate.md)."""
         return ParallelMethod(self, name, pad_value)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The bare module's state dict (no ``module.`` prefix; a read by
-        torch's prefixed key is a KeyError that says so). With a
-        ``destination``, the module's entries are written into it."""
+        """The bare module's state dict (no ``module.`` prefix; a read by torch's prefixed key is a KeyError that says
+        so). With a ``destination``, the module's entries are written into it."""
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
-        kwargs.pop("destination", None)
-        destination = BareStateDict()
+        kwargs["destination"] = destination = BareStateDict()
         destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        return self.module.state_dict(destination=destination, **kwargs)
+        return self.module.state_dict(**kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict, or one with torch's ``module.``
@@ -165,8 +148,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return result
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # As a submodule: our entries were saved without "module.", but the
-        # loader descends into self.module with prefix + "module.".
+        # As a submodule: saved without "module.", loaded through self.module with prefix + "module.".
         keys = [k for k in state_dict if k.startswith(prefix)]
         if keys and not has_module_prefix([k[len(prefix) :] for k in keys], self.module):
             for k in keys:
@@ -200,9 +182,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return pair
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
-        """torch's ``replicate``: one module per device, the first ``module``
-        itself (cached and refreshed for this wrapper's module on a leading
-        part of its devices)."""
+        """torch's ``replicate``: one module per device, the first ``module`` itself (cached and refreshed for this
+        wrapper's module on a leading part of its devices)."""
         devices = as_devices(device_ids, "device_ids")
         if module is self.module and devices and devices == self.device_ids[: len(devices)]:
             return self._replica_cache().replicas(len(devices))
@@ -238,11 +219,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     forward = SignedForward(forward)  # type: ignore[assignment]
 
     def _forward(
-        self,
-        inputs: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        through: Callable[[Any], Any] | None = None,
-        method: Method | None = None,
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], through: Any = None, method: Method | None = None
     ) -> tuple[Any, int]:
         """The call's result and this process's rows. `through(replica)` runs
         in place of each replica, eagerly; a `method` call has no loss rule."""
@@ -300,7 +277,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             self._check_per("replicate", "replica per device", replicas, count)
         modules = [replicas[i] for i in call.used]
         calls = _PerCall([make_call(m) for m in modules], call)
-        across = self._batchnorm_across(call.rows)
+        across = None if self._sync is None else self._sync.batchnorm_across(call.rows, self._loss.summed)
         if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
             return synchronized_apply(
                 modules, calls, call.args, call.kws, call.devices, run=self._parallel_apply, across=across
@@ -345,17 +322,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 self._sync.check_structure()
         return self._cache
 
-    def _batchnorm_across(self, rows: int) -> AcrossProcesses | None:
-        """Synchronized BatchNorm's link to the other processes (hybrid mode with ``sync_batchnorm``), else None."""
-        if self._sync is None or not self.sync_batchnorm:
-            return None
-        return self._sync.batchnorm_across(rows, self._loss.summed)
-
     def mark_parameters_changed(self) -> None:
-        """Makes the next forward copy every parameter and buffer to every
-        replica: call it after writes that bypass version counters outside
-        an optimizer step (``p.data.add_(...)``, numpy); without it such a
-        write is found at the checks of ``replica_refresh="auto"``, with a warning."""
+        """Makes the next forward copy every parameter and buffer to every replica: call it after writes that bypass
+        version counters outside an optimizer step (``p.data.add_(...)``, numpy)."""
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
@@ -374,12 +343,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self._sync
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """DDP's ``register_comm_hook``: each gradient bucket is sent by
-        ``hook(state, bucket)``, which returns a Future of the reduced
-        gradient; torch's own hooks work. One hook, before the first backward."""
-        self._require_group("register_comm_hook", "there is no gradient communication to hook").register_comm_hook(
-            state, hook
-        )
+        """DDP's ``register_comm_hook``: each gradient bucket is sent by ``hook(state, bucket)``, which returns a
+        Future of the reduced gradient; torch's own hooks work. One hook, before the first backward."""
+        sync = self._require_group("register_comm_hook", "there is no gradient communication to hook")
+        sync.register_comm_hook(state, hook)
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """DDP's ``join_hook``: lets ranks that ran out of inputs shadow the
@@ -415,13 +382,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's ``no_sync``: backward passes of forwards run inside
-        accumulate ``.grad`` in this process only. Without a process group:
-        nothing to skip."""
-        if self._sync is None:
+        accumulate ``.grad`` in this process only (without a process group, always)."""
+        with contextlib.nullcontext() if self._sync is None else self._sync.no_sync():
             yield
-        else:
-            with self._sync.no_sync():
-                yield
 
 
 class _ScatteredPair(tuple):  # type: ignore[type-arg]
@@ -431,8 +394,7 @@ class _ScatteredPair(tuple):  # type: ignore[type-arg]
 
 
 class _PerCall(list):  # type: ignore[type-arg]
-    """One entry per replica, with the call's record as ``.call`` (for
-    torch's ``parallel_apply`` and ``gather``, whose signatures have no place for it)."""
+    """One entry per replica, with the call's record as ``.call`` (torch's signatures have no place for it)."""
 
     def __init__(self, items: Sequence[Any], call: Call) -> None:
         super().__init__(items)
@@ -441,12 +403,7 @@ class _PerCall(list):  # type: ignore[type-arg]
 
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
     """New values of DataParallel._replica_private_attrs."""
-    graphs: GraphRunner | None = None
-    if cuda_graphs:
-        from dpcore._graphs import GraphRunner
-
-        graphs = GraphRunner()
-    return {"_cache": None, "_calls": CallGuard(), "_graphs": graphs}
+    return {"_cache": None, "_calls": CallGuard(), "_graphs": GraphRunner() if cuda_graphs else None}
 
 
 def data_parallel(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from dpcore._devices import DeviceLike, as_devices
+from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, has_module_prefix, split_of
 from dpcore._dropin import strip_module_prefix
 from dpcore._graphs import GraphRunner
@@ -175,7 +175,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]) -> Any:
         """torch's ``scatter``: ``(inputs, kwargs)``, each replica's arguments
         split along ``dim`` by dpcore's rules; ``.call`` is the call's record."""
-        scattered, hints = scatter_with_hints(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights)
+        scattered, hints = scatter_with_hints(
+            inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights, lone_as_is=True
+        )
         devices, used = as_devices(device_ids, "device_ids"), scattered.device_indices
         pair = _ScatteredPair((scattered.args, scattered.kwargs))
         pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
@@ -298,6 +300,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def _gather(self, outputs: list[Any], call: Call) -> Any:
         if len(self.device_ids) == 1 and self._overrides("gather"):  # torch's wrapper does not gather then
             return outputs[0]
+        out = outputs[0] if len(outputs) == 1 else None
+        if type(out) is torch.Tensor and out.dim() > 0 and self._graphs is None and not call.hints.rows:
+            if normalize_device(out.device) == self.output_device and not self._overrides("gather"):
+                return out  # a lone replica's tensor where it belongs: as is, as from the bare module
         return self.gather(_PerCall(outputs, call), self.output_device)
 
     def _parallel_apply(

@@ -80,9 +80,11 @@ def _split_trees(
     chunk_sizes: Sequence[int] | None,
     weights: Sequence[float] | None,
     without_tensors: list[int],
+    lone_as_is: bool = False,
 ) -> tuple[list[list[Any]], list[int], list[int], GatherHints]:
     """Per (tree, path) of `trees` its value per replica (each tree flattened once), the replicas' sizes
-    and device indices (`without_tensors` where no tensor is split), and the hints for the gather."""
+    and device indices (`without_tensors` where no tensor is split), and the hints for the gather. With
+    `lone_as_is`, a tensor a lone replica takes whole on its own device is passed as is, not as a view."""
     flats = [pt.flatten_marked(tree) for tree, _ in trees]
     leaves: list[tuple[Any, torch.Tensor]] = []  # (path, tensor) of the tensors to split along dim
     units: list[tuple[Any, int, str]] = []  # (path, count, noun) of the inputs split between samples
@@ -144,7 +146,10 @@ def _split_trees(
                 size = t.size(dim)
                 if size != plan.batch and size != count:  # rule 3b: one row per device, fewer replicas
                     t = check_repeated_rows(t, dim, count, next((p for p, leaf in leaves if leaf is t), "a tensor"))
-                parts = apply(Scatter, used_devices, used_sizes if size == plan.batch else [1] * count, dim, t)
+                if lone_as_is and count == 1 and size == plan.batch and normalize_device(t.device) == used_devices[0]:
+                    parts = (t,)
+                else:
+                    parts = apply(Scatter, used_devices, used_sizes if size == plan.batch else [1] * count, dim, t)
             hit = memo[key] = (source, parts)  # the source kept alive: its id stays its own
         return hit[1]
 
@@ -236,8 +241,10 @@ def scatter_with_hints(
     dim: int = 0,
     chunk_sizes: Sequence[int] | None = None,
     weights: Sequence[float] | None = None,
+    lone_as_is: bool = False,
 ) -> tuple[Scattered, GatherHints]:
-    """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of the call's outputs."""
+    """:func:`scatter_kwargs`, with the :class:`GatherHints` for the gather of the call's outputs
+    (`lone_as_is`: see :func:`_split_trees`)."""
     devs = _nonempty_device_list(devices, "devices")
     chunk_sizes, weights = check_split(chunk_sizes, weights, len(devs))  # the one check of the call
     inputs = () if inputs is None else inputs if isinstance(inputs, tuple) and not is_namedtuple(inputs) else (inputs,)
@@ -245,7 +252,7 @@ def scatter_with_hints(
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"kwargs: expected a mapping of keyword arguments, but got {type(kwargs).__name__}")
     trees = [(tuple(inputs), "inputs"), (kwargs, "kwargs")]
-    (args, kws), sizes, used, hints = _split_trees(trees, devs, dim, chunk_sizes, weights, [0])
+    (args, kws), sizes, used, hints = _split_trees(trees, devs, dim, chunk_sizes, weights, [0], lone_as_is)
     return Scattered(args, kws, sizes, used), hints
 
 

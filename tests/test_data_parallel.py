@@ -1325,3 +1325,59 @@ def test_last_batch_smaller_than_device_count_then_full_batches(any_devices: lis
         out.sum().backward()
         reference(x).sum().backward()
         _assert_grads_equal(dp.module, reference)
+
+
+class _Seen(nn.Module):
+    """A linear layer that records the input tensor it was given and the output it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3, dtype=torch.float64)
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.seen.append((x, out))
+        return out
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu"] * 3])
+def test_a_lone_replica_gets_the_input_and_returns_its_output_as_is(devices: list[str]) -> None:
+    # One replica on the tensors' device: the module is called as the bare module would be (no view of the
+    # input, no copy of the output); values and gradients equal the bare module's.
+    torch.manual_seed(0)
+    model = _Seen()
+    reference = copy.deepcopy(model)
+    dp = dpcore.DataParallel(model, devices)
+    x = torch.randn(1, 5, dtype=torch.float64, requires_grad=True)  # one row: one replica on any list
+    out = dp(x)
+    ((given, returned),) = model.seen
+    assert given is x and out is returned
+    x_ref = x.detach().clone().requires_grad_()
+    want = reference(x_ref)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    _assert_grads_equal(model, reference)
+
+
+def test_a_lone_replica_still_goes_through_an_overridden_gather_and_stacks_scalars() -> None:
+    calls: list[int] = []
+
+    class Gathering(dpcore.DataParallel):
+        def gather(self, outputs: Any, output_device: Any) -> Any:
+            calls.append(len(outputs))
+            return super().gather(outputs, output_device)
+
+    model = _Seen()
+    x = torch.randn(1, 5, dtype=torch.float64)
+    out = Gathering(model, ["cpu"] * 2)(x)
+    assert calls == [1] and out is not model.seen[-1][1]  # the override ran and gathered a copy
+    torch.testing.assert_close(out, model.seen[-1][1])
+
+    class Scalar(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sum()
+
+    assert dpcore.DataParallel(Scalar(), ["cpu"])(x).shape == (1,)  # per-replica scalars stacked, as with several

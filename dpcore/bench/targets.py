@@ -96,7 +96,8 @@ def _worker(kind: str, rows: Sequence[str], rounds: int, repeats: int, out: str)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
-    if group is not None:
+    if group is not None:  # every rank past its last collective before the teardown (gloo aborted on a race)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -141,13 +141,18 @@ class Checker:
         assert [float(r[0]) for r in results] == [0.0, 1.0, 2.0, 3.0]
 
     def pool_usable(self) -> None:
-        """Two clean steps; the thread count equals the one after the first check."""
+        """Two clean steps; the thread count stays within two spare pools of the
+        count after the first check. A run's pool goes back to the free list when
+        its last lane ends, which can come after the call returned: a nested call
+        made at that moment finds no free pool and makes one more (kept for
+        later calls). A thread kept per call exceeds that bound within a few checks."""
         self.clean_step(seed=2)
         self.clean_step(seed=3)
         threads = os_threads()
         if self.threads is None:
             self.threads = threads
-        assert threads == self.threads, f"threads changed: {self.threads} -> {threads}"
+        spare = 2 * min(len(CPU4), torch.get_num_threads())  # two pools of the most lanes a run has here
+        assert self.threads <= threads <= self.threads + spare, f"threads changed: {self.threads} -> {threads}"
 
 
 # --------------------------------------------------------------- scenarios

@@ -645,15 +645,8 @@ def test_timm_model_ema_v1_reads_the_wrapper(devices: list[str]) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _optional(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        pytest.skip(f"{name} is not installed (optional test dependency: pip install {name})")
-
-
 def _tiny_bert() -> nn.Module:
-    transformers = _optional("transformers")
+    transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
         vocab_size=50,
         hidden_size=16,
@@ -668,7 +661,7 @@ def _tiny_bert() -> nn.Module:
 
 
 def test_accelerate_unwrap_model() -> None:
-    accelerate = _optional("accelerate")
+    accelerate = pytest.importorskip("accelerate")
     model = _net()
     dp = dpcore.DataParallel(model, ["cpu"] * 2)
     assert accelerate.Accelerator(cpu=True).unwrap_model(dp) is model
@@ -676,7 +669,7 @@ def test_accelerate_unwrap_model() -> None:
 
 
 def _trainer(model: nn.Module, out: str, n_gpu: int = 2) -> Any:
-    transformers = _optional("transformers")
+    transformers = pytest.importorskip("transformers")
     args = transformers.TrainingArguments(output_dir=out, use_cpu=True, report_to=[], save_strategy="no")
     trainer = transformers.Trainer(model=model, args=args)
     trainer.args._n_gpu = n_gpu  # Trainer's multi-GPU branches, as on a machine with 2 GPUs
@@ -699,7 +692,7 @@ def test_patched_trainer_wraps_in_dpcore(tmp_path: Any, unpatched: None) -> None
 
 
 def test_trainer_save_model_writes_config(tmp_path: Any) -> None:
-    transformers = _optional("transformers")
+    transformers = pytest.importorskip("transformers")
     bert = _tiny_bert()
     trainer = _trainer(dpcore.DataParallel(bert, ["cpu"] * 2), str(tmp_path))
     trainer.save_model(str(tmp_path / "saved"))

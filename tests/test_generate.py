@@ -11,7 +11,6 @@ be the bare model's, padding and all."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import threading
 from typing import Any
@@ -26,15 +25,8 @@ LISTS = [pytest.param(["cpu"] * k, id=f"cpu*{k}") for k in (2, 3, 4)]
 ROWS = 7  # uneven on every list: 4+3, 3+2+2, 2+2+2+1
 
 
-def _optional(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        pytest.skip(f"{name} is not installed (optional test dependency: pip install {name})")
-
-
 def _gpt2(pad: int | None = 0) -> nn.Module:
-    t = _optional("transformers")
+    t = pytest.importorskip("transformers")
     config = t.GPT2Config(
         vocab_size=50, n_positions=64, n_embd=16, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=2, pad_token_id=pad
     )
@@ -43,7 +35,7 @@ def _gpt2(pad: int | None = 0) -> nn.Module:
 
 
 def _llama() -> nn.Module:
-    t = _optional("transformers")
+    t = pytest.importorskip("transformers")
     config = t.LlamaConfig(
         vocab_size=50,
         hidden_size=16,
@@ -61,7 +53,7 @@ def _llama() -> nn.Module:
 
 
 def _t5() -> nn.Module:
-    t = _optional("transformers")
+    t = pytest.importorskip("transformers")
     config = t.T5Config(
         vocab_size=50,
         d_model=16,
@@ -189,7 +181,7 @@ def test_rows_stopped_without_an_eos_token_are_an_error_naming_it() -> None:
     """Without an eos token the bare model keeps generating for rows a
     stopping criterion finished: a replica that returned cannot say what it
     would have generated, so the call refuses rather than pad."""
-    transformers = _optional("transformers")
+    transformers = pytest.importorskip("transformers")
     model = _gpt2()
 
     class ShortRows(transformers.StoppingCriteria):  # rows whose first token is small stop after two tokens
@@ -254,7 +246,7 @@ def test_generate_is_the_modules_where_it_has_none_or_runs_as_is() -> None:
 
 
 def test_seq2seq_trainer_predicts_with_generate_through_the_wrapper(tmp_path: Any) -> None:
-    transformers = _optional("transformers")
+    transformers = pytest.importorskip("transformers")
     model = _t5().float()
     generator = torch.Generator().manual_seed(1)
     data = [
@@ -382,7 +374,7 @@ def test_the_nan_rule_of_generate_is_the_declared_default() -> None:
 
 
 def test_bench_generate_reports_both_ratios(tmp_path: Any) -> None:
-    _optional("transformers")
+    pytest.importorskip("transformers")
     import json
 
     from dpcore.bench import generate as bench_generate

@@ -239,6 +239,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def _scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         if self._image_lists is not None:
             check_image_lists(self._image_lists, inputs, kwargs)
+        lone = self._lone_call(inputs, kwargs)
+        if lone is not None:
+            return lone
         result = self.scatter(inputs, kwargs, self.device_ids)
         if isinstance(result, _ScatteredPair):
             call = result.call
@@ -257,6 +260,23 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         check_first_device(call.sizes, call.used, len(self.device_ids), self.chunk_sizes, self.weights)
         return call
 
+    def _lone_call(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+        """The call of a lone device whose arguments are all plain tensors on it with one row count along
+        ``dim``: each passed as is, as ``scatter`` would pass it, with no tree walk. None for any other call."""
+        if len(self.device_ids) != 1 or self.chunk_sizes is not None or self.weights is not None:
+            return None
+        device, dim, rows = self.device_ids[0], self.dim, -1
+        for t in (*inputs, *kwargs.values()):
+            if type(t) is not torch.Tensor or t.device != device or not -t.dim() <= dim < t.dim():
+                return None
+            if rows != t.size(dim):
+                if rows != -1:
+                    return None
+                rows = t.size(dim)
+        if rows < 1 or self._overrides("scatter"):
+            return None
+        return Call([inputs], [kwargs], [rows], [0], [device], NO_HINTS)
+
     def _run(self, call: Call, through: Callable[[Any], Any] | None = None) -> list[Any]:
         """Each used replica's result on its chunk: replayed CUDA graphs, or
         eagerly through ``replicate`` and ``parallel_apply``."""
@@ -274,7 +294,11 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 return outputs
         custom = len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply"))
         count = call.used[-1] + 1
-        replicas = self.replicate(self.module, self.device_ids[:count])
+        if len(self.device_ids) == 1:  # as torch's wrapper: no replicate (the cache still checks the module)
+            self._replica_cache()
+            replicas: Sequence[nn.Module] = [self.module]
+        else:
+            replicas = self.replicate(self.module, self.device_ids[:count])
         if custom:
             self._check_per("replicate", "replica per device", replicas, count)
         modules = [replicas[i] for i in call.used]

@@ -1362,6 +1362,62 @@ def test_a_lone_replica_gets_the_input_and_returns_its_output_as_is(devices: lis
     _assert_grads_equal(model, reference)
 
 
+class _Kw(nn.Module):
+    """A linear layer over ``x * scale`` that records the tensors it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3, dtype=torch.float64)
+        self.seen: list[tuple[Any, Any]] = []
+
+    def forward(self, x: torch.Tensor, scale: Any = None) -> torch.Tensor:
+        self.seen.append((x, scale))
+        return self.linear(x if scale is None else x * scale)
+
+
+@pytest.mark.parametrize("dim", [0, -2])
+def test_a_one_device_list_passes_tensor_arguments_as_is_and_checks_them_as_a_split_would(dim: int) -> None:
+    # A one-device call whose arguments are plain tensors of one row count takes them as is (positional and
+    # keyword); any other call goes through the scatter rules, with their errors, on the same wrapper.
+    torch.manual_seed(0)
+    model = _Kw()
+    reference = copy.deepcopy(model)
+    dp = dpcore.DataParallel(model, ["cpu"], dim=dim)
+    x, scale = torch.randn(4, 5, dtype=torch.float64), torch.rand(4, 1, dtype=torch.float64)
+    out = dp(x, scale=scale)
+    assert model.seen[-1][0] is x and model.seen[-1][1] is scale
+    torch.testing.assert_close(out, reference(x, scale), rtol=0, atol=0)
+    out = dp(x, scale=torch.tensor(2.0, dtype=torch.float64))  # a 0-dim tensor: the scatter's rule 1
+    torch.testing.assert_close(out, reference(x, 2.0), rtol=0, atol=0)
+    out = dp(x, scale=scale[:1])  # one row per replica (rule 3): the whole batch's one replica takes it
+    torch.testing.assert_close(out, reference(x, scale[:1]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scale"):  # sizes that fit no split: the scatter's error, naming it
+        dp(x, scale=torch.rand(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dim"):
+        dpcore.DataParallel(model, ["cpu"], dim=2)(x)
+
+
+def test_a_one_device_list_calls_an_overridden_scatter_but_not_replicate_as_torch_does() -> None:
+    calls: list[str] = []
+
+    class Custom(dpcore.DataParallel):
+        def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+            calls.append("scatter")
+            return super().scatter(inputs, kwargs, device_ids)
+
+        def replicate(self, module: nn.Module, device_ids: Any) -> Any:
+            calls.append("replicate")
+            return super().replicate(module, device_ids)
+
+    model = _Kw()
+    x = torch.randn(2, 5, dtype=torch.float64)
+    torch.testing.assert_close(Custom(model, ["cpu"])(x), model(x), rtol=0, atol=0)
+    assert calls == ["scatter"]
+    del calls[:]
+    Custom(model, ["cpu"] * 2)(x)
+    assert calls == ["scatter", "replicate"]
+
+
 def test_a_lone_replica_still_goes_through_an_overridden_gather_and_stacks_scalars() -> None:
     calls: list[int] = []
 

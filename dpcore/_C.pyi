@@ -146,8 +146,13 @@ class ReplicaBuffers:
     def verify(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """Indices of the entries whose replica bytes differ from `tensors` where no refresh would copy."""
 
+    def write(self, target: int, entry: int, value: torch.Tensor, master: torch.Tensor) -> None:
+        """Writes `value` into targets[target]'s copy of entry `entry`, which `master` now equals."""
+
     @property
     def last_refresh_copied(self) -> bool: ...
+    @property
+    def last_copied_bytes(self) -> list[int]: ...
 
 class ReplicaSet:
     """The cached replicas of one module on `targets`, refreshed by sync()."""

@@ -115,6 +115,10 @@ class ReplicaCache:
         """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order."""
         return [bucket for bucket, _, _ in self._bucket_plan]
 
+    def entries(self) -> dict[int, tuple[Any, int]]:
+        """id(master tensor) -> (its bucket's ``ReplicaBuffers``, its entry there)."""
+        return {id(t): (bucket, i) for bucket, masters, _ in self._bucket_plan for i, t in enumerate(masters)}
+
     def buckets_of(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
         """The buckets holding any of the master tensors `tensors`."""
         ids = {id(t) for t in tensors}

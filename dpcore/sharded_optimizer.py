@@ -4,6 +4,7 @@ device list (ZeRO stage 1 in one process); the mechanism is in docs/design.md.""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
+import weakref
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -61,8 +62,10 @@ class _Shard:
             self.pairs.append((master, work))
         return work
 
-    def step(self) -> None:
-        """Steps this shard's optimizer; with `copies`, on working copies synced from and back to the masters."""
+    def step(self, replicas: dict[int, tuple[Any, int]]) -> None:
+        """Steps this shard's optimizer; with `copies`, on working copies synced from and back to the masters,
+        and written into this position's replica buffers (`replicas`: ReplicaCache.entries()), which the
+        next refresh then leaves as they are."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
             with torch.no_grad():
@@ -81,6 +84,9 @@ class _Shard:
                     master.copy_(work)
                     work.grad = None
                     self.seen[id(master)] = (master.data_ptr(), master._version)
+                    entry = replicas.get(id(master))
+                    if entry is not None:
+                        entry[0].write(self.position - 1, entry[1], work, master)
 
 
 class _ShardStates(MutableMapping):  # type: ignore[type-arg]
@@ -140,6 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._class = _check_class(optimizer_class)
         self.devices, self._module = _placement(devices)
+        self._wrapper = weakref.ref(devices) if isinstance(devices, DataParallel) else None
         self._shards: list[_Shard] = []
         self._shard_of: dict[int, _Shard] = {}
         if isinstance(params, torch.Tensor):
@@ -231,12 +238,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         busy = self._sync_groups()
+        replicas = self._replica_entries() if any(s.copies for s in busy) else {}
         if len(busy) == 1:
-            busy[0].step()
+            busy[0].step(replicas)
         elif busy:
-            run = start_parallel_apply([s.step for s in busy], [()] * len(busy), None, [s.device for s in busy])
+            run = start_parallel_apply(
+                [s.step for s in busy], [(replicas,)] * len(busy), None, [s.device for s in busy]
+            )
             run.result()
         return loss
+
+    def _replica_entries(self) -> dict[int, tuple[Any, int]]:
+        """The wrapper's replica buffers of each master (ReplicaCache.entries()); {} before its first call."""
+        wrapper = None if self._wrapper is None else self._wrapper()
+        cache = None if wrapper is None else wrapper._cache
+        return {} if cache is None or not cache.valid() else cache.entries()
 
     def state_bytes(self) -> dict[int, int]:
         """Bytes of optimizer state held by each position of the device list (a tensor counted once)."""

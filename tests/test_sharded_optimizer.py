@@ -419,6 +419,35 @@ def test_working_copies_are_refreshed_only_when_their_master_changed(copies: Non
     assert refreshed == [1]
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd_momentum"])
+def test_updated_shards_are_not_copied_back_to_their_own_replicas(name: str, copies: None) -> None:
+    # Position k's shard writes its updated parameters into replica k's buffers as well as into the masters:
+    # the next refresh sends replica k every bucket's bytes but those, so the updated shards reach the
+    # replicas with no more bytes than the refresh moves without sharding; the replicas are current.
+    pair = Pair(["cpu"] * 4, name)
+    pair.train(range(1))  # the first call builds the replicas; the first step creates the state
+    cache = pair.dp._cache
+    for i in range(1, 4):
+        x, y = pair.batches[i]
+        stepped = {id(p) for p in pair.model.parameters() if p.requires_grad}
+        pair.train(range(i, i + 1))
+        with torch.no_grad():
+            torch.testing.assert_close(pair.dp(x), pair.model(x), atol=1e-12, rtol=0)  # refreshed, then run
+        written = 0
+        for bucket, masters, _ in cache._bucket_plan:
+            size = sum(m.numel() * m.element_size() for m in masters)
+            own = [
+                sum(m.numel() * m.element_size() for m in masters if id(m) in stepped and pair.opt.shard_of(m) == k)
+                for k in range(1, 4)
+            ]
+            changed = any(id(m) in stepped for m in masters)  # else (the frozen bias) nothing is copied
+            assert bucket.last_copied_bytes == [size - b if changed else 0 for b in own]
+            written += sum(own)
+        assert written > 0
+    pair.train(range(4, STEPS))
+    pair.assert_equal()
+
+
 # ---------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------

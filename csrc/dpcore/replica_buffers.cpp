@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "dpcore/comm.h"
@@ -42,7 +43,9 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
     flats_.push_back(at::empty({layout_.numel}, like[0].options().device(device)));
     anchors_.push_back(layout_.unflatten(flats_.back()));
     anchor_versions_.emplace_back(layout_.size(), -1);
+    written_.emplace_back(layout_.size(), std::make_pair(nullptr, int64_t{-1}));
   }
+  copied_bytes_.assign(targets_.size(), 0);
 }
 
 namespace {
@@ -117,17 +120,45 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
   std::vector<char> master_changed;
   const bool any = changed(tensors, master_changed);
   copied_.store(any);
+  std::fill(copied_bytes_.begin(), copied_bytes_.end(), 0);
   if (any) {
-    broadcast_flat_into(tensors, layout_, flats_);
+    // kept[d][i]: write() left copy (d, i) equal to the master as it is now,
+    // and nothing changed the copy since: it is not copied again.
+    std::vector<std::vector<char>> kept(flats_.size(), std::vector<char>(n, 0));
+    std::vector<at::Tensor> whole;
+    std::vector<size_t> partial;
+    const int64_t item = c10::elementSize(layout_.dtype);
+    for (size_t d = 0; d < flats_.size(); ++d) {
+      bool any_kept = false;
+      for (size_t i = 0; i < n; ++i) {
+        kept[d][i] = written_[d][i].first == tensors[i].data_ptr() &&
+                     written_[d][i].second == tensors[i]._version() &&
+                     anchors_[d][i]._version() == anchor_versions_[d][i];
+        any_kept = any_kept || kept[d][i];
+      }
+      if (any_kept) {
+        partial.push_back(d);
+      } else {
+        whole.push_back(flats_[d]);
+        copied_bytes_[d] = layout_.numel * item;
+      }
+    }
+    if (!whole.empty()) {
+      broadcast_flat_into(tensors, layout_, whole);
+    }
+    if (!partial.empty()) {
+      copy_entries(tensors, kept, partial);
+    }
     // Only entries whose bytes changed are marked: the copy rewrote the
-    // others with the bytes they held.
+    // others with the bytes they held (write() marked the kept ones).
     for (size_t d = 0; d < anchors_.size(); ++d) {
       for (size_t i = 0; i < n; ++i) {
         at::Tensor& anchor = anchors_[d][i];
-        if (master_changed[i] || anchor._version() != anchor_versions_[d][i]) {
+        if (!kept[d][i] && (master_changed[i] || anchor._version() != anchor_versions_[d][i])) {
           anchor.unsafeGetTensorImpl()->bump_version();
         }
         anchor_versions_[d][i] = anchor._version();
+        written_[d][i] = {nullptr, -1};
       }
     }
     master_ptrs_.resize(n);
@@ -149,9 +180,81 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
   return result;
 }
 
+void ReplicaBuffers::copy_entries(
+    at::TensorList tensors, const std::vector<std::vector<char>>& kept, const std::vector<size_t>& targets) {
+  at::Tensor source = flat_alias(tensors[0], layout_);
+  if (!source.defined()) {
+    c10::DeviceGuard guard(source_);
+    source = flatten(tensors, layout_);
+  }
+  const int64_t item = c10::elementSize(layout_.dtype);
+  const size_t n = layout_.size();
+  for (const size_t d : targets) {
+    c10::DeviceGuard guard(flats_[d].device());
+    int64_t bytes = 0;
+    // Each run of entries not kept, as one block (the gaps of alignment between them included).
+    for (size_t begin = 0; begin < n;) {
+      if (kept[d][begin]) {
+        ++begin;
+        continue;
+      }
+      size_t end = begin;
+      while (end < n && !kept[d][end]) {
+        ++end;
+      }
+      const int64_t first = layout_.offsets[begin];
+      const int64_t last = layout_.offsets[end - 1] + c10::multiply_integers(layout_.sizes[end - 1]);
+      flats_[d]
+          .narrow(0, first, last - first)
+          .copy_(source.narrow(0, first, last - first), may_copy_async(flats_[d].device()));
+      bytes += (last - first) * item;
+      begin = end;
+    }
+    copied_bytes_[d] = bytes;
+  }
+}
+
+std::vector<int64_t> ReplicaBuffers::last_copied_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return copied_bytes_;
+}
+
+void ReplicaBuffers::write(int64_t target, int64_t entry, const at::Tensor& value, const at::Tensor& master) {
+  TORCH_CHECK(
+      target >= 0 && target < static_cast<int64_t>(targets_.size()),
+      "ReplicaBuffers.write: expected a target in [0, ", targets_.size(), "), but got ", target);
+  TORCH_CHECK(
+      entry >= 0 && entry < static_cast<int64_t>(layout_.size()),
+      "ReplicaBuffers.write: expected an entry in [0, ", layout_.size(), "), but got ", entry);
+  const auto d = static_cast<size_t>(target);
+  const auto i = static_cast<size_t>(entry);
+  const c10::IntArrayRef shape(layout_.sizes[i]);
+  TORCH_CHECK(
+      value.sizes().equals(shape) && value.scalar_type() == layout_.dtype &&
+          normalize_device(value.device()) == targets_[d],
+      "ReplicaBuffers.write: expected a value of ", layout_.dtype, shape, " on ", targets_[d], ", but got ",
+      value.scalar_type(), value.sizes(), " on ", value.device());
+  TORCH_CHECK(
+      master.sizes().equals(shape) && master.scalar_type() == layout_.dtype &&
+          normalize_device(master.device()) == source_,
+      "ReplicaBuffers.write: expected the master of entry ", entry, " (", layout_.dtype, shape, " on ",
+      source_, "), but got ", master.scalar_type(), master.sizes(), " on ", master.device());
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::InferenceMode normal_mode(false);
+  c10::NoGradGuard no_grad;
+  c10::DeviceGuard guard(targets_[d]);
+  at::Tensor& anchor = anchors_[d][i];
+  anchor.copy_(value); // an in-place write: bumps the entry's version on this target
+  anchor_versions_[d][i] = anchor._version();
+  written_[d][i] = {master.data_ptr(), master._version()};
+}
+
 void ReplicaBuffers::invalidate() {
   std::lock_guard<std::mutex> lock(mutex_);
   master_ptrs_.clear(); // the next refresh treats every entry as changed
+  for (auto& row : written_) {
+    std::fill(row.begin(), row.end(), std::make_pair(nullptr, int64_t{-1}));
+  }
 }
 
 std::vector<int64_t> ReplicaBuffers::verify(at::TensorList tensors) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "dpcore/flatten.h"
@@ -47,6 +48,19 @@ class ReplicaBuffers {
     return copied_.load();
   }
 
+  // Bytes the last refresh copied into each target's buffer (0 where it
+  // found nothing to copy there).
+  std::vector<int64_t> last_copied_bytes() const;
+
+  // Writes `value` (entry `entry`'s shape and dtype, on targets[target]) into
+  // that target's copy of the entry, where `master` (the entry's master
+  // tensor, as refresh takes it) now holds the same bytes: a shard of the
+  // sharded optimizer stepped there. Bumps the entry's version there (as a
+  // refresh that changes bytes does), and the next refresh leaves that copy
+  // as it is unless `master` changes again (storage or version): the
+  // updated bytes do not go back to the target they came from.
+  void write(int64_t target, int64_t entry, const at::Tensor& value, const at::Tensor& master);
+
   // Finds writes that no version counter saw. Where the next refresh would
   // skip the copy (no master tensor and no copy changed since the last
   // one), compares every target's buffer with `tensors` (as refresh takes
@@ -66,6 +80,10 @@ class ReplicaBuffers {
   // version, every entry before the first refresh) or a copy was changed in
   // place. master_changed[i]: whether entry i's master changed.
   bool changed(at::TensorList tensors, std::vector<char>& master_changed) const;
+  // Copies the master's bytes into each of `targets`' buffers, but the
+  // entries kept there (kept[d][i]), in runs; records the bytes copied.
+  void copy_entries(
+      at::TensorList tensors, const std::vector<std::vector<char>>& kept, const std::vector<size_t>& targets);
 
   FlatLayout layout_;
   c10::Device source_;
@@ -77,8 +95,12 @@ class ReplicaBuffers {
   std::vector<std::vector<int64_t>> anchor_versions_;
   std::vector<const void*> master_ptrs_;
   std::vector<int64_t> master_versions_;
+  // written_[d][i]: the master's (data_ptr, version) when write() left entry
+  // (d, i) equal to it ({nullptr, -1}: none since the last refresh).
+  std::vector<std::vector<std::pair<const void*, int64_t>>> written_;
+  std::vector<int64_t> copied_bytes_;
   std::atomic<bool> copied_{false};
-  std::mutex mutex_; // held by refresh
+  mutable std::mutex mutex_; // held by refresh
 };
 
 } // namespace dpcore

@@ -466,7 +466,15 @@ void bind_replica_sync(py::module_& m) {
           py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
           "Compares the buffers with `tensors` byte for byte where the next refresh would not copy; returns "
           "the indices of the entries that differ (the next refresh copies them), [] when none does.")
-      .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied);
+      .def(
+          "write", &ReplicaBuffers::write, py::arg("target"), py::arg("entry"), py::arg("value"),
+          py::arg("master"), py::call_guard<py::gil_scoped_release>(),
+          "Writes `value` into targets[target]'s copy of entry `entry`, which `master` now equals: the next "
+          "refresh leaves that copy as it is unless `master` changes again.")
+      .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied)
+      .def_property_readonly(
+          "last_copied_bytes", &ReplicaBuffers::last_copied_bytes,
+          "Bytes the last refresh copied per target.");
 
   py::class_<ReplicaSet>(m, "ReplicaSet", py::custom_type_setup(enable_gc))
       .def(

@@ -16,7 +16,9 @@
 #      with its cuda_graphs=True rows, --cuda-graphs on, at 10 repeats and
 #      0.25 s per measurement so that its six models fit the step's timeout;
 #      the CUDA tests of step 4 include the demo with --cuda-graphs);
-#   6. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
+#   6. bench_optimizer on [0, 0], quick (the sharded optimizer's peak memory
+#      per step against the plain one's);
+#   7. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
 # Writes into $OUT: log.txt (everything), one <step>.log per step,
 # pytest-*.xml (JUnit) and the benchmarks' JSON.
 # Time: at most GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes) in all:
@@ -128,6 +130,8 @@ step bench-comm "bench_comm [0,0,0,0]" 90 "$py" "$root/bench/bench_comm.py" --de
 step bench-kernels "bench_kernels [0,0,0,0]" 90 "$py" "$root/bench/bench_kernels.py" --devices 0,0,0,0 --json "$OUT/kernels.json"
 step bench-step "bench_step [0,0,0,0], eager and CUDA graphs" 90 "$py" "$root/bench/bench_step.py" --devices 0,0,0,0 \
   --cuda-graphs on --repeats 10 --min-seconds 0.25 --json "$OUT/step.json"
+step bench-optimizer "bench_optimizer [0,0] --quick (peak GPU memory per step)" 60 "$py" "$root/bench/bench_optimizer.py" \
+  --devices 0,0 --quick --json "$OUT/optimizer.json"
 step link-tests "libstdc++ link and info tests" 90 "$py" -m pytest "${pytest_args[@]}" \
   "$root/tests/test_link_check.py" "$root/tests/test_info.py" --junitxml="$OUT/pytest-link.xml"
 echo

@@ -10,7 +10,10 @@ run, in alternating rounds (both see the same machine load):
 
 ``ratio`` is sharded over plain (below 1: the sharded one is faster), the
 median of the rounds' ratios, with the lowest and highest round's. The
-model is an MLP of equal Linear layers (bench/step.py's), in float32.
+model is an MLP of equal Linear layers (bench/step.py's), in float32. On a
+CUDA list, each training-step row also gives, per GPU of the list, the
+peak of ``torch.cuda.max_memory_allocated`` over one training step with
+either optimizer, above what was allocated before it (``peak_mib``).
 
     python bench/bench_optimizer.py --devices cpu:2 --json bench-results/optimizer.json
 """
@@ -65,6 +68,7 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
         trainings = measure_rounds(
             train(wrappers[0], sharded), train(wrappers[1], plain), devices, rounds=rounds, repeats=per_round
         )
+        peaks = [_peak_mib(train(dp, opt), devices) for dp, opt in zip(wrappers, (sharded, plain))]
         label = f"MLP {depth}x{width}, batch {batch}"
         for what, (ours, theirs) in (("step", steps), ("training step", trainings)):
             spread = ratio_spread(ours, theirs)
@@ -81,8 +85,28 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
                     "state_bytes": sharded.state_bytes(),
                 }
             )
+            if what == "training step" and peaks[0]:
+                rows[-1]["peak_mib"] = {"sharded": peaks[0], "plain": peaks[1]}
+                print(f"  {name}, peak MiB per GPU above the step's start: sharded {peaks[0]}, plain {peaks[1]}")
             print(f"  {name}, {what}: ratio {spread['ratio_median']:.2f}")
     return {"benchmark": "optimizer", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+
+
+def _peak_mib(step: Callable[[], None], devices: Sequence[torch.device]) -> dict[str, float]:
+    """Per CUDA device of `devices`, the peak MiB allocated during one `step()` above what was allocated
+    before it ({} on a CPU list)."""
+    gpus = sorted({d.index for d in devices if d.type == "cuda"})
+    if not gpus:
+        return {}
+    before = {}
+    for i in gpus:
+        torch.cuda.synchronize(i)
+        torch.cuda.reset_peak_memory_stats(i)
+        before[i] = torch.cuda.memory_allocated(i)
+    step()
+    for i in gpus:
+        torch.cuda.synchronize(i)
+    return {f"cuda:{i}": round((torch.cuda.max_memory_allocated(i) - before[i]) / 2**20, 2) for i in gpus}
 
 
 COLUMNS = [

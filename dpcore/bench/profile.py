@@ -39,7 +39,7 @@ from dpcore.bench._common import bench_command
 
 #: stage -> "module:Class.attribute" names (every one found is timed, into its stage).
 STAGES: dict[str, tuple[str, ...]] = {
-    "scatter": ("dpcore.data_parallel:DataParallel.scatter",),
+    "scatter": ("dpcore.data_parallel:DataParallel.scatter", "dpcore.data_parallel:DataParallel._lone_call"),
     "refresh": ("dpcore.replicate:ReplicaCache.replicas",),
     "launch": ("dpcore.data_parallel:start_parallel_apply",),
     "gather": ("dpcore.data_parallel:DataParallel.gather",),

@@ -471,6 +471,26 @@ def test_profile_times_every_stage_of_the_current_tree() -> None:
         assert (row["stages_us"]["allreduce"] > 0) == hybrid and (row["stages_us"]["launch"] > 0) == (not hybrid)
 
 
+def test_instructions_child_and_count_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_instructions' child runs each kind's steps (here without valgrind), the
+    count is read from callgrind's summary line, and the rows are the
+    differences per step, own cost against the plain step's."""
+    from dpcore.bench import instructions
+
+    for kind in instructions.KINDS:
+        instructions.steps_in_child(instructions.HYBRID[0], kind, 1)
+    assert instructions.collected("==12== Events    : Ir\n==12== Collected : 9918584359\n") == 9918584359
+    with pytest.raises(RuntimeError, match="no instruction count"):
+        instructions.collected("valgrind: not found")
+    fake = {"plain": (100, 300), "ddp": (150, 450), "dpcore": (120, 400)}  # (warm-up alone, + 10 steps)
+    monkeypatch.setattr(instructions.shutil, "which", lambda name: "/usr/bin/valgrind")
+    monkeypatch.setattr(instructions, "_count", lambda setup, kind, steps: fake[kind][steps > 0])
+    result = instructions.run([], quick=True, repeats=10)
+    (row,) = result["rows"]
+    assert (row["plain"], row["ddp"], row["dpcore"]) == (20, 30, 28)
+    assert (row["ddp_own"], row["dpcore_own"], row["ratio"]) == (10, 8, 0.8)
+
+
 def test_targets_quick_run_reports_every_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """bench_targets with the fewest steps (the figures are not checked):
     every row of the issue's table, in order, each with positive finite

@@ -9,7 +9,9 @@ DistributedDataParallel's and dpcore's are each run in a child process
 under callgrind (every thread counted) twice: a warm-up alone, and the
 warm-up then the measured steps. The difference over the steps is per
 step; "own" is a step minus the plain one, and the ratio is dpcore's own
-over DDP's (below 1: dpcore does less). valgrind must be installed; a
+over DDP's (below 1: dpcore does less). Each child runs one intra-op
+thread (OpenMP's idle threads spin, and a spinning thread's instructions
+depend on the load). valgrind must be installed; a
 child takes about two minutes (mostly importing torch under valgrind),
 and the children run one per core.
 
@@ -49,7 +51,9 @@ COLUMNS = [
 
 
 def steps_in_child(setup: str, kind: str, steps: int) -> None:
-    """WARMUP + `steps` training steps of `kind` on `setup` (the child's work)."""
+    """WARMUP + `steps` training steps of `kind` on `setup` (the child's work), on one intra-op thread:
+    idle OpenMP threads spin, and their instructions would count what the load makes them wait."""
+    torch.set_num_threads(1)
     factory, shape, classes, batch, _, _ = SETUPS[setup]
     torch.manual_seed(0)
     x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))

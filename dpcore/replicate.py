@@ -8,6 +8,7 @@ exact" and "Writes no version counter sees".
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -115,8 +116,9 @@ class ReplicaCache:
         """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order."""
         return [bucket for bucket, _, _ in self._bucket_plan]
 
+    @functools.cached_property
     def entries(self) -> dict[int, tuple[Any, int]]:
-        """id(master tensor) -> (its bucket's ``ReplicaBuffers``, its entry there)."""
+        """id(master tensor) -> (its bucket's ``ReplicaBuffers``, its entry there); the plan's, built once."""
         return {id(t): (bucket, i) for bucket, masters, _ in self._bucket_plan for i, t in enumerate(masters)}
 
     def buckets_of(self, tensors: Iterable[torch.Tensor]) -> list[Any]:

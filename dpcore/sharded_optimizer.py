@@ -3,8 +3,8 @@ device list (ZeRO stage 1 in one process); the mechanism is in docs/design.md.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
 import weakref
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -64,7 +64,7 @@ class _Shard:
 
     def step(self, replicas: dict[int, tuple[Any, int]]) -> None:
         """Steps this shard's optimizer; with `copies`, on working copies synced from and back to the masters,
-        and written into this position's replica buffers (`replicas`: ReplicaCache.entries()), which the
+        and written into this position's replica buffers (`replicas`: ReplicaCache.entries), which the
         next refresh then leaves as they are."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
@@ -249,10 +249,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _replica_entries(self) -> dict[int, tuple[Any, int]]:
-        """The wrapper's replica buffers of each master (ReplicaCache.entries()); {} before its first call."""
+        """The wrapper's replica buffers of each master (ReplicaCache.entries); {} before its first call."""
         wrapper = None if self._wrapper is None else self._wrapper()
         cache = None if wrapper is None else wrapper._cache
-        return {} if cache is None or not cache.valid() else cache.entries()
+        return {} if cache is None or not cache.valid() else cache.entries
 
     def state_bytes(self) -> dict[int, int]:
         """Bytes of optimizer state held by each position of the device list (a tensor counted once)."""

@@ -16,7 +16,9 @@ venv=${DPCORE_VENV:-$root/.venv}
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
-python -m pip install -q "torch==${DPCORE_TORCH:-2.13.0}" ninja setuptools wheel
+# numpy before the build: the build imports torch, which warns "Failed to
+# initialize NumPy" without it (the demo extras would bring it only after).
+python -m pip install -q "torch==${DPCORE_TORCH:-2.13.0}" numpy ninja setuptools wheel
 python -m pip install -q --no-build-isolation "$root[demo]"
 # Run outside the source folder so that the installed dpcore (with its
 # built extension) is imported, not the source tree.

@@ -238,6 +238,17 @@ def test_fresh_venv_without_wheel_names_pip_install_wheel(tmp_path: Path) -> Non
 
 def test_readme_install_lines_name_wheel_and_the_python_versions() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert "pip install torch==2.13.0 ninja setuptools wheel\n  pip install --no-build-isolation ." in readme
+    assert "pip install torch==2.13.0 numpy ninja setuptools wheel\n  pip install --no-build-isolation ." in readme
     assert "Python 3.10 or newer" in readme
     assert 'requires-python = ">=3.10"' in PYPROJECT.read_text()
+
+
+@pytest.mark.parametrize("name", ["scripts/run.sh", "scripts/test.sh", "scripts/test_cuda_build.sh", "README.md"])
+def test_every_setup_installs_what_the_build_imports_before_the_build(name: str) -> None:
+    """The build imports torch, which prints "Failed to initialize NumPy" where numpy is missing: each of the
+    README's commands, the CUDA build's script and the README's install lines put numpy in before dpcore's build."""
+    text = (ROOT / name).read_text()
+    build = re.search(r"pip install[^\n]*--no-build-isolation", text)
+    assert build is not None, f"{name}: no `pip install --no-build-isolation` of dpcore found"
+    before = [line for line in text[: build.start()].splitlines() if "pip install" in line or line.startswith("  ")]
+    assert any(re.search(r"\bnumpy\b", line) for line in before), f"{name}: numpy is not installed before the build"

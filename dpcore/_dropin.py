@@ -119,6 +119,29 @@ class BareStateDict(OrderedDict):  # type: ignore[type-arg]
         return (OrderedDict, (), state, None, iter(self.items()))
 
 
+class DCPNames(dict):  # type: ignore[type-arg]
+    """``DataParallel._fqn_modifiers()``, torch.distributed.checkpoint.state_dict's hook: each top-level name of the
+    module maps to the wrapper's ``module``, so DCP's walk gives the module's tensors their bare keys, as the
+    wrapper's state_dict(). DCP names optimizer state by ``model.named_parameters()``, whose names keep torch's
+    ``module.`` (code such as Trainer's weight-decay groups pairs them with ``named_children()``): DCP's look-up
+    of that prefix, which would give keys no bare module loads, is an error naming the fix."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key == "module" and key not in self:
+            raise ValueError(
+                "model: torch.distributed.checkpoint names the optimizer's state by model.named_parameters(), and a "
+                "dpcore.DataParallel's keep torch's 'module.' prefix; pass the wrapper's module (dp.module) as the "
+                "model: the keys are then the bare module's, as dp.state_dict()'s, and load into the bare module, "
+                "the wrapper (as dp or dp.module) and DDP alike"
+            )
+        return super().get(key, default)
+
+
+def dcp_names(module: nn.Module) -> DCPNames:
+    """The DCPNames of a wrapper of `module`."""
+    return DCPNames(dict.fromkeys([*module._modules, *module._parameters, *module._buffers], "module"))
+
+
 def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[Any], list[int]]:
     """(args, kwargs, rows) per replica from the pair an overridden ``scatter`` returned, read as torch reads
     it: replicas on the first devices; rows: each one's first tensor's size along `dim` (0 where it has none)."""

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from dpcore._devices import DeviceLike, as_devices, normalize_device
 from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, has_module_prefix, split_of
-from dpcore._dropin import strip_module_prefix
+from dpcore._dropin import dcp_names, strip_module_prefix
 from dpcore._graphs import GraphRunner
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
@@ -154,6 +154,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             for k in keys:
                 state_dict[prefix + "module." + k[len(prefix) :]] = state_dict.pop(k)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's hook: the module's tensors keep their bare keys there (dcp_names)."""
+        return dcp_names(self.module)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, **dict.fromkeys(self._replica_private_attrs)}

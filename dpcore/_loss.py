@@ -1,18 +1,20 @@
 """The loss rules: what one call returns from its replicas' results
-(docs/losses.md; :class:`LossRule`, built once from the checked options)."""
+(docs/losses.md; :class:`LossRule`, built from each checked options value)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._split import _as_weight
+
+if TYPE_CHECKING:
+    from dpcore._options import Options
 
 
 @dataclasses.dataclass
@@ -35,22 +37,21 @@ class Call:
 
 
 class LossRule:
-    """How the replicas' results of a call become what it returns."""
+    """How the replicas' results of a call become what it returns, by the options it was built from (one
+    frozen value: a wrapper builds a new rule whenever its options change)."""
 
-    def __init__(self, options: SimpleNamespace) -> None:
-        self.criterion, self.reduction = options.criterion, options.reduction
-        self.model_loss, self.loss_items = options.model_loss, options.loss_items
-        self.gather_output, self.output_device = options.gather, options.output_device
+    def __init__(self, options: Options) -> None:
+        self.options = options
 
     @property
     def summed(self) -> bool:
         """Whether the returned loss is summed over the batch, not averaged."""
-        return self.reduction == "sum"
+        return self.options.reduction == "sum"
 
     def make_call(self, module: Callable[..., Any], method: Any = None) -> Callable[..., Any]:
         """What a replica runs: `module`, or with a criterion (and no `method`),
         ``criterion(module(*args[:-1], **kwargs), args[-1])``."""
-        criterion = self.criterion
+        criterion = self.options.criterion
         if criterion is None or method is not None:
             return module
         return lambda *args, **kwargs: criterion(module(*args[:-1], **kwargs), args[-1])
@@ -59,12 +60,12 @@ class LossRule:
         """What the call returns from the replicas' `outputs`; `gather` joins
         a list of per-replica outputs on the output device."""
         if call.method is not None:
-            return call.method.combine(outputs, call, gather) if self.gather_output else outputs
-        if self.criterion is not None:
+            return call.method.combine(outputs, call, gather) if self.options.gather else outputs
+        if self.options.criterion is not None:
             return self._criterion_loss(outputs, call)
-        if not self.gather_output:
+        if not self.options.gather:
             return outputs
-        if self.model_loss is not None:
+        if self.options.model_loss is not None:
             return self._with_model_loss(outputs, call, gather)
         return gather(outputs)
 
@@ -82,7 +83,7 @@ class LossRule:
                     f"replica {i} (on {device}) returned a loss of shape {list(loss.shape)}. Use a reducing "
                     f"criterion (reduction='mean' or 'sum'), or drop criterion= and reduce the gathered outputs"
                 )
-        total, out = call.rows, self.output_device
+        total, out = call.rows, self.options.out
         if total == 0:
             return losses[0]
         counts = self._criterion_counts(call)
@@ -93,25 +94,25 @@ class LossRule:
 
     def _counted(self, call: Call) -> list[float]:
         return [
-            _as_weight(self.loss_items(*a, **k), f"loss_items: the count of replica {j}")
+            _as_weight(self.options.loss_items(*a, **k), f"loss_items: the count of replica {j}")
             for j, (a, k) in enumerate(zip(call.args, call.kws))
         ]
 
     def _criterion_counts(self, call: Call) -> list[Any] | None:
         """How many items each replica's mean criterion averages over where not its rows: ``loss_items``, or
         CrossEntropyLoss's and NLLLoss's weighted valid class-index targets (on the devices); else None."""
-        if self.loss_items is not None:
+        reduction, criterion = self.options.reduction, self.options.criterion
+        if self.options.loss_items is not None:
             return self._counted(call)
         if not self.summed and isinstance(call.args[0][-1], PackedSequence):
             raise ValueError(
-                f"criterion: the target is a PackedSequence and the criterion's reduction is {self.reduction!r}: "
+                f"criterion: the target is a PackedSequence and the criterion's reduction is {reduction!r}: "
                 f"each replica's loss is weighted by the items it averages over, which for a packed target may be "
                 f"its sequences or its packed rows; declare them with loss_items= (e.g. lambda *args: "
                 f"args[-1].data.size(0) for a mean over packed rows, lambda *args: args[-1].batch_sizes[0] for "
                 f"one over sequences), or use a summed criterion (criterion_reduction='sum')"
             )
-        criterion = self.criterion
-        if self.reduction != "mean" or not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        if reduction != "mean" or not isinstance(criterion, (nn.CrossEntropyLoss, nn.NLLLoss)):
             return None
         targets = [a[-1] for a in call.args]
         if not all(isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() for t in targets):
@@ -124,7 +125,7 @@ class LossRule:
             else:
                 weight = criterion.weight.detach().to(t.device)
                 count = torch.where(valid, weight[t.clamp(0, weight.numel() - 1)], 0).sum()
-            counts.append(count.to(self.output_device, torch.float64))
+            counts.append(count.to(self.options.out, torch.float64))
         return counts
 
     def _with_model_loss(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
@@ -144,8 +145,8 @@ class LossRule:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise ValueError(
-                    f"model_loss={self.model_loss!r}: expected a scalar loss (a tensor of one element) in every "
-                    f"replica's output, but replica {j} (on {device}) has {got} where the loss goes"
+                    f"model_loss={self.options.model_loss!r}: expected a scalar loss (a tensor of one element) in "
+                    f"every replica's output, but replica {j} (on {device}) has {got} where the loss goes"
                 )
         combined = self._combiner(call)(losses)
         if isinstance(outputs[0], torch.Tensor):
@@ -155,17 +156,17 @@ class LossRule:
     def _combiner(self, call: Call) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         """Combines per-replica losses as model_loss declares, on the output
         device (the "items" counts taken once, for every loss it combines)."""
-        mode = self.model_loss
+        mode = self.options.model_loss
         if mode == "num_items_in_batch":
             passed = call.kws[0].get("num_items_in_batch") is not None
-            if not passed and self.loss_items is None:
+            if not passed and self.options.loss_items is None:
                 raise ValueError(
                     "model_loss='num_items_in_batch': this call passed no num_items_in_batch keyword, so each "
                     "replica's loss is its own mean and their sum is not the batch's loss; pass num_items_in_batch, "
                     "or declare loss_items= to weigh the calls without it (Trainer evaluates without it)"
                 )
             mode = "sum" if passed else "items"
-        out = self.output_device
+        out = self.options.out
         counts = self._counted(call) if mode == "items" and len(call.sizes) > 1 else call.sizes
 
         def combine(losses: list[torch.Tensor]) -> torch.Tensor:

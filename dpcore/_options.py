@@ -1,11 +1,12 @@
-"""DataParallel's options and every rule that ties them together, checked once at construction
-(:func:`check_options`); errors name the option (and, for lists, the index and the value)."""
+"""DataParallel's options as one frozen value (:class:`Options`) and every rule that ties them together, checked in
+one place (:func:`check_options`, at construction and at each write); errors name the option (and, for lists,
+the index and the value)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,13 +22,66 @@ from dpcore.replicate import check_on_device, check_replica_refresh
 _OWN_REDUCTIONS = {"mean": "mean", "batchmean": "mean", "sum": "sum", "none": "none"}
 #: What ``model_loss=`` takes.
 MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
+#: Fixed at construction, since the hybrid mode's ranks agree on them then.
+_HYBRID = ("process_group", "forward_sync_buffers", "broadcast_buffers")
+#: Fixed with a process group too: the ranks agreed on the module's layout and buckets on the first device.
+_LAYOUT = ("module", "device_ids", "bucket_bytes", "sync_batchnorm")
 
 
-def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNamespace:
-    """`args` (a `cls` wrapper's ``__init__`` arguments) checked, as attributes, plus ``devices`` (empty where
-    the module runs as is) and ``reduction`` (of the returned loss; None without one). `base`: dpcore's class."""
-    o = SimpleNamespace(**{k: v for k, v in args.items() if k != "self"})
-    module, criterion, loss_items = o.module, o.criterion, o.loss_items
+class FrozenList(list):  # type: ignore[type-arg]
+    """A list option as read back (``dp.device_ids``): changed by assigning a new list, never in place."""
+
+    def __init__(self, values: Sequence[Any], name: str) -> None:
+        super().__init__(values)
+        self.name = name
+
+    def _refuse(self, *args: Any) -> Any:
+        raise TypeError(f"{self.name}: read-only; assign a new list (dp.{self.name} = [...]) to change the option")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenList, (list(self), self.name))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Options:
+    """A wrapper's options as given (``gather``: ``dp.gather_output``) once checked, and what they imply:
+    ``devices`` (empty where the module runs as is), ``out`` (the output device), ``reduction`` (of the returned
+    loss; None without one) and ``own_reduction`` (the criterion's ``.reduction`` when checked)."""
+
+    device_ids: Sequence[DeviceLike] | None
+    output_device: DeviceLike | None
+    dim: int
+    chunk_sizes: Sequence[int] | None
+    weights: Sequence[float] | None
+    criterion: Callable[..., Any] | None
+    criterion_reduction: str | None
+    model_loss: str | None
+    loss_items: Callable[..., Any] | None
+    gather: bool
+    bucket_bytes: int
+    sync_batchnorm: bool
+    process_group: Any
+    forward_sync_buffers: bool | None
+    broadcast_buffers: bool | None
+    cuda_graphs: bool
+    replica_refresh: str
+    devices: Sequence[torch.device] = ()
+    out: torch.device | None = None
+    reduction: str | None = None
+    own_reduction: Any = None
+
+
+_GIVEN = [f.name for f in dataclasses.fields(Options) if f.default is dataclasses.MISSING]
+#: Each writable attribute of a wrapper -> its option (``gather`` is torch's method: ``gather_output``), and ``module``.
+ATTRIBUTES = {**{name: name for name in _GIVEN if name != "gather"}, "gather_output": "gather", "module": "module"}
+
+
+def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
+    """`o`, the options of a `cls` wrapper of `module`, checked, with what they imply. `base`: dpcore's class."""
+    criterion, loss_items = o.criterion, o.loss_items
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
     for name in ("sync_batchnorm", "cuda_graphs", "gather"):
@@ -41,33 +95,60 @@ def check_options(cls: type, base: type, args: Mapping[str, Any]) -> SimpleNames
     if o.cuda_graphs:
         check_not_compiled(module)
     _check_overrides(cls, base, o)
-    o.model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
-    o.reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if o.model_loss == "sum" else None)
+    model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
+    reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if model_loss == "sum" else None)
     if criterion is not None and loss_items is not None:
-        if o.reduction != "mean":
+        if reduction != "mean":
             raise ValueError(
-                f"loss_items: with criterion=, only for a mean criterion (its reduction is {o.reduction!r}): "
+                f"loss_items: with criterion=, only for a mean criterion (its reduction is {reduction!r}): "
                 f"it counts the items each replica's loss averages over"
             )
         if o.process_group is not None:
             raise ValueError("loss_items: not supported with process_group= (processes are weighted by rows)")
-    o.bucket_bytes = as_int(o.bucket_bytes, "bucket_bytes")
-    if o.bucket_bytes <= 0:
+    bucket_bytes = as_int(o.bucket_bytes, "bucket_bytes")
+    if bucket_bytes <= 0:
         raise ValueError(
-            f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {o.bucket_bytes}"
+            f"bucket_bytes: expected a positive number of bytes per parameter bucket, but got {bucket_bytes}"
         )
-    o.devices, o.output_device = _devices(o)
-    o.chunk_sizes, o.weights = check_split(o.chunk_sizes, o.weights, len(o.devices) or None)
-    o.replica_refresh = check_replica_refresh(o.replica_refresh)
-    return o
+    devices, out = _devices(module, o)
+    chunk_sizes, weights = check_split(o.chunk_sizes, o.weights, len(devices) or None)
+    return dataclasses.replace(
+        o,
+        device_ids=None if o.device_ids is None else devices,
+        output_device=as_destination(o.output_device, "output_device"),
+        dim=as_int(o.dim, "dim"),
+        chunk_sizes=None if chunk_sizes is None else FrozenList(chunk_sizes, "chunk_sizes"),
+        weights=None if weights is None else FrozenList(weights, "weights"),
+        model_loss=model_loss,
+        bucket_bytes=bucket_bytes,
+        replica_refresh=check_replica_refresh(o.replica_refresh),
+        devices=devices,
+        out=out,
+        reduction=reduction,
+        own_reduction=getattr(criterion, "reduction", None),
+    )
 
 
-def _devices(o: SimpleNamespace) -> tuple[list[torch.device], torch.device | None]:
+def check_write(cls: type, base: type, module: Any, o: Options, field: str, value: Any) -> Options:
+    """The options of a `cls` wrapper of `module` once its option `field` (or the ``module`` itself) is `value`,
+    checked as :func:`check_options` checks; AttributeError naming `field` where it cannot change."""
+    if field in _HYBRID or (o.process_group is not None and field in _LAYOUT):
+        raise AttributeError(
+            f"{field}: cannot be changed after construction{' with process_group=' if field in _LAYOUT else ''}: the "
+            f"processes of the hybrid mode agree on it (and on the module's layout) once, when the wrapper is built; "
+            f"build a new DataParallel instead"
+        )
+    if field == "module":
+        return check_options(cls, base, value, o)
+    return check_options(cls, base, module, dataclasses.replace(o, **{field: value}))
+
+
+def _devices(module: nn.Module, o: Options) -> tuple[FrozenList, torch.device | None]:
     """The checked devices and output device; with a process group and no
     list, the module's device (as DDP); with neither a list nor a GPU, none."""
     device_ids = o.device_ids
     if device_ids is None and o.process_group is not None:
-        device_ids = [_module_device(o.module)]
+        device_ids = [_module_device(module)]
     if device_ids is None:
         device_ids = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         if not device_ids:
@@ -75,8 +156,8 @@ def _devices(o: SimpleNamespace) -> tuple[list[torch.device], torch.device | Non
                 raise ValueError(
                     "cuda_graphs=True needs CUDA devices, but no device_ids were given and no GPU is visible"
                 )
-            return [], None
-    devices = check_device_list(device_ids, "device_ids")
+            return FrozenList([], "device_ids"), None
+    devices = FrozenList(check_device_list(device_ids, "device_ids"), "device_ids")
     if o.cuda_graphs and devices[0].type != "cuda":
         raise ValueError(
             f"cuda_graphs=True needs a CUDA device list, but device_ids is {[str(d) for d in devices]}: "
@@ -84,7 +165,7 @@ def _devices(o: SimpleNamespace) -> tuple[list[torch.device], torch.device | Non
         )
     out = as_destination(o.output_device, "output_device") or devices[0]
     check_usable(out, "output_device")
-    check_on_device(o.module, devices[0], "device_ids[0]")
+    check_on_device(module, devices[0], "device_ids[0]")
     return devices, out
 
 
@@ -126,7 +207,7 @@ def overrides(cls: type, base: type, name: str) -> bool:
     return getattr(cls, name) is not getattr(base, name)
 
 
-def _check_overrides(cls: type, base: type, o: SimpleNamespace) -> None:
+def _check_overrides(cls: type, base: type, o: Options) -> None:
     """Raises ValueError where an option would silently skip a method that `cls` overrides."""
     overridden = [name for name in ("scatter", "replicate", "parallel_apply", "gather") if overrides(cls, base, name)]
     on = {"criterion=": o.criterion is not None, "gather=False": not o.gather, "model_loss=": o.model_loss is not None}

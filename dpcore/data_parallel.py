@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from dpcore._dropin import dcp_names, strip_module_prefix
 from dpcore._graphs import GraphRunner
 from dpcore._loss import Call, LossRule
 from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
-from dpcore._options import check_not_compiled, check_options, overrides
+from dpcore._options import ATTRIBUTES, Options, check_not_compiled, check_options, check_write, overrides
 from dpcore._pytree import without_markers
 from dpcore._split import check_first_device
 from dpcore.distributed import DataParallelJoinHook, GradientSync
@@ -34,8 +35,6 @@ __all__ = ["DataParallel", "data_parallel"]
 
 #: torch's own class, bound before dpcore.patch_torch can rebind torch's names.
 TorchDataParallel = nn.DataParallel
-#: The wrapper's attributes that its loss rule reads (kept in step when one is set).
-_LOSS_FIELDS = frozenset({"criterion", "model_loss", "loss_items", "gather_output", "output_device"})
 
 
 class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
@@ -77,41 +76,69 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     ) -> None:
         nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
         Joinable.__init__(self)
-        options = check_options(type(self), DataParallel, locals())  # locals(): exactly the arguments here
+        given = Options(**{k: v for k, v in locals().items() if k not in ("self", "module")})  # the options here
+        options = check_options(type(self), DataParallel, module, given)
         self.__dict__.update(_fresh_private_state(cuda_graphs))  # cuda_graphs=True has devices
         self.module = module
-        self.device_ids: list[torch.device] = options.devices
-        self.output_device, self.dim = options.output_device, dim
-        self.chunk_sizes, self.weights = options.chunk_sizes, options.weights
-        self.criterion, self.criterion_reduction = criterion, criterion_reduction
-        self.model_loss, self.loss_items = options.model_loss, loss_items
-        self.gather_output = gather  # ``gather`` is torch's method name
-        self.bucket_bytes, self.replica_refresh = options.bucket_bytes, options.replica_refresh
-        self.sync_batchnorm, self.cuda_graphs = sync_batchnorm, cuda_graphs
-        self._loss = LossRule(options)
-        self._image_lists = image_list_model(module)
         self._sync: GradientSync | None = None
-        if self.device_ids and process_group is not None:
+        self._adopt(options, "module")
+        if options.devices and process_group is not None:
             self._sync = GradientSync(
                 module,
-                self.device_ids[0],
+                options.devices[0],
                 process_group,
                 broadcast_buffers=broadcast_buffers,
                 forward_sync_buffers=forward_sync_buffers,
-                bucket_bytes=self.bucket_bytes,
+                bucket_bytes=options.bucket_bytes,
                 sync_batchnorm=sync_batchnorm,
             )
 
+    # The options, read from one checked value (self._options); ``dp.gather`` is torch's method.
+    device_ids = property(attrgetter("_options.devices"), doc="torch's: the devices (none: the module runs as is)")
+    output_device = property(attrgetter("_options.out"), doc="torch's: where the outputs are gathered")
+    dim = property(attrgetter("_options.dim"), doc="torch's: the dimension the batch is split along")
+    chunk_sizes = property(attrgetter("_options.chunk_sizes"))
+    weights = property(attrgetter("_options.weights"))
+    criterion = property(attrgetter("_options.criterion"))
+    criterion_reduction = property(attrgetter("_options.criterion_reduction"))
+    model_loss = property(attrgetter("_options.model_loss"))
+    loss_items = property(attrgetter("_options.loss_items"))
+    gather_output = property(attrgetter("_options.gather"))
+    bucket_bytes = property(attrgetter("_options.bucket_bytes"))
+    sync_batchnorm = property(attrgetter("_options.sync_batchnorm"))
+    cuda_graphs = property(attrgetter("_options.cuda_graphs"))
+    replica_refresh = property(attrgetter("_options.replica_refresh"))
+    process_group = property(attrgetter("_options.process_group"), doc="the hybrid mode's group (None without one)")
+
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name in _LOSS_FIELDS and "_loss" in self.__dict__:  # options stay writable, as torch's attributes
-            setattr(self._loss, name, value)
+        """An option (or ``module``) written is checked with the others, as the constructor checks them, and
+        what was built from it is rebuilt; torch's own __setattr__ would register a Module criterion as is."""
+        field = ATTRIBUTES.get(name) if "_options" in self.__dict__ else None
+        if field is None:
+            super().__setattr__(name, value)
+            return
+        options = check_write(type(self), DataParallel, self.module, self._options, field, value)
+        if field == "module":
+            super().__setattr__(name, value)
+        self._adopt(options, field)
+
+    def _adopt(self, options: Options, changed: str) -> None:
+        """Makes the checked `options` the wrapper's and rebuilds what is built from them: the loss rule, the CUDA
+        graphs, the replica cache where `changed` shapes it; a Module criterion is a child, as torch would have it."""
+        self._options, self._loss = options, LossRule(options)
+        self._graphs = GraphRunner() if options.cuda_graphs else None
+        if changed in ("module", "device_ids", "bucket_bytes", "replica_refresh"):
+            self._cache = None
+        self._image_lists = image_list_model(self.module)
+        self._modules.pop("criterion", None)
+        if isinstance(options.criterion, nn.Module):
+            self._modules["criterion"] = options.criterion
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("module", "_join_config", *self._replica_private_attrs):
+            if name in ("module", "_join_config", "_options", *self._replica_private_attrs):
                 raise
             try:
                 found = getattr(self.module, name)
@@ -164,7 +191,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.update(_fresh_private_state(bool(state.get("cuda_graphs"))))
+        self.__dict__.update(_fresh_private_state(self.cuda_graphs))
 
     def _replicate_for_data_parallel(self) -> DataParallel:
         replica = super()._replicate_for_data_parallel()
@@ -229,7 +256,10 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     ) -> tuple[Any, int]:
         """The call's result and this process's rows. `through(replica)` runs
         in place of each replica, eagerly; a `method` call has no loss rule."""
-        if self.criterion is not None and not inputs and method is None:
+        criterion = self.criterion
+        if criterion is not None and getattr(criterion, "reduction", None) is not self._options.own_reduction:
+            self.criterion = criterion  # its .reduction changed in place: checked again, followed from this call on
+        if criterion is not None and not inputs and method is None:
             raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
         if not self.device_ids:  # the module as is, on the values inside Broadcast and Samples markers
             inputs, kwargs = without_markers((inputs, kwargs))
@@ -362,11 +392,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         with self._calls:
             if self._cache is not None:
                 self._cache.invalidate()
-
-    @property
-    def process_group(self) -> Any:
-        """The ``torch.distributed`` process group of the hybrid mode (None without one)."""
-        return None if self._sync is None else self._sync.group
 
     def _require_group(self, what: str, why: str = "there are no ranks to join") -> GradientSync:
         if self._sync is None:

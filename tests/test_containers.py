@@ -574,7 +574,6 @@ def test_stand_in_cache_fed_back_every_call_is_captured_once(stand_in_cuda: list
     signature, captured once and replayed, the cache's tensors placeholders
     of the graph (not baked in)."""
     dp = dpcore.DataParallel(_CachedLinear(), ["cpu"] * 3)
-    dp.cuda_graphs = True
     dp._graphs = _graphs.GraphRunner()
     g = torch.Generator().manual_seed(8)
     with warnings.catch_warnings():

@@ -565,7 +565,6 @@ def stand_in_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _stand_in_dp(model: nn.Module, n: int = 2, **options: Any) -> Any:
     dp = dpcore.DataParallel(model, ["cpu"] * n, **options)
-    dp.cuda_graphs = True
     dp._graphs = _graphs.GraphRunner()
     return dp
 

@@ -81,14 +81,15 @@ def flat_groups(tensors: Sequence[torch.Tensor], device: torch.device, bucket_by
     return [FlatBucket([tensors[i] for i in g], device) for g in _C.make_buckets(list(tensors), bucket_bytes)]
 
 
-def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any) -> None:
-    """Overwrites the tensors of `groups` in place with rank `src`'s (versions bump on receiving ranks only)."""
+def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any, write: bool = True) -> None:
+    """Overwrites the tensors of `groups` in place with rank `src`'s (versions bump on receiving ranks only);
+    with `write` False, rank `src`'s values stay in the groups' views."""
     with torch.no_grad():
         for g in groups:
             if rank == src:
                 torch._foreach_copy_(g.views, [t.detach() for t in g.params])
             dist.broadcast(g.flat, group=group, group_src=src)
-            if rank != src:
+            if rank != src and write:
                 torch._foreach_copy_([t.detach() for t in g.params], g.views)
 
 

@@ -51,11 +51,12 @@ class DataParallelJoinHook(JoinHook):
         zero gradients, its last sample count (0 unless `divide_by_initial_world_size`)."""
         sync = self.sync
         src, synchronizes = _join_state(sync, active=False)
-        sync.send_buffers(src)
+        sync.send_buffers(src, send=sync.forward_buffers)  # as the others' before_forward (DDP's join hook)
+        sync.forward_buffers = synchronizes
         if not synchronizes or not sync.reducer.buckets:
             return
         sync.reducer.shadow(float(sync.counts.last if self.divide_by_initial_world_size else 0), sync.pending)
-        sync.send_buffers(src)
+        sync.send_buffers(src, stage=True)
         if sync.agree_if_changed():
             sync.adopt_change(0.0, contribute=False)
 
@@ -65,6 +66,7 @@ class DataParallelJoinHook(JoinHook):
         rank = torch.tensor([float(sync.rank) if is_last_joiner else -1.0], device=sync.device)
         dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=sync.group)
         tensors = list(sync.module.parameters())
+        sync.staged = None  # the last joiner's buffers replace them
         if sync.forward_sync_buffers:
             tensors += list(sync.module.buffers())
         if tensors:

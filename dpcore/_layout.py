@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,41 +55,57 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def layout_of(module: nn.Module, bucket_bytes: int, options: str) -> tuple[list[torch.Tensor], Any, list[str]]:
+#: The layout's items by key: (what every rank must have equal, how an error shows it).
+Items = dict[str, tuple[str, str]]
+
+
+def layout_of(module: nn.Module, bucket_bytes: int, options: Items) -> tuple[list[torch.Tensor], Any, Items]:
     """The trainable parameters, their gradient buckets, and what must be equal on
-    every process, one line per item."""
+    every process: each tensor, each bucket (shown with `bucket_bytes`, which makes
+    them), then `options` (:func:`dpcore.distributed.option_items`)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     buckets = _C.make_buckets(trainable, bucket_bytes)
-    lines = [
-        f"{kind} {name!r}: shape {tuple(t.shape)}, {t.dtype}"
-        + (f", requires_grad={t.requires_grad}" if kind == "parameter" else "")
-        for kind, name, t in _named(module)
-    ]
-    lines += [f"gradient bucket {k}: parameters {list(group)}" for k, group in enumerate(buckets)]
-    lines.append(options)
-    return trainable, buckets, lines
+    items: Items = {}
+    for kind, name, t in _named(module):
+        line = f"{kind} {name!r}: shape {tuple(t.shape)}, {t.dtype}"
+        items[f"{kind} {name!r}"] = (line + (f", requires_grad={t.requires_grad}" if kind == "parameter" else ""),) * 2
+    for k, group in enumerate(buckets):
+        line = f"gradient bucket {k}: parameters {list(group)}"
+        items[f"gradient bucket {k}"] = (line, f"bucket_bytes={bucket_bytes} ({line})")
+    return trainable, buckets, {**items, **options}
 
 
-def check_layout(lines: list[str], sync: GradientSync) -> None:
-    """Collective: ValueError on every rank, naming the first difference from
-    rank 0, unless every rank has the same `lines` (one all-gather of a hash)."""
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()
+def _compared(items: Items) -> list[tuple[str, str]]:
+    return [(key, value) for key, (value, _) in items.items()]
+
+
+def _first_difference(theirs: Items, base: Items) -> tuple[str, str] | None:
+    """How the first item that differs between `theirs` and `base` shows on each side; None if none does."""
+    for key in dict.fromkeys([*base, *theirs]):
+        a, b = theirs.get(key), base.get(key)
+        if a is None or b is None or a[0] != b[0]:
+            return (a[1] if a else f"no {key}"), (b[1] if b else f"no {key}")
+    return None
+
+
+def check_layout(items: Items, sync: GradientSync) -> None:
+    """Collective: ValueError on every rank, naming each rank's first difference
+    from rank 0 as the user gave it, unless every rank has the same `items` (one
+    all-gather of a hash)."""
+    digest = hashlib.sha256(repr(_compared(items)).encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=sync.device)
     every = [torch.empty_like(mine) for _ in range(sync.world_size)]
     dist.all_gather(every, mine, group=sync.group)
     if all(torch.equal(h, every[0]) for h in every):
         return
     layouts: list[Any] = [None] * sync.world_size
-    dist.all_gather_object(layouts, lines, group=sync.group)
-    base = layouts[0]
-    for rank, other in enumerate(layouts[1:], start=1):
-        for found, theirs in itertools.zip_longest(other, base, fillvalue="nothing"):
-            if found != theirs:
-                raise ValueError(
-                    "process_group: the module must have the same layout in every process, but rank "
-                    f"{rank} has {found} where rank 0 has {theirs}"
-                )
-    raise ValueError("process_group: the module's layout differs between processes")
+    dist.all_gather_object(layouts, items, group=sync.group)
+    found = [(rank, _first_difference(other, layouts[0])) for rank, other in enumerate(layouts)]
+    parts = [f"rank {rank} has {d[0]} where rank 0 has {d[1]}" for rank, d in found if d is not None]
+    raise ValueError(
+        "process_group: every process must wrap a module of the same layout with the same options, but "
+        + ("; ".join(parts) or "the order of the parameters or buffers differs")
+    )
 
 
 def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
@@ -98,13 +113,13 @@ def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
     ValueError on every rank, naming each rank's change, unless every rank made
     the same change with the same values in new tensors."""
     module = sync.module
-    _, _, lines = layout_of(module, sync.bucket_bytes, sync.options)
+    _, _, items = layout_of(module, sync.bucket_bytes, sync.options)
     known = {entry[2] for entry in sync.structure}
     values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
     what = _describe_change(sync.structure, structure_of(module)) if sync.pending else []
     world_size = sync.world_size
     reports: list[Any] = [None] * world_size
-    dist.all_gather_object(reports, (lines, values, what), group=sync.group)
+    dist.all_gather_object(reports, (_compared(items), values, what), group=sync.group)
     if len(changed) == world_size and all(r[:2] == reports[0][:2] for r in reports):
         return  # the same change everywhere: adopted after this synchronization
     parts = [f"rank {r}: {'; '.join(reports[r][2]) or 'its layout'}" for r in changed]

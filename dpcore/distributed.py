@@ -58,6 +58,23 @@ def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return effective, effective
 
 
+def option_items(
+    broadcast_buffers: bool | None, forward_sync_buffers: bool | None, resolved: tuple[bool, bool], sync_batchnorm: Any
+) -> dict[str, tuple[str, str]]:
+    """The options every rank must agree on, as :func:`dpcore._layout.layout_of`'s items: what is compared (their
+    effect; `resolved`: :func:`buffer_sync_options`'s) and how an error shows them (the names and values given)."""
+    forward, init = resolved
+    sent = {
+        (True, True): "sent at construction and before training forwards",
+        (False, True): "sent at construction only",
+    }
+    given = f"broadcast_buffers={broadcast_buffers!r}, forward_sync_buffers={forward_sync_buffers!r}"
+    return {
+        "buffer options": (f"{forward}, {init}", f"{given} (buffers {sent.get((forward, init), 'never sent')})"),
+        "sync_batchnorm": (str(bool(sync_batchnorm)), f"sync_batchnorm={sync_batchnorm!r}"),
+    }
+
+
 class GradientSync:
     """The cross-process half of ``DataParallel(..., process_group=pg)`` for the
     master `module` (replica 0, on `device`), called around each forward. As
@@ -95,7 +112,8 @@ class GradientSync:
         self.rank: int = dist.get_rank(process_group)
         self.world_size: int = dist.get_world_size(process_group)
         self.forward_sync_buffers, self.init_sync_buffers = buffer_sync_options(broadcast_buffers, forward_sync_buffers)
-        self.options = f"forward_sync_buffers={self.forward_sync_buffers}, init_sync_buffers={self.init_sync_buffers}"
+        resolved = self.forward_sync_buffers, self.init_sync_buffers
+        self.options = option_items(broadcast_buffers, forward_sync_buffers, resolved, sync_batchnorm)
         self.bucket_bytes = int(bucket_bytes)
         self.no_sync_depth = 0
         self.pending = False  # the module's structure changed since the build; not yet agreed with the others
@@ -103,6 +121,8 @@ class GradientSync:
         self.reducer: BucketReducer = None  # type: ignore[assignment]  # set by _build
         self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
         self._buffer_src = 0  # the rank whose buffers the latest training forward used
+        self.forward_buffers = True  # DDP's require_forward_param_sync: the next training forward sends buffers
+        self.staged: list[list[int]] | None = None  # see send_buffers
         self._build(initial=True)
         self.batchnorm_group: Any = None  # sync_batchnorm's collectives: a group of its own, of the same ranks
         try:  # what bounds the group's collectives
@@ -121,13 +141,14 @@ class GradientSync:
         """Collective: checks the layout, builds its buckets, sends rank 0's parameters and buffers."""
         self.pending = False
         self.structure = structure_of(self.module)
-        self.params, self.indices, lines = layout_of(self.module, self.bucket_bytes, self.options)
-        check_layout(lines, self)
+        self.params, self.indices, items = layout_of(self.module, self.bucket_bytes, self.options)
+        check_layout(items, self)
         buffers = list(self.module.buffers())
-        send_buffers = self.init_sync_buffers if initial else self.forward_sync_buffers
-        shared = list(self.module.parameters()) + (buffers if send_buffers else [])
+        shared = list(self.module.parameters()) + (buffers if initial and self.init_sync_buffers else [])
         broadcast(flat_groups(shared, self.device, self.bucket_bytes), 0, self.rank, self.group)
         self._buffer_groups = flat_groups(buffers, self.device, self.bucket_bytes)
+        if not initial:  # a rebuild within a step: the buffers as _finish sends them
+            self.send_buffers(self._buffer_src, stage=True)
         self._make_reducer()
 
     def _make_reducer(self) -> None:
@@ -170,18 +191,38 @@ class GradientSync:
 
     def before_forward(self, joinable: Any = None) -> None:
         """Drops the state of a backward that raised; in a forward that can
-        synchronize, the Join notification (`joinable`: the wrapper) and the buffers."""
+        synchronize, the Join notification (`joinable`: the wrapper) and, after
+        a synchronizing forward (DDP's schedule), the buffers; in any other, the
+        staged buffers."""
         if self.reducer.readiness.task != -1:  # a synchronizing backward raised: start afresh
             self.reducer.reset()
             self.counts.local, self.counts.counted = 0, False
         if self.can_sync():
-            self.send_buffers(notify(self, joinable))
+            self.send_buffers(notify(self, joinable), send=self.forward_buffers)
+            self.forward_buffers = self.no_sync_depth == 0
+        elif self.staged is not None:
+            self.write_staged()
 
-    def send_buffers(self, src: int) -> None:
-        """With ``forward_sync_buffers``: rank `src`'s buffers to every rank."""
-        self._buffer_src = src
-        if self.forward_sync_buffers and self._buffer_groups:
-            broadcast(self._buffer_groups, src, self.rank, self.group)
+    def send_buffers(self, src: int, send: bool = True, stage: bool = False) -> None:
+        """With ``forward_sync_buffers`` and `send`: rank `src`'s buffers to every
+        rank; with `stage`, they are kept aside (:attr:`staged`: this rank's
+        buffers' versions then) for :meth:`write_staged`, and the module keeps its own."""
+        self._buffer_src, self.staged = src, None
+        if send and self.forward_sync_buffers and self._buffer_groups:
+            broadcast(self._buffer_groups, src, self.rank, self.group, write=not stage)
+            if stage and self.rank != src:
+                self.staged = [[t._version for t in g.params] for g in self._buffer_groups]
+
+    def write_staged(self) -> None:
+        """At a forward that makes no collective where DDP's would send the buffers
+        (the first after a synchronizing backward): the staged buffers of rank
+        `src` into this rank's, except those written since they arrived."""
+        with torch.no_grad():
+            for g, versions in zip(self._buffer_groups, self.staged or []):
+                for t, staged, version in zip(g.params, g.views, versions):
+                    if t._version == version:
+                        t.copy_(staged)
+        self.staged = None
 
     def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
         """BatchNorm across the processes for the forward about to run, weighted as
@@ -231,7 +272,7 @@ class GradientSync:
         reducer = self.reducer
         try:
             factor = reducer.finish()
-            self.send_buffers(self._buffer_src)
+            self.send_buffers(self._buffer_src, stage=True)
             changed = self.agree_if_changed()  # raises unless every rank made the same change
             reducer.write_back(factor)
             if changed:

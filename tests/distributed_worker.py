@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -429,6 +430,24 @@ def scenario_mismatch(rank: int, world: int) -> dict[str, Any]:
         out["buckets"] = None
     except ValueError as error:
         out["buckets"] = str(error)
+    # Options that disagree, each named as this rank gave it; options given differently to the same effect agree.
+    given: dict[str, dict[str, Any]] = {
+        "broadcast_buffers": {"broadcast_buffers": False} if rank else {},
+        "forward_sync_buffers": {"forward_sync_buffers": rank == 0},
+        "sync_batchnorm": {"sync_batchnorm": rank == 1},
+        "same_effect": {"broadcast_buffers": True} if rank == 1 else {},
+        "same_effect_both": {"broadcast_buffers": False, "forward_sync_buffers": True} if rank == 1 else {},
+    }
+    out["options"] = {}
+    for name, options in given.items():
+        normed = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                dpcore.DataParallel(normed, ["cpu"], process_group=dist.group.WORLD, **options)
+            out["options"][name] = None
+        except ValueError as error:
+            out["options"][name] = str(error)
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=dist.group.WORLD)
     dp(torch.randn(4, 40)).sum().backward()
     out["then_trains"] = model[0].weight.grad is not None
@@ -770,28 +789,48 @@ BUFFER_OPTIONS: dict[str, dict[str, bool]] = {
 }
 
 
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    """Copies of the parameters, then the buffers, on the CPU."""
+    return [t.detach().cpu().clone() for t in itertools.chain(model.parameters(), model.buffers())]
+
+
+def _rank_bn_statistics(model: BatchNormNet, rank: int) -> None:
+    """Running statistics that differ between ranks."""
+    with torch.no_grad():
+        model.bn.running_mean.fill_(0.5 * rank)
+        model.bn.running_var.fill_(1.0 + rank)
+
+
 def _train_then_evaluate(
     rank: int, make: Callable[[nn.Module], nn.Module], accumulate: int, group: Any
 ) -> dict[str, Any]:
     """BatchNormNet (float64) with rank-dependent running statistics before
-    wrapping, 3 SGD steps on this rank's own batches of 4 (each step
-    `accumulate` micro-batches, all but the last under no_sync), then
+    wrapping, 4 SGD steps on this rank's own batches of 4 (each step
+    `accumulate` micro-batches, all but the last under no_sync; after the
+    second, a model.eval() forward under inference_mode on every rank), then
     model.eval() and one torch.no_grad() forward of an input that is the
-    same on every rank. Returns that output, the buffers after it, whether
-    the buffers were rank 0's right after wrapping, and whether every rank
-    evaluated to the same output."""
+    same on every rank. Returns the parameters and buffers after every step
+    ("trace"), the outputs of the evaluations, the buffers after the last,
+    whether the buffers were rank 0's right after wrapping, whether every
+    rank evaluated to the same output, and whether rank 0's buffers differed
+    from another rank's after some step."""
     torch.manual_seed(0)
     model = BatchNormNet().double().to(DEVICE)
-    with torch.no_grad():
-        model.bn.running_mean.fill_(0.5 * rank)
-        model.bn.running_var.fill_(1.0 + rank)
+    _rank_bn_statistics(model, rank)
     wrapper = make(model)
-    means = [torch.empty_like(model.bn.running_mean) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(means, model.bn.running_mean.detach().clone(), group=group)
-    init_synced = all(torch.equal(m, means[0]) for m in means)
+    world = dist.get_world_size(group)
+
+    def agree(t: torch.Tensor) -> bool:
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t.detach().contiguous(), group=group)
+        return all(torch.equal(e, every[0]) for e in every)
+
+    init_synced = agree(model.bn.running_mean)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     generator = torch.Generator().manual_seed(21 + rank)
-    for _ in range(3):
+    probe = torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(6, 5).to(DEVICE)
+    trace, outputs, buffers_agree = [], [], True
+    for step in range(4):
         opt.zero_grad()
         for micro in range(accumulate):
             x = torch.randn(4, 5, generator=generator, dtype=torch.float64).to(DEVICE)
@@ -800,33 +839,99 @@ def _train_then_evaluate(
             with context:
                 F.mse_loss(wrapper(x), y).backward()
         opt.step()
+        trace.append(_state(model))
+        buffers_agree = agree(model.bn.running_mean) and buffers_agree
+        if step == 1:
+            model.eval()
+            with torch.inference_mode():
+                outputs.append(wrapper(probe).cpu())
+            model.train()
     model.eval()
     with torch.no_grad():
-        output = wrapper(torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(6, 5).to(DEVICE))
-    outputs = [torch.empty_like(output) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(outputs, output.contiguous(), group=group)
+        output = wrapper(probe)
+    outputs.append(output.cpu())
     return {
-        "output": output.cpu(),
+        "trace": trace,
+        "outputs": outputs,
         "buffers": [b.detach().cpu().double() for b in model.buffers()],
         "init_synced": init_synced,
-        "ranks_agree": all(torch.equal(o, outputs[0]) for o in outputs),
+        "ranks_agree": agree(output),
+        "buffers_differ_between_steps": not buffers_agree,
     }
 
 
+def _replicas_against_one_process(rank: int, world: int, group: Any, options: dict[str, bool]) -> float:
+    """BatchNormNet (float64, rank-dependent running statistics before
+    wrapping) on 2 CPU replicas per rank, 3 SGD steps of 4 rows per rank,
+    against a one-process simulation of every rank (DDP has no equivalent
+    within a process): the gradients of the mean loss over the global batch
+    with BatchNorm on each replica's chunk of 2, and each rank's buffers
+    updated by its first replica's chunk (replica 0 is the module), starting
+    from rank 0's before each step where forward buffers are sent, from
+    rank 0's at construction where the construction sends them. The largest
+    difference of parameters and buffers after any step."""
+    torch.manual_seed(0)
+    reference = BatchNormNet().double()
+    torch.manual_seed(0)
+    model = BatchNormNet().double()
+    _rank_bn_statistics(model, rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dp = dpcore.DataParallel(model, ["cpu", "cpu"], process_group=group, **options)
+    assert dp._sync is not None
+    forward, init = dp._sync.forward_sync_buffers, dp._sync.init_sync_buffers
+    names = [name for name, _ in reference.named_buffers()]
+    states = []  # each rank's buffers, as the simulation has them
+    for r in range(world):
+        _rank_bn_statistics(reference, r if not init else 0)
+        states.append({n: b.clone() for n, b in reference.named_buffers()})
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for _ in range(3):
+        x = torch.randn(4 * world, 5, generator=generator, dtype=torch.float64)
+        y = torch.randn(4 * world, 3, generator=generator, dtype=torch.float64)
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        if forward:
+            states = [dict(states[0]) for _ in range(world)]
+        for r in range(world):
+            for chunk in (slice(4 * r, 4 * r + 2), slice(4 * r + 2, 4 * r + 4)):
+                with torch.no_grad():
+                    for name, b in reference.named_buffers():
+                        b.copy_(states[r][name])
+                (F.mse_loss(reference(x[chunk]), y[chunk]) * 2 / (4 * world)).backward()
+                if chunk.start == 4 * r:  # the first replica's chunk: the module's statistics
+                    states[r] = {n: b.clone() for n, b in reference.named_buffers()}
+        F.mse_loss(dp(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
+        opt_ref.step()
+        opt.step()
+        expected = list(reference.parameters()) + [states[rank][n] for n in names]
+        worst = max(worst, _largest_difference([expected], [_state(model)]))
+    return worst
+
+
 def scenario_buffers(rank: int, world: int) -> dict[str, Any]:
-    """Buffers after training, against DistributedDataParallel (one replica
-    per rank, so that BatchNorm sees DDP's batches): for each option of
-    BUFFER_OPTIONS, the largest difference of the evaluation output and of
-    the buffers from DDP's with the same option, and each side's
-    init_synced and ranks_agree; the default with no_sync accumulation too.
-    Then rank 0 evaluates alone after training (the others wait outside any
-    collective): its seconds."""
+    """Buffers between steps and after training, against
+    DistributedDataParallel (one replica per rank, so that BatchNorm sees
+    DDP's batches): for each option of BUFFER_OPTIONS, the largest
+    difference of the evaluations' outputs, of the buffers after the last
+    and of every step's parameters and buffers from DDP's with the same
+    option, and each side's init_synced, ranks_agree and
+    buffers_differ_between_steps; the default with no_sync accumulation
+    too. "replicas": 2 replicas per rank against one process, for 3 of the
+    options. Then rank 0 evaluates alone after training (the others wait
+    outside any collective): its seconds; then every rank evaluates after
+    writing its own running_var."""
     from torch.nn.parallel import DistributedDataParallel
 
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout()))
     devices = [DEVICE]
     ddp_ids = None if DEVICE.type == "cpu" else [DEVICE]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"replicas": {}}
+    for name in ("default", "forward_sync_false", "broadcast_false"):
+        out["replicas"][name] = _replicas_against_one_process(rank, world, group, BUFFER_OPTIONS[name])
     cases = [(name, options, 1) for name, options in BUFFER_OPTIONS.items()] + [("accumulate", {}, 2)]
     for name, options, accumulate in cases:
         ddp = _train_then_evaluate(
@@ -838,11 +943,13 @@ def scenario_buffers(rank: int, world: int) -> dict[str, Any]:
         ours = _train_then_evaluate(
             rank, lambda m: dpcore.DataParallel(m, devices, process_group=group, **options), accumulate, group
         )
+        keys = ("init_synced", "ranks_agree", "buffers_differ_between_steps")
         out[name] = {
-            "output": (ddp["output"] - ours["output"]).abs().max().item(),
+            "output": _largest_difference([ddp["outputs"]], [ours["outputs"]]),
             "buffers": _largest_difference([ddp["buffers"]], [ours["buffers"]]),
-            **{f"ddp_{key}": ddp[key] for key in ("init_synced", "ranks_agree")},
-            **{f"ours_{key}": ours[key] for key in ("init_synced", "ranks_agree")},
+            "trace": _largest_difference(ddp["trace"], ours["trace"]),
+            **{f"ddp_{key}": ddp[key] for key in keys},
+            **{f"ours_{key}": ours[key] for key in keys},
         }
     # Rank 0 alone evaluates after training: no collective, at once.
     flag = os.path.join(_OUT, "buffers-rank-0-eval-done")
@@ -862,6 +969,16 @@ def scenario_buffers(rank: int, world: int) -> dict[str, Any]:
     else:
         wait_for_file(flag)
     out["rank_0_alone_seconds"] = seconds
+    # Every rank evaluates: rank 0's statistics from the last backward, except a buffer written since (kept).
+    with torch.no_grad():
+        model.bn.running_var.fill_(2.0 + rank)
+    model.eval()
+    with torch.no_grad():
+        dp(torch.randn(4, 5, dtype=torch.float64, device=DEVICE))
+    means = [torch.empty_like(model.bn.running_mean) for _ in range(world)]
+    dist.all_gather(means, model.bn.running_mean, group=group)
+    out["written_buffer_kept"] = bool((model.bn.running_var == 2.0 + rank).all())
+    out["others_are_rank_0s"] = all(torch.equal(m, means[0]) for m in means)
     ones = torch.ones(1, device=DEVICE)
     dist.all_reduce(ones, group=group)
     out["group_usable"] = ones.item() == world

@@ -177,6 +177,50 @@ def test_models_that_differ_between_processes_fail_on_every_rank(group_run: tupl
         assert r["single_replica_extra_bias_grad"] == [pytest.approx(2.0 / world)] * 3
 
 
+#: Every rank's default buffer options, as an agreement error shows them.
+DEFAULT_BUFFERS = (
+    "broadcast_buffers=None, forward_sync_buffers=None (buffers sent at construction and before training forwards)"
+)
+
+
+def test_options_that_differ_between_processes_are_named_as_given(group_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """An option that disagrees between ranks is a ValueError on every rank
+    naming the option by the name and value each disagreeing rank gave, and
+    rank 0's: broadcast_buffers=False on every other rank (each named),
+    forward_sync_buffers=False on ranks 1.. against True, sync_batchnorm=True
+    on rank 1 alone, bucket_bytes on rank 1 alone (the bucket it changes).
+    Options given differently to the same effect (broadcast_buffers=True,
+    or with forward_sync_buffers=True) agree."""
+    world, results = group_run
+    others = range(1, world)
+    expected = {
+        "broadcast_buffers": [
+            f"rank {r} has broadcast_buffers=False, forward_sync_buffers=None (buffers never sent) "
+            f"where rank 0 has {DEFAULT_BUFFERS}"
+            for r in others
+        ],
+        "forward_sync_buffers": [
+            f"rank {r} has broadcast_buffers=None, forward_sync_buffers=False (buffers sent at construction only) "
+            "where rank 0 has broadcast_buffers=None, forward_sync_buffers=True (buffers sent at construction and "
+            "before training forwards)"
+            for r in others
+        ],
+        "sync_batchnorm": ["rank 1 has sync_batchnorm=True where rank 0 has sync_batchnorm=False"],
+    }
+    for rank, r in enumerate(results):
+        got = r["mismatch"]["options"]
+        for name, phrases in expected.items():
+            message = got[name]
+            assert message is not None and message.startswith("process_group: every process must"), (rank, message)
+            assert "; ".join(phrases) in message, (rank, message)
+            assert message.count(" has ") == 2 * len(phrases), (rank, message)  # the agreeing ranks are not named
+        assert got["same_effect"] is None and got["same_effect_both"] is None, (rank, got)
+        buckets = r["mismatch"]["buckets"]
+        assert "rank 1 has bucket_bytes=1024 (gradient bucket 0: parameters" in buckets, buckets
+        assert "where rank 0 has bucket_bytes=1000000 (gradient bucket 0: parameters" in buckets, buckets
+        assert "rank 2" not in buckets, buckets
+
+
 @pytest.mark.parametrize(("where", "then"), [("forward", "exit"), ("backward", "stay")])
 def test_a_failing_rank_is_an_error_on_the_others(where: str, then: str, tmp_path: Path) -> None:
     """Rank 1 raises at step 1, in forward (then its process ends) or in
@@ -314,40 +358,56 @@ def test_join_with_uneven_inputs_equals_ddp_under_join(parity_run: tuple[int, li
 
 #: Per option of distributed_worker.BUFFER_OPTIONS (and "accumulate", the
 #: default under no_sync): whether buffers are rank 0's right after wrapping,
-#: and whether every rank evaluates to the same output after training.
+#: whether every rank evaluates to the same output after training, and
+#: whether rank 1's buffers between steps are its own (rank 0's updated by
+#: its batch, or never rank 0's), not rank 0's.
 BUFFER_MEANINGS = {
-    "default": (True, True),
-    "forward_sync_true": (True, True),
-    "forward_sync_false": (True, False),
-    "broadcast_true": (True, True),
-    "broadcast_false": (False, False),
-    "both": (True, True),
-    "accumulate": (True, True),
+    "default": (True, True, True),
+    "forward_sync_true": (True, True, True),
+    "forward_sync_false": (True, False, True),
+    "broadcast_true": (True, True, True),
+    "broadcast_false": (False, False, True),
+    "both": (True, True, True),
+    "accumulate": (True, True, True),
 }
+MEANING_KEYS = ("init_synced", "ranks_agree", "buffers_differ_between_steps")
 
 
-def test_buffers_after_training_equal_ddps_under_each_option(tmp_path: Path) -> None:
-    """BatchNorm trained for 3 steps on each rank's own batches, then
-    model.eval() and a torch.no_grad() forward on every rank, against
-    DistributedDataParallel with the same option (gloo, 2 processes): the
-    output and the buffers equal DDP's on every rank, for the default,
-    forward_sync_buffers True and False, broadcast_buffers True and False,
-    both given (broadcast_buffers ignored), and no_sync accumulation; each
-    option's meaning (buffers sent at construction; every rank evaluating
-    rank 0's buffers) is DDP's. Rank 0 evaluating alone after training
-    finishes at once."""
+def test_buffers_between_steps_and_after_training_equal_ddps_under_each_option(tmp_path: Path) -> None:
+    """BatchNorm trained for 4 steps on each rank's own batches, with a
+    model.eval() inference_mode forward on every rank after the second, then
+    model.eval() and a torch.no_grad() forward, against
+    DistributedDataParallel with the same option (gloo, 2 processes): after
+    every step each rank's parameters and buffers (running_mean,
+    running_var, num_batches_tracked) equal DDP's on that rank (rank 0's
+    sent at the start of each training forward after a synchronizing one,
+    so between steps rank 1 holds rank 0's updated by its own batch), and
+    so do both evaluations' outputs and the buffers after them, for the
+    default, forward_sync_buffers True and False, broadcast_buffers True and
+    False, both given (broadcast_buffers ignored), and no_sync accumulation;
+    each option's meaning (buffers sent at construction; every rank
+    evaluating rank 0's buffers) is DDP's. With 2 replicas per process,
+    where DDP has no equivalent: against a one-process simulation of every
+    rank (each rank's statistics are its first replica's). Rank 0
+    evaluating alone after training finishes at once; then every rank's
+    evaluation keeps a buffer it wrote after the last backward, and takes
+    rank 0's others."""
     world = 2
     results = launch("buffers", world, tmp_path, timeout=300, pg_timeout=PARITY_PG_TIMEOUT)
     assert all(r is not None for r in results), _logs(tmp_path, world)
     for rank, r in enumerate(results):
         assert r is not None
-        for name, (init_synced, ranks_agree) in BUFFER_MEANINGS.items():
+        for name, meanings in BUFFER_MEANINGS.items():
             got = r[name]
-            assert 0.0 <= got["output"] <= ATOL and 0.0 <= got["buffers"] <= ATOL, f"rank {rank}: {name}: {got}"
-            assert got["ddp_init_synced"] is init_synced and got["ours_init_synced"] is init_synced, (name, got)
-            assert got["ddp_ranks_agree"] is ranks_agree and got["ours_ranks_agree"] is ranks_agree, (name, got)
+            for key in ("output", "buffers", "trace"):
+                assert 0.0 <= got[key] <= ATOL, f"rank {rank}: {name}: {key}: {got}"
+            for key, expected in zip(MEANING_KEYS, meanings):
+                assert got[f"ddp_{key}"] is expected and got[f"ours_{key}"] is expected, (name, key, got)
+        for name, worst in r["replicas"].items():
+            assert 0.0 <= worst <= ATOL, f"rank {rank}: 2 replicas: {name}: {worst}"
         if rank == 0:
             assert r["rank_0_alone_seconds"] < AT_ONCE_S, r["rank_0_alone_seconds"]
+        assert r["written_buffer_kept"] is True and r["others_are_rank_0s"] is True, r
         assert r["group_usable"] is True
 
 

@@ -62,10 +62,10 @@ class _Shard:
             self.pairs.append((master, work))
         return work
 
-    def step(self, replicas: dict[int, tuple[Any, int]]) -> None:
-        """Steps this shard's optimizer; with `copies`, on working copies synced from and back to the masters,
-        and written into this position's replica buffers (`replicas`: ReplicaCache.entries), which the
-        next refresh then leaves as they are."""
+    def step(self, replicas: dict[int, tuple[Any, int]], kwargs: dict[str, Any]) -> None:
+        """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to
+        the masters, and written into this position's replica buffers (`replicas`: ReplicaCache.entries), which
+        the next refresh then leaves as they are."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
             with torch.no_grad():
@@ -77,7 +77,7 @@ class _Shard:
                         work.copy_(master)
                     work.grad = master.grad.to(self.device)
                     stepped.append((master, work))
-        self.optimizer.step()
+        self.optimizer.step(**kwargs)
         if stepped:
             with torch.no_grad():
                 for master, work in stepped:
@@ -87,6 +87,22 @@ class _Shard:
                     entry = replicas.get(id(master))
                     if entry is not None:
                         entry[0].write(self.position - 1, entry[1], work, master)
+
+    def view_as_buckets(self) -> None:
+        """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its
+        strides (ZeroRedundancyOptimizer's parameters_as_bucket_view); one with gaps keeps its own storage."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, work in self.pairs:
+            if work.requires_grad and torch.empty_like(work).stride() == work.stride():
+                by_dtype.setdefault(work.dtype, []).append(work)
+        with torch.no_grad():
+            for dtype, tensors in by_dtype.items():
+                flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=self.device)
+                offset = 0
+                for t in tensors:
+                    view = flat[offset : offset + t.numel()].as_strided(t.shape, t.stride())
+                    t.data = view.copy_(t)
+                    offset += t.numel()
 
 
 class _ShardStates(MutableMapping):  # type: ignore[type-arg]
@@ -142,16 +158,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         devices: DataParallel | Sequence[DeviceLike],
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
         self._class = _check_class(optimizer_class)
+        self.parameters_as_bucket_view = _check_flag(parameters_as_bucket_view, "parameters_as_bucket_view")
+        if _check_flag(overlap_with_ddp, "overlap_with_ddp"):
+            raise ValueError(
+                "overlap_with_ddp: ZeroRedundancyOptimizer's overlap runs its step inside DDP's communication hook, "
+                "bucket by bucket; a ShardedOptimizer steps when step() is called, every shard at once on the "
+                "worker pool, and its gradients are whole before that: pass overlap_with_ddp=False"
+            )
         self.devices, self._module = _placement(devices)
         self._wrapper = weakref.ref(devices) if isinstance(devices, DataParallel) else None
         self._shards: list[_Shard] = []
         self._shard_of: dict[int, _Shard] = {}
-        if isinstance(params, torch.Tensor):
-            raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}")
-        params = [dict(g, params=_as_list(g["params"])) if isinstance(g, dict) else g for g in params]
+        params = _param_list(params)
         probe = self._class([_probe_tensor(params)], **defaults)  # checks the arguments, gives every default
         super().__init__(params, dict(probe.defaults))
         del probe
@@ -164,13 +187,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._place(masters)
         for shard in self._shards:
             shard.optimizer = self._class([self._shard_group(g, shard) for g in self.param_groups], **defaults)
+            if self.parameters_as_bucket_view:
+                shard.view_as_buckets()
         self.state = _ShardStates(self)  # type: ignore[assignment]
 
     def _check_params(self, params: list[torch.Tensor], arg: str) -> None:
-        """ValueError naming `arg` unless every parameter is dense, on the first device, and the module's."""
+        """ValueError naming `arg` unless every parameter is dense, on the first device, the module's, and listed
+        once (torch's optimizer only warns of a repeat, and steps it twice)."""
         own = None if self._module is None else {id(p) for p in self._module.parameters()}
         first = self.devices[0] if self.devices else normalize_device(params[0].device) if params else None
+        index: dict[int, int] = {}
         for i, p in enumerate(params):
+            if index.setdefault(id(p), i) != i:
+                raise ValueError(
+                    f"{arg}: parameter {i} ({p.dtype}{list(p.shape)}) is parameter {index[id(p)]} again; "
+                    "list each parameter once"
+                )
             if own is not None and id(p) not in own:
                 raise ValueError(
                     f"{arg}: parameter {i} ({p.dtype}{list(p.shape)}) is not a parameter of the wrapper's module "
@@ -216,6 +248,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._place(group["params"])
         for shard in self._shards:
             shard.optimizer.add_param_group(self._shard_group(group, shard))
+            if self.parameters_as_bucket_view:
+                shard.view_as_buckets()
 
     def _sync_groups(self) -> list[_Shard]:
         """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient."""
@@ -231,21 +265,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 shard.optimizer.param_groups[j].update(settings)
         return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)]
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step of every shard, in parallel on the worker pool; `closure` is called once, first."""
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+        """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called
+        with `kwargs`; `closure` is called once, first. Entries the shards' optimizers add to or change in their
+        param groups during the step reach ``param_groups`` (ZeroRedundancyOptimizer's sync after its step)."""
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure: expected a callable that returns the loss, or None, but got {closure!r}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         busy = self._sync_groups()
+        pushed = [_settings(group) for group in self.param_groups]
         replicas = self._replica_entries() if any(s.copies for s in busy) else {}
         if len(busy) == 1:
-            busy[0].step(replicas)
+            busy[0].step(replicas, kwargs)
         elif busy:
             run = start_parallel_apply(
-                [s.step for s in busy], [(replicas,)] * len(busy), None, [s.device for s in busy]
+                [s.step for s in busy], [(replicas, kwargs)] * len(busy), None, [s.device for s in busy]
             )
             run.result()
+        for j, (group, before) in enumerate(zip(self.param_groups, pushed)):
+            group.update(_changed_settings(j, before, [s.optimizer.param_groups[j] for s in busy]))
         return loss
 
     def _replica_entries(self) -> dict[int, tuple[Any, int]]:
@@ -349,8 +390,55 @@ def _placement(devices: Any) -> tuple[list[torch.device], nn.Module | None]:
     return check_device_list(devices, "devices"), None
 
 
-def _as_list(params: Any) -> list[Any]:
-    return [params] if isinstance(params, torch.Tensor) else list(params)
+def _check_flag(value: Any, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg}: expected True or False, but got {value!r}")
+    return value
+
+
+def _param_list(params: Any) -> list[Any]:
+    """`params` as a list of tensors, (name, tensor) pairs or groups with a list each; TypeError or ValueError
+    naming `params` for a lone tensor, a non-iterable, or a group without its 'params'."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}")
+    try:
+        entries = list(params)
+    except TypeError:
+        raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}") from None
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict):
+            if "params" not in entry:
+                raise ValueError(f"params[{i}]: a parameter group needs a 'params' entry, but has {sorted(entry)}")
+            group = entry["params"]
+            entries[i] = dict(entry, params=[group] if isinstance(group, torch.Tensor) else list(group))
+    return entries
+
+
+def _changed_settings(j: int, before: dict[str, Any], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings of group `j` that the shards' optimizers added or changed during a step (`after`: their
+    groups j); ValueError naming the entry if two shards set different values."""
+    changed: dict[str, Any] = {}
+    for group in after:
+        for key, value in _settings(group).items():
+            if key in before and value is before[key]:
+                continue
+            if key in changed and not _same(changed[key], value):
+                raise ValueError(
+                    f"param_groups[{j}][{key!r}]: the shards' optimizers set different values in one step "
+                    f"({changed[key]!r} and {value!r}); a group setting computed from all of its parameters "
+                    "cannot be split into shards"
+                )
+            changed[key] = value
+    return changed
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu())
+    try:
+        return a is b or bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

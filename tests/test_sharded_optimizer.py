@@ -589,3 +589,76 @@ def test_bench_reports_both_rows_as_ratios(monkeypatch: pytest.MonkeyPatch) -> N
         assert row["sharded_ms"] > 0 and row["plain_ms"] > 0 and row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
         assert row["state_bytes"][0] == row["state_bytes"][1] > 0  # 8 equal layers: half each
     assert result["env"]["load_average"] is not None
+
+
+# ---------------------------------------------------------------------------
+# parameters_as_bucket_view=True (ZeroRedundancyOptimizer's): each shard's
+# trainable tensors are views of one flat buffer per dtype, steps unchanged
+# ---------------------------------------------------------------------------
+
+
+def _assert_bucketed(opt: dpcore.ShardedOptimizer) -> None:
+    for shard in opt._shards:
+        stepped = [w for _, w in shard.pairs]
+        for dtype in {w.dtype for w in stepped}:
+            mine = [w for w in stepped if w.dtype == dtype and w.requires_grad]
+            storages = {w.untyped_storage().data_ptr() for w in mine}
+            assert len(storages) <= 1, (shard.position, dtype)
+            spans = sorted((w.storage_offset(), w.storage_offset() + w.numel()) for w in mine)
+            assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]]  # back to back, from the start
+            assert all(w.untyped_storage().nbytes() == spans[-1][1] * w.element_size() for w in mine)
+        for w in stepped:
+            if not w.requires_grad:  # a frozen one keeps its own storage
+                assert all(
+                    w.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for v in stepped if v is not w
+                )
+
+
+@pytest.mark.parametrize("forced_copies", [False, True])
+def test_bucket_view_equals_plain_optimizer(
+    devices: list[Any], forced_copies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if forced_copies:
+        monkeypatch.setattr(sharded_optimizer, "_holds_copies", lambda device, master: True)
+    pair = Pair(devices, "adamw_foreach")
+    pair.opt = dpcore.ShardedOptimizer(
+        _groups(pair.model),
+        torch.optim.AdamW,
+        devices=pair.dp,
+        parameters_as_bucket_view=True,
+        lr=1e-2,
+        weight_decay=0.1,
+    )
+    pair.ref_opt = torch.optim.AdamW(_groups(pair.ref), lr=1e-2, weight_decay=0.1)
+    _assert_bucketed(pair.opt)
+    pair.train(range(STEPS // 2))
+    extra, ref_extra = (
+        nn.Parameter(torch.ones(4, dtype=torch.float64)),
+        nn.Parameter(torch.ones(4, dtype=torch.float64)),
+    )
+    pair.model.register_parameter("extra", extra)
+    pair.ref.register_parameter("extra", ref_extra)
+    pair.opt.add_param_group({"params": [extra], "lr": 0.1})
+    pair.ref_opt.add_param_group({"params": [ref_extra], "lr": 0.1})
+    _assert_bucketed(pair.opt)
+    for i in range(STEPS // 2, STEPS):
+        x, y = pair.batches[i]
+        for net, opt, p in ((pair.dp, pair.opt, extra), (pair.ref, pair.ref_opt, ref_extra)):
+            (_loss(net, x, y) + p.square().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    pair.assert_equal()
+
+
+def test_bucket_view_keeps_strides_and_splits_dtypes() -> None:
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    half = nn.Linear(3, 2).to(torch.bfloat16)
+    params = [conv.weight, conv.bias, *half.parameters()]
+    strides = [p.stride() for p in params]
+    before = [p.detach().clone() for p in params]
+    opt = dpcore.ShardedOptimizer(params, torch.optim.SGD, devices=["cpu"], parameters_as_bucket_view=True, lr=0.1)
+    assert [p.stride() for p in params] == strides and conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    storages = [p.untyped_storage().data_ptr() for p in params]
+    assert storages[0] == storages[1] and storages[2] == storages[3] and storages[0] != storages[2]
+    _assert_bucketed(opt)

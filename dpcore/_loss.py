@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from dpcore._options import Options
 from dpcore._split import _as_weight
-
-if TYPE_CHECKING:
-    from dpcore._options import Options
 
 
 @dataclasses.dataclass

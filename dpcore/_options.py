@@ -115,11 +115,9 @@ def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
     return dataclasses.replace(
         o,
         device_ids=None if o.device_ids is None else devices,
-        output_device=as_destination(o.output_device, "output_device"),
         dim=as_int(o.dim, "dim"),
         chunk_sizes=None if chunk_sizes is None else FrozenList(chunk_sizes, "chunk_sizes"),
         weights=None if weights is None else FrozenList(weights, "weights"),
-        model_loss=model_loss,
         bucket_bytes=bucket_bytes,
         replica_refresh=check_replica_refresh(o.replica_refresh),
         devices=devices,

@@ -44,7 +44,11 @@ def scatter(
     chunk_sizes: Sequence[int] | None,
     dim: int,
     streams: Sequence[torch.Stream | None] | None,
-) -> list[torch.Tensor]: ...
+    separate: bool = False,
+) -> list[torch.Tensor]:
+    """With `separate`, the chunks on the tensor's device share its storage but are no views, and all but
+    the first have their own version counter (DataParallel's chunks); else they are views."""
+
 def scatter_out(
     tensor: torch.Tensor, out: Sequence[torch.Tensor], dim: int, streams: Sequence[torch.Stream | None] | None
 ) -> None: ...

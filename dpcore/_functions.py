@@ -14,6 +14,8 @@ import torch
 
 from dpcore import comm
 from dpcore._devices import DeviceLike, as_devices, tensor_list
+from dpcore._loader import _C
+from dpcore._split import as_int_list
 
 __all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket"]
 __all__ += ["reduce_present"]
@@ -31,14 +33,21 @@ def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
 
 class Scatter(torch.autograd.Function):
     """Differentiable ``comm.scatter``: ``Scatter.apply(devices, chunk_sizes,
-    dim, input)``, output i the i-th chunk on ``devices[i]`` (a view of
-    ``input`` on its own device). Backward is :class:`Gather`."""
+    dim, input)``, output i the i-th chunk on ``devices[i]``. Each chunk is its
+    own tensor, as on distinct devices: on ``input``'s device it shares the
+    input's memory (writes reach the caller's tensor) but is no view, and all
+    but the first have their own version counter, so one replica's in-place
+    write never fails another's backward. A leaf that requires grad keeps
+    views (its in-place writes are refused, as on one device). Backward is
+    :class:`Gather`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        devices: Sequence[DeviceLike], chunk_sizes: Sequence[int], dim: int, input: torch.Tensor
+        devices: Sequence[DeviceLike], chunk_sizes: Sequence[int] | None, dim: int, input: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        return comm.scatter(input, as_devices(devices, "devices"), chunk_sizes, dim)
+        sizes = None if chunk_sizes is None else as_int_list(chunk_sizes, "chunk_sizes")
+        separate = not (input.is_leaf and input.requires_grad)
+        return tuple(_C.scatter(input, as_devices(devices, "devices"), sizes, dim, None, separate))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -47,6 +56,14 @@ class Scatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
         return None, None, None, apply(Gather, ctx.input_device, ctx.dim, *grad_outputs)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], devices: Any, chunk_sizes: Any, dim: int, input: torch.Tensor) -> Any:
+        """torch.func.vmap's rule: the batch dimension first, the split along the one after `dim`."""
+        if in_dims[3] is None:
+            return apply(Scatter, devices, chunk_sizes, dim, input), (None,) * len(devices)
+        chunks = apply(Scatter, devices, chunk_sizes, dim + 1 if dim >= 0 else dim, input.movedim(in_dims[3], 0))
+        return chunks, (0,) * len(chunks)
 
 
 class Gather(torch.autograd.Function):
@@ -77,6 +94,21 @@ class Gather(torch.autograd.Function):
         if ctx.unsqueezed_scalars:
             grads = tuple(g.view(()) for g in grads)
         return (None, None) + tuple(grads)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], destination: Any, dim: int, *inputs: torch.Tensor) -> Any:
+        """torch.func.vmap's rule: every input with the batch dimension first (an unbatched one expanded),
+        joined along the one after `dim` (0-dim ones stacked along 1)."""
+        dims = in_dims[2:]
+        if all(d is None for d in dims):
+            return apply(Gather, destination, dim, *inputs), None
+        batched = [
+            t.expand(info.batch_size, *t.shape).contiguous() if d is None else t.movedim(d, 0)
+            for t, d in zip(inputs, dims)
+        ]
+        if all(t.dim() == 1 for t in batched):  # 0-dim inputs
+            return apply(Gather, destination, 1, *(t.unsqueeze(1) for t in batched)), 0
+        return apply(Gather, destination, dim + 1 if dim >= 0 else dim, *batched), 0
 
 
 class BroadcastTensor(torch.autograd.Function):
@@ -163,6 +195,18 @@ class BroadcastBucket(torch.autograd.Function):
 
     setup_context = staticmethod(BroadcastCoalesced.setup_context)
     backward = staticmethod(BroadcastCoalesced.backward)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], replicas: Any, *params: torch.Tensor) -> Any:
+        """torch.func.vmap's rule for the module's own parameters (what vmap over the inputs, or over the
+        tensors of a functional call, sees): unbatched, so are their copies."""
+        if any(d is not None for d in in_dims[1:]):
+            raise ValueError(
+                "vmap over the module's own parameters is not supported by DataParallel's replica buffers; "
+                "vmap over the parameters given to dpcore.functional_call instead"
+            )
+        copies = apply(BroadcastBucket, replicas, *params)
+        return copies, (None,) * len(copies)
 
 
 def reduce_present(

@@ -53,6 +53,51 @@ def test_functional_call_equals_the_bare_module_and_its_gradients(devices: list[
     torch.testing.assert_close(dp(x), _model()(x), **TOL)
 
 
+_TRANSFORMS = {
+    "grad": lambda f, p, x: torch.func.grad(lambda q: f(q, x).pow(2).sum())(p),
+    "grad_and_value": lambda f, p, x: torch.func.grad_and_value(lambda q: f(q, x).pow(2).sum())(p),
+    "vjp": lambda f, p, x: torch.func.vjp(lambda q: f(q, x), p)[1](
+        torch.linspace(-1, 1, 3 * len(x), dtype=F64).view(-1, 3)
+    ),
+    "grad of grad": lambda f, p, x: torch.func.grad(
+        lambda q: torch.func.grad(lambda r: f(r, x).pow(3).sum())(q)["0.weight"].sum()
+    )(p),
+    "grad wrt input": lambda f, p, x: torch.func.grad(lambda y: f(p, y * 1.0).pow(2).sum())(x),
+    "jacrev": lambda f, p, x: torch.func.jacrev(lambda q: f(q, x))(p),
+    "vmap over parameters": lambda f, p, x: torch.func.vmap(lambda q: f(q, x))(
+        {k: torch.stack([v, -v]) for k, v in p.items()}
+    ),
+    "vmap over inputs": lambda f, p, x: torch.func.vmap(lambda y: f(p, y))(torch.stack([x, x.flip(0) * 2])),
+    "grad of vmap": lambda f, p, x: torch.func.grad(
+        lambda q: torch.func.vmap(lambda y: f(q, y))(torch.stack([x, -x])).sum()
+    )(p),
+}
+
+
+@pytest.mark.parametrize("devices", CPU_PARAMS)
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+def test_a_fresh_wrapper_under_each_transform_equals_torch_func_on_the_bare_module(
+    devices: list[str], transform: str
+) -> None:
+    """The wrapper's first call made under a torch.func transform builds its replicas from the real tensors
+    (before, "Cannot access storage of TensorWrapper"), and equals torch.func on the bare module, as later
+    calls do."""
+    run = _TRANSFORMS[transform]
+    x = torch.randn(len(devices) * 2 + 1, 5, dtype=F64)
+    ref_model = _model()
+    params = {k: v.detach() * 1.5 for k, v in ref_model.named_parameters()}
+    want = run(lambda p, y: torch.func.functional_call(ref_model, p, (y,)), params, x)
+    for fresh in (True, False):  # the first call, then a later one
+        dp = dpcore.DataParallel(_model(), devices)
+        if not fresh:
+            dp(x)
+        got = run(lambda p, y: dpcore.functional_call(dp, p, (y,)), params, x)
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+            torch.testing.assert_close(g, w, **TOL)
+        assert all(p.grad is None for p in dp.parameters())
+        torch.testing.assert_close(dp(x), _model()(x), **TOL)  # the module's own parameters, untouched
+
+
 @pytest.mark.parametrize("devices", CPU_PARAMS)
 def test_functional_call_with_a_criterion_and_buffers(devices: list[str]) -> None:
     model = _model(batchnorm=True).eval()

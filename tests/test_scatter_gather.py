@@ -286,12 +286,30 @@ def test_scatter_fewer_rows_than_devices() -> None:
     assert [k["y"].item() for k in kwargs] == [0, 1, 2]
 
 
-def test_scatter_chunks_are_views_on_source_device(devices: list[str]) -> None:
-    x = rows(8, 2)
-    args, _, _, _ = scatter_kwargs((x,), None, devices)
-    for (chunk,) in args:
-        assert chunk._base is x
-        assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+def test_scatter_chunks_share_the_input_memory_as_tensors_of_their_own(devices: list[str]) -> None:
+    """DataParallel's chunks on the input's device (unlike comm.scatter's views, test_comm) share its memory
+    but are no views, and only the first shares its version counter: a write into one chunk bumps no other's."""
+    for x in (rows(8, 2), rows(8, 2).mul(1).requires_grad_().mul(1)):  # plain, and not a leaf but requiring grad
+        args, _, sizes, _ = scatter_kwargs((x,), None, devices)
+        chunks = [a[0] for a in args]
+        for chunk, start in zip(chunks, np.cumsum([0, *sizes[:-1]])):
+            assert chunk._base is None and chunk.requires_grad == x.requires_grad
+            assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            assert chunk.storage_offset() == start * 2 and torch.equal(chunk, x[start : start + len(chunk)])
+        with torch.no_grad():
+            before = [c._version for c in chunks]
+            chunks[-1].add_(100)
+            after = [c._version for c in chunks]
+        assert after[:-1] == before[:-1] and after[-1] > before[-1]
+        assert x[-1].tolist() == [107.0, 107.0]  # the caller's tensor sees the write
+        version = x._version
+        with torch.no_grad():
+            chunks[0].add_(1)
+        assert x._version > version  # the first chunk and the caller's tensor share one counter
+        assert [c._version for c in chunks[1:]] == after[1:]
+    leaf = rows(8, 2).requires_grad_()  # a leaf requiring grad keeps views: writes into it are refused
+    args, _, _, _ = scatter_kwargs((leaf,), None, devices)
+    assert all(a[0]._base is leaf for a in args)
 
 
 def test_scatter_chunk_sizes_drops_empty_replicas() -> None:
@@ -823,3 +841,95 @@ def test_gather_function_rejects_non_tensors() -> None:
         Gather.apply(CPU, 0)
     with pytest.raises(TypeError, match=r"inputs\[1\]"):
         Gather.apply(CPU, 0, torch.ones(1), 3)
+
+
+class _WritesItsInputs(torch.nn.Module):
+    """Writes its inputs in place before using them (their chunks are saved for backward after the write:
+    Linear saves its input, cross_entropy its target, the product both factors)."""
+
+    def __init__(self, write: str) -> None:
+        super().__init__()
+        self.write = write
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 5, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        pos = batch["pos"][0]
+        pos.clamp_(0, 4)  # transformers' QA heads: start_positions.clamp_(0, ignored_index)
+        if self.write == "add_":
+            x.add_(1.5)
+        elif self.write == "index":
+            x[x < 0] = 0.25
+        else:
+            x.clamp_(-0.5, 0.5)
+        h = self.lin(x)
+        return torch.nn.functional.cross_entropy(h, pos, reduction="none") + (h * x.sum(1, keepdim=True)).sum(1)
+
+
+def _writes_inputs_case(devices: list[str], write: str, grad: bool, as_kwargs: bool) -> None:
+    module = _WritesItsInputs(write)
+    dp = dpcore.DataParallel(_WritesItsInputs(write), devices)
+    torch.manual_seed(1)
+    base = torch.randn(len(devices) * 2 + 1, 4, dtype=torch.float64)
+    pos = torch.tensor([-1, 3, 7, 2, 9, 0, 4, -3, 5][: base.shape[0]])
+    results = []
+    for model in (module, dp):
+        leaf = base.clone().requires_grad_(grad)
+        x = leaf * 1.0 if grad else leaf.clone()  # written in place: not a leaf where it requires grad
+        batch = {"pos": [pos.clone()]}  # nested: a list inside a dict
+        out = model(x=x, batch=batch) if as_kwargs else model(x, batch)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), x.detach(), batch["pos"][0], leaf.grad, [p.grad for p in model.parameters()]))
+    (want, want_x, want_pos, want_leaf, want_params), (got, got_x, got_pos, got_leaf, got_params) = results
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # On a CPU list (every chunk on the input's device) the caller's tensors see the writes, as the bare
+    # module's would.
+    torch.testing.assert_close(got_x, want_x, atol=0, rtol=0)
+    assert torch.equal(got_pos, want_pos)
+    if grad:
+        torch.testing.assert_close(got_leaf, want_leaf, atol=1e-12, rtol=0)
+    for g, w in zip(got_params, want_params):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * k for k in (2, 3, 4)], ids=["cpu*2", "cpu*3", "cpu*4"])
+@pytest.mark.parametrize("write", ["clamp_", "add_", "index"])
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "requires_grad"])
+def test_in_place_writes_to_inputs_train_as_the_bare_module(devices: list[str], write: str, grad: bool) -> None:
+    """Each replica's chunk is its own tensor: one replica's in-place write never fails another's backward
+    (before, the chunks shared one version counter: "modified by an inplace operation")."""
+    _writes_inputs_case(devices, write, grad, as_kwargs=False)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * k for k in (2, 3, 4)], ids=["cpu*2", "cpu*3", "cpu*4"])
+@pytest.mark.parametrize("grad", [False, True], ids=["plain", "requires_grad"])
+def test_in_place_writes_to_keyword_inputs_train_as_the_bare_module(devices: list[str], grad: bool) -> None:
+    _writes_inputs_case(devices, "clamp_", grad, as_kwargs=True)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * k for k in (2, 3, 4)], ids=["cpu*2", "cpu*3", "cpu*4"])
+def test_in_place_write_errors_as_the_bare_module(devices: list[str]) -> None:
+    """Where the bare module's backward or forward refuses a write, so does the wrapper's: the caller writes
+    its input after the call (a saved chunk changed: the first chunk shares the input's version counter), or
+    the module writes a leaf that requires grad (its chunks stay views)."""
+    for model in (_WritesItsInputs("add_"), dpcore.DataParallel(_WritesItsInputs("add_"), devices)):
+        x, pos = torch.randn(5, 4, dtype=torch.float64), torch.tensor([1, 2, 3, 0, 1])
+        out = model(x, {"pos": [pos]})
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        with pytest.raises(RuntimeError, match="in-place|inplace"):
+            model(torch.randn(5, 4, dtype=torch.float64, requires_grad=True), {"pos": [pos]})
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * k for k in (2, 3, 4)], ids=["cpu*2", "cpu*3", "cpu*4"])
+def test_separate_chunks_gradcheck_and_gradgradcheck(devices: list[str]) -> None:
+    """Gradients through the separate chunks of a non-leaf input (double backward too), each written in place."""
+    x = torch.randn(len(devices) + 2, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        chunks = Scatter.apply(devices, None, 0, t * 1.0)
+        return Gather.apply(CPU, 0, *(c.mul_(i + 2).pow(3) for i, c in enumerate(chunks)))
+
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))

@@ -114,6 +114,58 @@ def test_matches_on_two_and_four_devices(count: int) -> None:
     _compare_steps(model, ["cpu"] * count, [_randn(9, *shape, seed=s) for s in range(3)])
 
 
+class _ReadThroughTranspose(nn.Module):
+    """Reads BatchNorm's output as LeViT's patch embeddings do, ``flatten(2).transpose(1, 2)``: each
+    replica's gradient arrives channels_last-strided (its batch stride free where its chunk has one row)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(2).transpose(1, 2)
+
+
+def _formatted(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """`x` in the memory format `layout`; "channels-first-last" is a 3-d input laid out (N, L, C)."""
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last_3d":
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    if layout == "channels-first-last":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    return x
+
+
+_LAYOUTS = [
+    ((6,), "contiguous"),
+    ((6, 5), "contiguous"),
+    ((6, 5), "channels-first-last"),
+    ((8, 3, 2), "contiguous"),
+    ((8, 3, 2), "channels_last"),
+    ((8, 2, 3, 2), "contiguous"),
+    ((8, 2, 3, 2), "channels_last_3d"),
+]
+_CASES = [
+    (shape, layout, read)
+    for shape, layout in _LAYOUTS
+    for read in ("as-is", "transposed")
+    if len(shape) > 1 or read == "as-is"
+]
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+@pytest.mark.parametrize(("shape", "layout", "read"), _CASES, ids=[f"{len(s) + 1}d-{f}-{r}" for s, f, r in _CASES])
+def test_every_chunk_size_and_memory_format(count: int, shape: tuple[int, ...], layout: str, read: str) -> None:
+    """Batches of `count`, `count` + 1 and 2 `count` + 1 rows: chunks of 1 (all of them, or beside chunks of 2),
+    2 and 3; inputs in every memory format, read as they are or through a transpose (channels_last-strided
+    gradients: torch's CPU BatchNorm backward is wrong for those on a contiguous input of one row)."""
+    bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm1d, 3: nn.BatchNorm2d, 4: nn.BatchNorm3d}[len(shape)]
+    torch.manual_seed(0)
+    model = nn.Sequential(bn(shape[0]), _ReadThroughTranspose() if read == "transposed" else nn.Identity()).to(F64)
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+        model[0].bias.uniform_(-0.5, 0.5)
+    batches = [_formatted(_randn(n, *shape, seed=n) * 2 + 1, layout) for n in (count, count + 1, 2 * count + 1)]
+    _compare_steps(model, ["cpu"] * count, batches)
+
+
 def test_cumulative_average_momentum_none() -> None:
     model, shape = _model("2d", momentum=None)
     _compare_steps(model, ["cpu"] * 3, [_randn(7, *shape, seed=s) + s for s in range(3)])

@@ -8,7 +8,8 @@
 //  * broadcast: the output for the first entry equal to the source's device
 //    is the source; every other output owns its storage, also when its
 //    device repeats the source's. scatter: every chunk bound for the source's
-//    own device is a view of it (chunks are disjoint); others are copies.
+//    own device is a view of it (chunks are disjoint; with `separate`, a
+//    tensor of its own on the source's storage); others are copies.
 //  * Coalesced outputs each have their own version counter.
 //  * Copies between CUDA devices are ordered on the current streams of both
 //    devices (or the given streams), without a device-wide synchronize.
@@ -73,12 +74,16 @@ std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts);
 //
 // Splits `tensor` along `dim` into one chunk per device (sizes `chunk_sizes`,
 // default balanced_chunk_sizes) and moves chunk i to devices[i], on
-// streams[i] where given. A chunk bound for tensor's own device is a view.
-// Memory format (channels_last) is preserved.
+// streams[i] where given. A chunk bound for tensor's own device is a view
+// (torch.cuda.comm's rule); with `separate`, it shares tensor's storage but
+// is no view, and every such chunk but the first has a version counter of
+// its own (the first keeps tensor's): DataParallel's per-replica chunks,
+// each its own tensor as a copy on another device is. Memory format
+// (channels_last) is preserved.
 std::vector<at::Tensor> scatter(
     const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices,
     const std::optional<std::vector<int64_t>>& chunk_sizes = std::nullopt, int64_t dim = 0,
-    const std::optional<StreamList>& streams = std::nullopt);
+    const std::optional<StreamList>& streams = std::nullopt, bool separate = false);
 
 // Copies consecutive chunks of `tensor` along `dim` into `outs`; the chunk
 // sizes are the outs' sizes along dim. An out sharing memory with `tensor`

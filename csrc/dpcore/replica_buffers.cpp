@@ -10,6 +10,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
@@ -34,8 +35,11 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
         normalize_device(like[i].device()) == source_, "ReplicaBuffers: expected all tensors on ", source_,
         " (the device of tensor 0), but tensor ", i, " is on ", like[i].device());
   }
-  // Normal tensors (with version counters) even when built in inference mode.
+  // Normal tensors (with version counters) even when built in inference mode, and plain ones (not
+  // functorch's wrappers, whose storage cannot be read) when built under a torch.func transform.
   c10::InferenceMode normal_mode(false);
+  c10::impl::ExcludeDispatchKeyGuard no_transforms(c10::DispatchKeySet(
+      {c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
   flats_.reserve(targets_.size());
   anchors_.reserve(targets_.size());
   for (const c10::Device& device : targets_) {

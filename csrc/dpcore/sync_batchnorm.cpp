@@ -156,8 +156,12 @@ struct Normalize : public torch::autograd::Function<Normalize> {
       dw = (dy * (x - mean.view(shape))).sum(dims) * invstd;
       dx = dy * (invstd * w).view(shape);
     } else {
-      std::tie(dx, dw, sum_dy) =
-          at::native_batch_norm_backward(dy, x, w, mean, var, {}, {}, false, eps, {true, true, true});
+      // grad_output in the input's memory format: torch's CPU kernel (2.13) gives wrong results for a
+      // batch of one whose grad_output is channels_last-strided (its batch stride is free: size 1)
+      // while the input is contiguous, as a 1-row chunk after a flatten(2).transpose(1, 2) gets it.
+      const auto format = x.suggest_memory_format();
+      std::tie(dx, dw, sum_dy) = at::native_batch_norm_backward(
+          dy.contiguous(format), x.contiguous(format), w, mean, var, {}, {}, false, eps, {true, true, true});
     }
     const at::Tensor d_mean = -(invstd * w) * sum_dy;
     const at::Tensor d_var = (-0.5 * invstd * invstd * w) * dw;

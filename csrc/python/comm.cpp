@@ -69,11 +69,11 @@ void bind_comm(py::module_& m) {
       "scatter",
       [](const at::Tensor& tensor, const Devices& devices,
          const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim,
-         const std::optional<dpcore::StreamList>& streams) {
-        return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams);
+         const std::optional<dpcore::StreamList>& streams, bool separate) {
+        return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams, separate);
       },
       py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"), py::arg("streams"),
-      NoGil());
+      py::arg("separate") = false, NoGil());
   m.def(
       "scatter_out",
       [](const at::Tensor& tensor, const Tensors& outs, int64_t dim,

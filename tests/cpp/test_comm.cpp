@@ -443,6 +443,46 @@ TEST(Scatter, DefaultBalancedSplit) {
   EXPECT_TRUE(same_values(few[2], small.narrow(0, 2, 1)));
 }
 
+TEST(Scatter, SeparateChunksAreTensorsOfTheirOwn) {
+  for (size_t k = 1; k <= 4; ++k) {
+    const at::Tensor t = values({7, 3}, at::kDouble);
+    const auto chunks = dpcore::scatter(t, cpus(k), std::nullopt, 0, std::nullopt, /*separate=*/true);
+    ASSERT_EQ(chunks.size(), k);
+    EXPECT_TRUE(same_values(at::cat(chunks, 0), t));
+    int64_t start = 0;
+    for (size_t i = 0; i < k; ++i) {
+      EXPECT_TRUE(chunks[i].is_alias_of(t)) << "chunk " << i << " shares the tensor's storage";
+      EXPECT_FALSE(chunks[i].is_view()) << "chunk " << i;
+      EXPECT_EQ(chunks[i].storage_offset(), start * 3);
+      start += chunks[i].size(0);
+    }
+    // Only the first shares the tensor's version counter.
+    const auto versions = [&] {
+      std::vector<int64_t> v{static_cast<int64_t>(t._version())};
+      for (const at::Tensor& c : chunks) {
+        v.push_back(static_cast<int64_t>(c._version()));
+      }
+      return v;
+    };
+    const auto before = versions();
+    chunks.back().add_(1);
+    auto after = versions();
+    EXPECT_EQ(after.back(), before.back() + 1);
+    EXPECT_EQ(after[0], before[0] + (k == 1 ? 1 : 0));
+    EXPECT_DOUBLE_EQ(t[6][0].item<double>(), values({7, 3}, at::kDouble)[6][0].item<double>() + 1);
+    chunks.front().add_(1);
+    EXPECT_EQ(versions()[0], after[0] + 1);
+    for (size_t i = 1; i < k; ++i) {
+      EXPECT_EQ(versions()[i + 1], after[i + 1]) << "chunk " << i;
+    }
+  }
+  // Without `separate`, views (comm.scatter's rule).
+  const at::Tensor t = values({4, 2}, at::kFloat);
+  for (const at::Tensor& chunk : dpcore::scatter(t, cpus(2))) {
+    EXPECT_TRUE(chunk.is_view());
+  }
+}
+
 TEST(Scatter, ChunkSizesAndDims) {
   const at::Tensor t = values({4, 9, 5}, at::kDouble);
   const std::vector<int64_t> sizes = {4, 0, 5};

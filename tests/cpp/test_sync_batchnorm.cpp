@@ -1,7 +1,7 @@
 // sync_batch_norm: replicas on threads, each with a chunk of the batch, give
 // what at::batch_norm gives on the whole batch (output, gradients of input,
-// weight and bias, running statistics), for uneven chunks and without affine
-// parameters; reduced precision keeps its dtype; bad inputs are named.
+// weight and bias, running statistics), for uneven chunks, chunks of one row
+// with channels_last-strided gradients, and without affine parameters; reduced precision keeps its dtype; bad inputs are named.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -29,7 +29,15 @@ struct Case {
   std::vector<int64_t> shape; // whole batch
   std::vector<int64_t> chunks;
   bool affine;
+  // The output read through out.flatten(2).transpose(1, 2) (LeViT's patch embeddings): each replica's
+  // gradient arrives channels_last-strided, with a free batch stride where its chunk has one row.
+  bool transposed = false;
 };
+
+// The output as the loss reads it.
+at::Tensor read(const at::Tensor& out, bool transposed) {
+  return transposed ? out.flatten(2).transpose(1, 2) : out;
+}
 
 void check_against_whole_batch(const Case& c) {
   at::manual_seed(0);
@@ -47,8 +55,8 @@ void check_against_whole_batch(const Case& c) {
   at::Tensor var_r = at::ones({channels}, options);
   const at::Tensor out_r = at::batch_norm(
       xr, c.affine ? wr : at::Tensor(), c.affine ? br : at::Tensor(), mean_r, var_r, true, 0.1, 1e-5, false);
-  const at::Tensor projection = at::randn_like(out_r);
-  (out_r * projection).sum().backward();
+  const at::Tensor projection = at::randn(read(out_r, c.transposed).sizes(), options); // contiguous
+  (read(out_r, c.transposed) * projection).sum().backward();
 
   // Replicas on threads, one chunk each.
   at::Tensor xs = x.clone().requires_grad_();
@@ -73,8 +81,12 @@ void check_against_whole_batch(const Case& c) {
     t.join();
   }
   ASSERT_FALSE(rendezvous.broken()) << rendezvous.reason();
+  std::vector<at::Tensor> read_outs;
+  for (const at::Tensor& out : outs) {
+    read_outs.push_back(read(out, c.transposed));
+  }
   const at::Tensor out_s = at::cat(outs);
-  (out_s * projection).sum().backward();
+  (at::cat(read_outs) * projection).sum().backward();
 
   expect_close(out_s, out_r, "output");
   expect_close(xs.grad(), xr.grad(), "input gradient");
@@ -91,6 +103,15 @@ TEST(SyncBatchNorm, MatchesTheWholeBatchWithUnevenChunks) {
   check_against_whole_batch({{9, 4, 5}, {3, 3, 3}, true});
   check_against_whole_batch({{7, 2, 3, 4}, {2, 5}, false});
   check_against_whole_batch({{5, 3, 2, 2, 3}, {1, 1, 1, 2}, true});
+}
+
+TEST(SyncBatchNorm, MatchesTheWholeBatchWithChannelsLastGradientsOnChunksOfOne) {
+  // torch's CPU native_batch_norm_backward (2.13) is wrong for such a gradient with a contiguous input
+  // of one row; the normalization gives it the input's memory format.
+  check_against_whole_batch({{5, 16, 2, 2}, {2, 2, 1}, true, true});
+  check_against_whole_batch({{3, 8, 3, 5}, {1, 1, 1}, false, true});
+  check_against_whole_batch({{4, 8, 2, 3, 2}, {1, 3}, true, true});
+  check_against_whole_batch({{3, 6, 7}, {1, 2}, true, true});
 }
 
 TEST(SyncBatchNorm, ReducedPrecisionKeepsItsDtype) {

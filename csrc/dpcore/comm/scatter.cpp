@@ -6,6 +6,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <numeric>
@@ -74,6 +75,34 @@ std::vector<at::Tensor> split(const at::Tensor& tensor, int64_t dim, c10::IntArr
   return chunks;
 }
 
+// The chunks that share `tensor`'s storage (those on its own device) as
+// tensors of their own: each keeps its storage, sizes and strides but is no
+// view, the first keeps tensor's version counter and every other gets a new
+// one, as a copy on another device would have. A write into one chunk then
+// bumps neither the others' versions (what autograd checks of their saved
+// tensors) nor, but through the first, tensor's. Tensors whose storage
+// cannot be shared so (functorch wrappers, Python subclasses,
+// functionalization, inference tensors, which have no version counter) keep
+// their views.
+void separate_chunks(const at::Tensor& tensor, std::vector<at::Tensor>& chunks) {
+  constexpr auto kKeepViews = c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::Functionalize});
+  if (!tensor.has_storage() || tensor.is_inference() || tensor.key_set().has_any(kKeepViews)) {
+    return;
+  }
+  bool first = true;
+  for (at::Tensor& chunk : chunks) {
+    if (!chunk.has_storage() || !chunk.is_alias_of(tensor)) {
+      continue;
+    }
+    c10::VariableVersion version =
+        first ? tensor.unsafeGetTensorImpl()->version_counter() : c10::VariableVersion(/*version=*/0);
+    chunk = at::Tensor(
+        chunk.unsafeGetTensorImpl()->shallow_copy_and_detach(std::move(version), /*allow_tensor_metadata_change=*/true));
+    first = false;
+  }
+}
+
 } // namespace
 
 std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts) {
@@ -89,7 +118,7 @@ std::vector<int64_t> balanced_chunk_sizes(int64_t total, int64_t parts) {
 std::vector<at::Tensor> scatter(
     const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices_in,
     const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim_in,
-    const std::optional<StreamList>& streams) {
+    const std::optional<StreamList>& streams, bool separate) {
   const int64_t dim = check_scatter_dim(tensor, dim_in);
   const auto devices = check_devices(devices_in, "scatter");
   const int64_t total = tensor.size(dim);
@@ -117,11 +146,14 @@ std::vector<at::Tensor> scatter(
   std::vector<at::Tensor> chunks = split(tensor, dim, sizes);
 #ifdef DPCORE_WITH_CUDA
   if (tensor.is_cpu() && devices[0].is_cuda()) {
-    return cuda::host_to_devices(chunks, devices, {}, streams);
+    return cuda::host_to_devices(chunks, devices, {}, streams); // copies only: nothing to separate
   }
 #endif
   for (size_t i = 0; i < devices.size(); ++i) {
     chunks[i] = move_chunk(chunks[i], devices[i], at::Tensor(), streams, i);
+  }
+  if (separate) {
+    separate_chunks(tensor, chunks);
   }
   return chunks;
 }

@@ -93,26 +93,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 sync_batchnorm=sync_batchnorm,
             )
 
-    # The options, read from one checked value (self._options); ``dp.gather`` is torch's method.
-    device_ids = property(attrgetter("_options.devices"), doc="torch's: the devices (none: the module runs as is)")
-    output_device = property(attrgetter("_options.out"), doc="torch's: where the outputs are gathered")
-    dim = property(attrgetter("_options.dim"), doc="torch's: the dimension the batch is split along")
-    chunk_sizes = property(attrgetter("_options.chunk_sizes"))
-    weights = property(attrgetter("_options.weights"))
-    criterion = property(attrgetter("_options.criterion"))
-    criterion_reduction = property(attrgetter("_options.criterion_reduction"))
-    model_loss = property(attrgetter("_options.model_loss"))
-    loss_items = property(attrgetter("_options.loss_items"))
-    gather_output = property(attrgetter("_options.gather"))
-    bucket_bytes = property(attrgetter("_options.bucket_bytes"))
-    sync_batchnorm = property(attrgetter("_options.sync_batchnorm"))
-    cuda_graphs = property(attrgetter("_options.cuda_graphs"))
-    replica_refresh = property(attrgetter("_options.replica_refresh"))
-    process_group = property(attrgetter("_options.process_group"), doc="the hybrid mode's group (None without one)")
-
     def __setattr__(self, name: str, value: Any) -> None:
-        """An option (or ``module``) written is checked with the others, as the constructor checks them, and
-        what was built from it is rebuilt; torch's own __setattr__ would register a Module criterion as is."""
+        # An option (or ``module``) written is checked with the others, as the constructor checks them, and what
+        # was built from it rebuilt; torch's own __setattr__ would register a Module criterion past the property.
         field = ATTRIBUTES.get(name) if "_options" in self.__dict__ else None
         if field is None:
             super().__setattr__(name, value)
@@ -458,6 +441,12 @@ class _PerCall(list):  # type: ignore[type-arg]
     def __init__(self, items: Sequence[Any], call: Call) -> None:
         super().__init__(items)
         self.call = call
+
+
+# Each option's attribute (``dp.criterion``, ...) reads the one checked value: device_ids and output_device as resolved.
+for _name, _field in {**ATTRIBUTES, "device_ids": "devices", "output_device": "out"}.items():
+    if _name not in ("module", "forward_sync_buffers", "broadcast_buffers"):
+        setattr(DataParallel, _name, property(attrgetter(f"_options.{_field}")))
 
 
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:

@@ -13,16 +13,18 @@ from dpcore import _packed
 from dpcore import _pytree as pt
 from dpcore._devices import DeviceLike, as_destination
 from dpcore._functions import Gather, apply
-from dpcore._pytree import BROADCAST, ITERABLE, LEAF, MAPPING, NODE, PACKED, SAMPLES, TENSOR
+from dpcore._pytree import BROADCAST, ITERABLE, LEAF, MAPPING, NODE, OBJECT, PACKED, SAMPLES, STATE, TENSOR
 
 
 class GatherHints(NamedTuple):
     """What the scatter of a call tells the gather of its outputs: whether an input was a Samples
-    list, and the Layout and Rows of each PackedSequence input (:mod:`dpcore._packed`)."""
+    list, the Layout and Rows of each PackedSequence input (:mod:`dpcore._packed`), and each
+    replica's rows (samples, sequences)."""
 
     samples: bool = False
     packed: tuple[_packed.Layout, ...] = ()
     rows: tuple[_packed.Rows, ...] = ()
+    sizes: tuple[int, ...] = ()
 
 
 NO_HINTS = GatherHints()
@@ -67,9 +69,15 @@ class _Merger:
     def subtrees(self, specs: list[pt.Spec], starts: list[int]) -> list[Any]:
         return [s.unflatten(f[i : i + s.num_tensors]) for s, f, i in zip(specs, self.flats, starts)]
 
-    def merge(self, specs: list[pt.Spec], starts: list[int], trail: tuple[int, ...] = ()) -> pt.Spec:
+    def path(self, trail: tuple[int, ...]) -> str:
+        return pt.path_at(self.output, trail, "output")
+
+    def merge(
+        self, specs: list[pt.Spec], starts: list[int], trail: tuple[int, ...] = (), state: bool = False
+    ) -> pt.Spec:
         """The gathered spec at `trail` from the replicas' there (``starts[j]``: replica j's first
-        tensor there), one _Column per tensor appended to ``columns``; ValueError where they differ."""
+        tensor there), one _Column per tensor appended to ``columns``; ValueError where they differ.
+        `state`: inside a cache (an ITERABLE or OBJECT node), whose values without a batch are kept once."""
         first = specs[0]
         kind, cls = first.kind, first.type
         plain = kind is LEAF or kind is BROADCAST  # None if every replica gave None, else a list of the values
@@ -78,15 +86,30 @@ class _Merger:
                 raise self.mismatch(specs, starts, trail, j)
         if kind is TENSOR:
             column = [flat[start] for flat, start in zip(self.flats, starts)]
-            self.columns.append(self.packed_data(column) if self.hints.rows else column)
+            if state and any(t.dim() == 0 for t in column):
+                self.columns.append(self.kept_once(column, trail))
+            else:
+                self.columns.append(self.recombined(column) if self.hints.rows else column)
             return first
         if plain:
             if all(s == pt.NONE_SPEC for s in specs):
                 return first
+            if state:
+                return self.kept_leaf(specs, trail)
+            for s in specs:
+                if s.kind is LEAF and pt.holds_tensors(s.context):
+                    raise TypeError(
+                        f"gather: {self.path(trail)} is a {type(s.context).__name__} that holds tensors, which "
+                        f"DataParallel cannot take apart to join the replicas' (it would return them as a list): "
+                        f"register {type(s.context).__name__} with torch.utils._pytree.register_pytree_node to say "
+                        f"how it is taken apart and rebuilt, or pass gather=False to get the per-replica outputs"
+                    )
             return pt.Spec(LEAF, list, self.subtrees(specs, starts), (), 0)
         if kind is PACKED:
             return self.merge_packed(specs, starts)
-        if kind is SAMPLES or (self.hints.samples and kind is NODE and issubclass(cls, list)):
+        if kind is SAMPLES or (
+            kind is NODE and issubclass(cls, list) and (self.hints.samples or self.per_sample(specs, starts))
+        ):
             return self.merge_samples(specs, starts)
         count = len(first.children)
         keys = pt.mapping_keys(cls, first.context) if kind is MAPPING else None
@@ -100,7 +123,7 @@ class _Merger:
                 position = {k: i for i, k in enumerate(other)}
                 picks.append([position[k] for k in keys])
                 continue
-            if kind is NODE and (s.context,) != (first.context,):
+            if (kind is NODE or kind is OBJECT) and (s.context,) != (first.context,):
                 what = f" (its structure differs: {s.context!r} against replica 0's {first.context!r})"
                 raise self.mismatch(specs, starts, trail, j, what)
             if len(s.children) != count:
@@ -109,13 +132,64 @@ class _Merger:
         offsets = [
             list(itertools.accumulate([c.num_tensors for c in s.children], initial=i)) for s, i in zip(specs, starts)
         ]
+        inner = state or kind in STATE
         kids = [
             self.merge(
-                [s.children[p[c]] for s, p in zip(specs, picks)], [o[p[c]] for o, p in zip(offsets, picks)], (*trail, c)
+                [s.children[p[c]] for s, p in zip(specs, picks)],
+                [o[p[c]] for o, p in zip(offsets, picks)],
+                (*trail, c),
+                inner,
             )
             for c in range(count)
         ]
         return pt.Spec(kind, cls, first.context, tuple(kids), sum(k.num_tensors for k in kids), first.node)
+
+    def kept_once(self, column: list[torch.Tensor], trail: tuple[int, ...]) -> Callable[[], list[torch.Tensor]]:
+        """Replica 0's 0-dim tensor of a cache, where every replica's equals it (a counter, a window)."""
+        ref = column[0]
+        for j, t in enumerate(column):
+            if t.shape != ref.shape or t.dtype != ref.dtype or not torch.equal(t.to(ref.device), ref):
+                raise ValueError(
+                    f"gather: {self.path(trail)} of replica {j} is {_scalar(t)} but replica 0's is {_scalar(ref)}: "
+                    f"a 0-dim tensor inside a cache is one state of the whole batch (a length, a window), so every "
+                    f"replica must return the same; pass gather=False to get the per-replica outputs"
+                )
+        return lambda: [_moved(ref, self.destination)]
+
+    def kept_leaf(self, specs: list[pt.Spec], trail: tuple[int, ...]) -> pt.Spec:
+        """The one value of a cache's non-tensor leaf (a device: the gather's destination); ValueError where
+        the replicas' differ."""
+        first = specs[0]
+        if first.type is torch.device:
+            device = as_destination(self.destination)
+            return first if device is None else pt.Spec(LEAF, torch.device, device, (), 0)
+        for j, s in enumerate(specs):
+            try:
+                same = s.kind is LEAF and (s.context is first.context or bool(s.context == first.context))
+            except Exception:  # noqa: BLE001 - a comparison that fails is a difference
+                same = False
+            if not same:
+                raise ValueError(
+                    f"gather: {self.path(trail)} of replica {j} is {_value(s)} but replica 0's is {_value(first)}: "
+                    f"a value without a batch dimension inside a cache is one state of the whole batch, so every "
+                    f"replica must return the same; pass gather=False to get the per-replica outputs"
+                )
+        return first
+
+    def per_sample(self, specs: list[pt.Spec], starts: list[int]) -> bool:
+        """Whether the replicas' lists hold one entry per sample: each as long as its replica's rows, and
+        some entry on some replica not a batch (a tensor with those rows along ``dim``, or a tree of them)."""
+        sizes = self.hints.sizes
+        if len(sizes) != len(specs) or any(len(s.children) != n for s, n in zip(specs, sizes)):
+            return False
+        for s, flat, start, rows in zip(specs, self.flats, starts, sizes):
+            for child in s.children:
+                tensors = flat[start : start + child.num_tensors]
+                start += child.num_tensors
+                dim = self.dim
+                if not tensors or not all(-t.dim() <= dim < t.dim() and t.size(dim) == rows for t in tensors):
+                    return True
+        return False
 
     def merge_packed(self, specs: list[pt.Spec], starts: list[int]) -> pt.Spec:
         """One PackedSequence of all the replicas' sequences (:func:`dpcore._packed.join`)."""
@@ -139,14 +213,12 @@ class _Merger:
             return pt.Spec(NODE, specs[0].type, None, kids, total, specs[0].node)
         return pt.Spec(NODE, list, None, kids, total, pt.node_of([]))
 
-    def packed_data(self, column: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-        """A column joined in the batch's packed order where it is packed data (:func:`_packed.data_rows`)."""
+    def recombined(self, column: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """A column of a call with a PackedSequence input, as :func:`_packed.recombine` joins it."""
 
         def make() -> list[torch.Tensor]:
-            rows = _packed.data_rows(column, self.hints.rows, self.dim)
-            if rows is None:
-                return [apply(Gather, self.destination, self.dim, *column)]
-            return [_packed.join_rows(column, rows, self.destination)]
+            joined = _packed.recombine(column, self.hints.rows, self.dim, self.destination)
+            return [apply(Gather, self.destination, self.dim, *column) if joined is None else joined]
 
         return make
 
@@ -175,6 +247,16 @@ def gather_outputs(values: list[Any], target_device: DeviceLike | None, dim: int
             f"gather: {pt.path_at(first, spec.trail_to(e.node), 'output')} {e}; or use gather=False to get the "
             f"per-replica outputs"
         ) from e
+
+
+def _scalar(t: torch.Tensor) -> str:
+    return f"tensor({t.item()!r}, dtype={t.dtype})" if t.dim() == 0 else f"a tensor of shape {list(t.shape)}"
+
+
+def _value(spec: pt.Spec) -> str:
+    """A leaf's value for a message (None, ``'text'``, a short repr or its type)."""
+    text = repr(spec.context)
+    return text if len(text) <= 60 else f"a {type(spec.context).__name__}"
 
 
 def _describe(spec: pt.Spec, tensor: torch.Tensor | None = None) -> str:

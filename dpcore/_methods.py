@@ -183,7 +183,7 @@ def pad_outputs(values: list[Any], dim: int, pad_value: float | None, label: str
     if all(isinstance(v, torch.Tensor) for v in values):
         return _padded_tensors(values, dim, pad_value, label, path)
     node = pt.node_of(first)
-    if node.kind not in (pt.NODE, pt.MAPPING, pt.ITERABLE) or any(type(v) is not type(first) for v in values):
+    if node.kind not in (pt.NODE, pt.MAPPING, *pt.STATE) or any(type(v) is not type(first) for v in values):
         return values
     flat = [node.flatten(v) for v in values]
     kids = [list(children) for children, _ in flat]

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from dpcore._devices import DeviceLike
+from dpcore._devices import DeviceLike, as_destination
 from dpcore._functions import Gather, Scatter, apply
 
 
@@ -25,11 +25,15 @@ class Layout(NamedTuple):
 class Rows(NamedTuple):
     """One split PackedSequence: replica j holds ``rows[j]`` packed rows of ``sequences[j]``
     sequences; ``order``: the batch's packed row of each of the replicas' rows concatenated in
-    replica order (CPU int64), None for the identity."""
+    replica order (CPU int64), None for the identity; ``parts``: the (batch_sizes, sorted_indices,
+    unsorted_indices) of each replica's part (the tensors it was given, None where not given);
+    ``fields``: the input's own."""
 
     rows: tuple[int, ...]
     sequences: tuple[int, ...]
     order: torch.Tensor | None
+    parts: tuple[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], ...] = ()
+    fields: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
 
 def _cpu_long(t: torch.Tensor) -> torch.Tensor:
@@ -94,28 +98,76 @@ def split(
     picked = data.index_select(0, order.to(data.device))
     parts = apply(Scatter, list(devices), rows, 0, picked)
     starts = [0, *bounds.tolist()[:-1]]
-    out = []
+    out, fields = [], []
     for j, device in enumerate(devices):
         local_sizes = per_step[j][per_step[j] > 0]
         if not info.given_sorted:
             out.append(PackedSequence(parts[j], local_sizes, None, None))
+            fields.append((local_sizes, None, None))
             continue
         mine = info.sorted_indices[owner_of_sequence[info.sorted_indices] == j] - starts[j]
-        out.append(PackedSequence(parts[j], local_sizes, mine.to(device), _inverse(mine).to(device)))
-    return out, info, Rows(tuple(rows), tuple(sizes), None if _is_identity(order) else order)
+        fields.append((local_sizes, mine.to(device), _inverse(mine).to(device)))
+        out.append(PackedSequence(parts[j], *fields[-1]))
+    whole = (packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+    return out, info, Rows(tuple(rows), tuple(sizes), None if _is_identity(order) else order, tuple(fields), whole)
 
 
-def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -> Rows | None:
-    """The Rows of the split whose packed data the replicas' outputs `parts` are (their dim-0
-    sizes are its packed rows and their sizes along `dim` not its sequences), or None (gathered
-    as any output); ValueError where both readings fit along dim 0 and the orders differ."""
+_FIELDS = ("batch_sizes", "sorted_indices", "unsorted_indices")
+
+
+def _fits(parts: Sequence[torch.Tensor], counts: Sequence[int], dim: int) -> bool:
+    """Whether part j has ``counts[j]`` rows along `dim`, for every j."""
+    return len(parts) == len(counts) and all(
+        -t.dim() <= dim < t.dim() and t.size(dim) == n for t, n in zip(parts, counts)
+    )
+
+
+def _field_of(parts: Sequence[torch.Tensor], split: Rows) -> list[tuple[str, torch.Tensor]]:
+    """(name, the input's field) of the field that every part is (the replica's own tensor, as an RNN's output
+    passes it on), else of each field that every part equals in value."""
+    if len(parts) != len(split.parts) or split.fields is None:
+        return []
+    if not all(t.dim() == 1 and t.dtype == torch.int64 for t in parts):
+        return []
+    given = [(name, [fields[i] for fields in split.parts], split.fields[i]) for i, name in enumerate(_FIELDS)]
+    for name, mine, whole in given:
+        if all(t is m for t, m in zip(parts, mine)):
+            return [(name, whole)]
+    return [
+        (name, whole)
+        for name, mine, whole in given
+        if all(m is not None and torch.equal(_cpu_long(t), _cpu_long(m)) for t, m in zip(parts, mine))
+    ]
+
+
+def recombine(
+    parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int, destination: DeviceLike | None
+) -> torch.Tensor | None:
+    """The replicas' tensors `parts` of one output of a call whose PackedSequence inputs were split as `splits`,
+    as the module returns it for the whole batch: a field of each replica's PackedSequence (batch_sizes,
+    sorted_indices, unsorted_indices) as the input's; packed data (each replica's packed rows along dim 0) in
+    the batch's packed order. None where it is gathered as any output: 0-dim (stacked), or one row per sequence
+    along `dim`. ValueError where none of these fits, or where two fit that differ."""
+    if all(t.dim() == 0 for t in parts):
+        return None
+    fields = [found for split in splits for found in _field_of(parts, split)]
+    if fields:
+        name, field = fields[0]
+        other = next(((n, f) for n, f in fields if not torch.equal(f.cpu(), field.cpu())), None)
+        if other is not None:
+            raise ValueError(
+                f"on every replica it equals both the {name} and the {other[0]} of the replica's part of a "
+                f"PackedSequence input, which differ for the whole batch; return the PackedSequence itself, or pass "
+                f"gather=False to get each replica's output"
+            )
+        target = as_destination(destination)
+        return field if name == "batch_sizes" or target is None else field.to(target)  # batch_sizes: on the CPU
     for split in splits:
-        if len(parts) != len(split.rows) or not all(t.dim() > 0 and t.size(0) == r for t, r in zip(parts, split.rows)):
+        if not _fits(parts, split.rows, 0):
             continue
-        along_rows = dim in (0, -parts[0].dim())  # the gather concatenates along dim 0 too
-        if not all(-t.dim() <= dim < t.dim() and t.size(dim) == n for t, n in zip(parts, split.sequences)):
-            return None if split.order is None and along_rows else split
-        if not along_rows or split.order is None:
+        if not _fits(parts, split.sequences, dim):
+            return None if split.order is None and dim in (0, -parts[0].dim()) else join_rows(parts, split, destination)
+        if dim not in (0, -parts[0].dim()) or split.order is None:
             return None
         raise ValueError(
             "on every replica it has one row per sequence, which is also one row per packed row of the "
@@ -125,7 +177,20 @@ def data_rows(parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int) -
             "PackedSequence (with the input's batch_sizes, sorted_indices and unsorted_indices), or pass "
             "gather=False to get each replica's output"
         )
-    return None
+    if any(_fits(parts, split.sequences, dim) for split in splits):
+        return None
+    shapes = [list(t.shape) for t in parts]
+    sequences = [list(s.sequences) for s in splits]
+    packed_rows = [list(s.rows) for s in splits]
+    raise ValueError(
+        f"its shapes on the replicas are {shapes}: neither one row per sequence along dim {dim} (the replicas' "
+        f"sequences {sequences[0] if len(splits) == 1 else sequences}), nor packed data (their packed rows "
+        f"{packed_rows[0] if len(splits) == 1 else packed_rows} along dim 0), nor the batch_sizes, sorted_indices "
+        f"or unsorted_indices of their parts of the PackedSequence input. The outputs of a call with a "
+        f"PackedSequence input are recombined into what the module returns for the whole batch, and this one "
+        f"cannot be: return it as a PackedSequence or with one row per sequence, or pass gather=False to get "
+        f"each replica's output"
+    )
 
 
 def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike | None) -> torch.Tensor:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from collections import OrderedDict, defaultdict
+import types
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
@@ -21,9 +22,21 @@ from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._markers import Broadcast, Samples
 
-# The kinds of nodes; MAPPING, NODE and ITERABLE (torch DP's rebuild rule) are containers.
+# The kinds of nodes; MAPPING, NODE, ITERABLE (torch DP's rebuild rule) and OBJECT (by attributes) are containers.
 TENSOR, LEAF, BROADCAST, SAMPLES, PACKED = "tensor", "leaf", "broadcast", "samples", "packed"
-MAPPING, NODE, ITERABLE = "mapping", "node", "iterable"
+MAPPING, NODE, ITERABLE, OBJECT = "mapping", "node", "iterable", "object"
+# Kinds whose non-batched contents are one state of the whole batch (docs/design.md, "Scatter/gather walk pytrees").
+STATE = (ITERABLE, OBJECT)
+
+# Libraries' types that DataParallel takes apart by their attributes (``vars(obj)``), each its tensors batch-first:
+# (module, class name) of a class in the type's MRO, None for every class of that module. The one place that names
+# a library; the rule is :func:`_object_node`.
+INTEGRATIONS: frozenset[tuple[str, str | None]] = frozenset(
+    {
+        ("transformers.cache_utils", None),  # Cache, its layers (DynamicCache's iteration drops their state)
+        ("transformers.models.reformer.modeling_reformer", "ReformerDynamicCache"),
+    }
+)
 
 _NEVER_ITERATED = (str, bytes, bytearray, memoryview, range, AbstractSet, MappingView, nn.Module, enum.EnumMeta)
 _NEVER_ITERATED += (torch_data.Dataset, torch_data.DataLoader, torch_data.Sampler)
@@ -141,6 +154,25 @@ def _iterable_node(cls: type) -> Node:
     return Node(ITERABLE, lambda obj: (list(obj), None), unflatten, _indices)
 
 
+def _object_node(cls: type) -> Node:
+    """An object as its attributes: rebuilt as ``cls.__new__(cls)`` with them (no constructor runs)."""
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[str, ...]]:
+        attributes = vars(obj)
+        return list(attributes.values()), tuple(attributes)
+
+    def unflatten(values: Iterable[Any], names: tuple[str, ...]) -> Any:
+        new = cls.__new__(cls)
+        new.__dict__.update(zip(names, values))
+        return new
+
+    return Node(OBJECT, flatten, unflatten, lambda obj, names, count: [f".{name}" for name in names])
+
+
+def _integrated(cls: type) -> bool:
+    return any((c.__module__, None) in INTEGRATIONS or (c.__module__, c.__name__) in INTEGRATIONS for c in cls.__mro__)
+
+
 def _make_node(obj: Any) -> Node:
     t = type(obj)
     if issubclass(t, torch.Tensor):
@@ -163,6 +195,8 @@ def _make_node(obj: Any) -> Node:
         return Node(NODE, lambda obj: (list(obj), None), lambda values, _: t(values), _indices)
     if issubclass(t, Mapping):
         return _mapping_node(t)
+    if _integrated(t) and hasattr(obj, "__dict__"):
+        return _object_node(t)
     if (
         issubclass(t, _NEVER_ITERATED)
         or hasattr(t, "__next__")
@@ -349,7 +383,7 @@ def _flatten(obj: Any, tensors: list[torch.Tensor], marks: Marks, inside: str | 
             return Spec(LEAF, t, obj, (), 0)
     within = SAMPLES if kind is SAMPLES and inside is None else inside
     specs = tuple([_flatten(child, tensors, marks, within) for child in kids])
-    if kind is ITERABLE and len(tensors) == start:
+    if kind in STATE and len(tensors) == start:
         return Spec(LEAF, t, obj, (), 0)
     spec = Spec(kind, t, context, specs, len(tensors) - start, node)
     if kind is SAMPLES:
@@ -467,6 +501,42 @@ def lazy_path(tree: Any, spec: Spec, at: int | Spec, root: str) -> Lazy:
             return root
 
     return Lazy(make)
+
+
+_WITHOUT_TENSORS = (str, bytes, bytearray, int, float, complex, type(None), torch.Size, torch.device, torch.dtype)
+_WITHOUT_TENSORS += (range, enum.Enum, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+
+
+def holds_tensors(obj: Any, budget: int = 10_000) -> bool:
+    """Whether a tensor is reachable from `obj` through the items of builtin containers and the attributes
+    (``__dict__``, ``__slots__``) of objects, looking at `budget` objects at most; nothing is iterated but
+    builtin containers, and no property or ``__getattr__`` runs."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo and len(seen) < budget:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            return True
+        if isinstance(o, _WITHOUT_TENSORS) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, (list, tuple, set, frozenset, deque)):
+            todo.extend(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        names = [n for c in type(o).__mro__ for n in _slots(c)]
+        for name in ("__dict__", *names):
+            try:  # neither a property nor __getattr__ runs
+                value = object.__getattribute__(o, name)
+            except AttributeError:
+                continue
+            todo.extend(value.values() if name == "__dict__" and isinstance(value, dict) else (value,))
+    return False
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:

@@ -176,7 +176,7 @@ def _split_trees(
                 f"to every replica"
             ) from e
     samples = any(noun == "samples" for _, _, noun in units)
-    hints = GatherHints(samples, tuple(s[1] for s in split_packs), tuple(s[2] for s in split_packs))
+    hints = GatherHints(samples, tuple(s[1] for s in split_packs), tuple(s[2] for s in split_packs), tuple(used_sizes))
     return values, used_sizes, used, hints
 
 

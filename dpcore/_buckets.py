@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
 
+from dpcore._layout import Layout, Peers
 from dpcore._loader import _C
 
-if TYPE_CHECKING:
-    from dpcore.distributed import GradientSync
+_P = ParamSpec("_P")
 
 #: Dtypes that hold every sample count exactly (up to 2**24): a bucket of them can carry the count.
 COUNT_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -81,15 +80,15 @@ def flat_groups(tensors: Sequence[torch.Tensor], device: torch.device, bucket_by
     return [FlatBucket([tensors[i] for i in g], device) for g in _C.make_buckets(list(tensors), bucket_bytes)]
 
 
-def broadcast(groups: Sequence[FlatBucket], src: int, rank: int, group: Any, write: bool = True) -> None:
+def broadcast(groups: Sequence[FlatBucket], src: int, peers: Peers, write: bool = True) -> None:
     """Overwrites the tensors of `groups` in place with rank `src`'s (versions bump on receiving ranks only);
     with `write` False, rank `src`'s values stay in the groups' views."""
     with torch.no_grad():
         for g in groups:
-            if rank == src:
+            if peers.rank == src:
                 torch._foreach_copy_(g.views, [t.detach() for t in g.params])
-            dist.broadcast(g.flat, group=group, group_src=src)
-            if rank != src and write:
+            dist.broadcast(g.flat, group=peers.group, group_src=src)
+            if peers.rank != src and write:
                 torch._foreach_copy_([t.detach() for t in g.params], g.views)
 
 
@@ -102,36 +101,41 @@ class SampleCounts:
     previous_total: float | torch.Tensor = 1.0  # N_prev: the global count of the previous synchronization
     last: int = 0  # this process's count at its last synchronization (a joined rank's)
     ref: float | None = None  # with a hook: the largest global count so far
-    started: bool = False  # whether any synchronization began
+    started: bool = False  # whether the first synchronization began (the ranks agreed on the hook then)
 
 
-def weak_call(ref: weakref.ref[Any], name: str, *args: Any) -> None:
-    """Calls method `name` of the object `ref` refers to, if it is alive."""
-    target = ref()
-    if target is not None:
-        getattr(target, name)(*args)
+def weakly(method: Callable[_P, None]) -> Callable[_P, None]:
+    """The bound `method`, called through a weak reference to its object (nothing once that is gone): what the
+    autograd hooks hold, so that the parameters keep no reducer or coordinator, nor their module, alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        target = ref()
+        if target is not None:
+            target(*args, **kwargs)
+
+    return call
 
 
 class BucketReducer:
-    """The gradient buckets of `sync`'s trainable parameters and their weighted
-    all-reduce. The C++ counter (armed by `sync`) calls :meth:`_begin`, which
-    queues `sync`'s ``_finish``, and :meth:`_ready`."""
+    """The gradient buckets of `layout`'s trainable parameters and their weighted
+    all-reduce among `peers`. The C++ counter (armed by the coordinator) calls
+    :meth:`_begin`, which queues `on_finish` as the backward's final callback, and :meth:`_ready`."""
 
     hook: tuple[Any, Any] | None = None  # (hook, state): see HookedReducer
 
-    def __init__(self, sync: GradientSync) -> None:
-        self.params = list(sync.params)
-        self.device, self.group, self.rank, self.world_size = sync.device, sync.group, sync.rank, sync.world_size
-        self.counts = sync.counts
-        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in sync.indices])
+    def __init__(self, peers: Peers, layout: Layout, counts: SampleCounts, on_finish: Callable[[], None]) -> None:
+        self.params = list(layout.params)
+        self.device, self.group, self.rank, self.world_size = peers.device, peers.group, peers.rank, peers.world_size
+        self.counts = counts
+        self.buckets = self._make_buckets([[self.params[i] for i in g] for g in layout.buckets])
         self.order = list(range(len(self.buckets)))[::-1]  # launch order, the same on every process
         self.count_bucket = next((b for b in self.order if self.buckets[b].flat.dtype in COUNT_DTYPES), None)
         self.pending = False  # this rank's module changed since the build (its mark goes out)
-        self._on_finish = functools.partial(weak_call, weakref.ref(sync), "_finish")
-        bucket = {i: b for b, g in enumerate(sync.indices) for i in g}
+        self._on_finish = on_finish
+        bucket = {i: b for b, g in enumerate(layout.buckets) for i in g}
         bucket_of = [bucket.get(i, 0) for i in range(len(self.params))]
-        begin, ready = (functools.partial(weak_call, weakref.ref(self), name) for name in ("_begin", "_ready"))
-        self.readiness = _C.GradReadiness(self.params, bucket_of, self.order, begin, ready)
+        self.readiness = _C.GradReadiness(self.params, bucket_of, self.order, weakly(self._begin), weakly(self._ready))
         self.reset()
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
@@ -152,7 +156,6 @@ class BucketReducer:
     def _begin(self) -> None:
         """A synchronizing backward reached its first parameter."""
         self._clear()
-        self.counts.started = True
         torch.autograd.Variable._execution_engine.queue_callback(self._on_finish)
 
     def _ready(self, prefix: int) -> None:
@@ -198,6 +201,23 @@ class BucketReducer:
             bucket.marks[self.rank] = 1
         self.launched[b] = (present, dist.all_reduce(bucket.flat, group=self.group, async_op=True))
 
+    def _agree(self, count: float, counted: bool) -> tuple[float, float]:
+        """Blocking, at the first synchronization (and, with a hook, until a count is known): the global (count,
+        counted flag); RuntimeError on every rank unless every rank or none registered a communication hook."""
+        both = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
+        both[0], both[1], both[2 + self.rank] = count, 1.0 if counted else 0.0, 0.0 if self.hook is None else 1.0
+        dist.all_reduce(both, group=self.group)
+        total, flag, *hooked = both.tolist()
+        if 0 < sum(hooked) < self.world_size:
+            ranks = [str(r) for r, h in enumerate(hooked) if h]
+            raise RuntimeError(
+                f"register_comm_hook: called on rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} only; every "
+                "rank must register the same hook before the first backward that synchronizes, as with DDP (their "
+                "gradient collectives would not match); this backward's gradients were not synchronized"
+            )
+        self.counts.started = True
+        return total, flag
+
     def _all_reduce_count(self, count: float, counted: bool) -> tuple[torch.Tensor, Any]:
         """The asynchronous all-reduce of (count, counted flag) in float64."""
         both = torch.tensor([count, 1.0 if counted else 0.0], dtype=torch.float64, device=self.device)
@@ -207,6 +227,8 @@ class BucketReducer:
         """At the first bucket: the pre-multiplier n_p / N_prev (1/P without a
         mean-loss forward); the count's own all-reduce where no bucket carries it."""
         c = self.counts
+        if not c.started:
+            self._agree(float(c.local), c.counted)
         self.alpha = c.local / c.previous_total if c.counted else 1.0 / self.world_size
         if self.count_bucket is None:
             self.count_work = self._all_reduce_count(float(c.local), c.counted)
@@ -264,7 +286,9 @@ class BucketReducer:
         """A joined rank's part of the others' synchronization: the same collectives,
         zero gradients, `phantom` as its sample count."""
         self.reset()
-        self.counts.started, self.pending = True, pending
+        self.pending = pending
+        if not self.counts.started:
+            self._agree(phantom, False)
         count_work = self._all_reduce_count(phantom, False) if self.count_bucket is None else None
         works = []
         for b in self.order:

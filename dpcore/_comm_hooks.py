@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dpcore._buckets import BucketReducer, FlatBucket
-
-if TYPE_CHECKING:
-    from dpcore.distributed import GradientSync
+from dpcore._buckets import BucketReducer, FlatBucket, SampleCounts
+from dpcore._layout import Layout, Peers
 
 
 class GradBucket:
@@ -79,9 +77,11 @@ class HookedReducer(BucketReducer):
     """:class:`BucketReducer` whose buckets go to `hook` = (hook, state), one at a
     time, pre-multiplied by P * n_p / N_ref and corrected by N_ref / N on arrival."""
 
-    def __init__(self, sync: GradientSync, hook: tuple[Any, Any]) -> None:
+    def __init__(
+        self, peers: Peers, layout: Layout, counts: SampleCounts, on_finish: Callable[[], None], hook: tuple[Any, Any]
+    ) -> None:
         self.hook = hook
-        super().__init__(sync)
+        super().__init__(peers, layout, counts, on_finish)
         self.count_bucket = None  # the count goes in the side tensor
 
     def _make_buckets(self, groups: list[list[torch.Tensor]]) -> list[FlatBucket]:
@@ -95,11 +95,9 @@ class HookedReducer(BucketReducer):
         ]
 
     def _learn_ref(self, count: float, counted: bool) -> None:
-        """Before the first synchronization: N_ref, by one blocking all-reduce of the counts."""
+        """At the first synchronization, and until a rank counted: N_ref, by one blocking all-reduce of the counts."""
         if self.counts.ref is None:
-            both, work = self._all_reduce_count(count, counted)
-            work.wait()
-            total, flag = both.tolist()
+            total, flag = self._agree(count, counted)
             if flag != 0:
                 self.counts.ref = max(total, 1.0)
 
@@ -168,7 +166,7 @@ class HookedReducer(BucketReducer):
     def shadow(self, phantom: float, pending: bool) -> None:
         """A joined rank's synchronization: the hook on zero buckets, each waited for."""
         self.reset()
-        self.counts.started, self.pending = True, pending
+        self.pending = pending
         self._learn_ref(phantom, False)
         for b in self.order:
             bucket = self.buckets[b]

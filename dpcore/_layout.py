@@ -1,10 +1,11 @@
-"""The layout every rank of the hybrid mode shares (private); docs/design.md, "Hybrid"."""
+"""The layout every rank of the hybrid mode shares, and the ranks themselves (private); docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,8 +13,31 @@ from torch import nn
 
 from dpcore._loader import _C
 
-if TYPE_CHECKING:
-    from dpcore.distributed import GradientSync
+#: The layout's items by key: (what every rank must have equal, how an error shows it).
+Items = dict[str, tuple[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """The processes of the hybrid mode as this one sees them: their group, this rank, their number, and the
+    device of the collectives (the module's)."""
+
+    group: Any
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """What the ranks agree on for a module: its `structure` (:func:`structure_of`), its trainable `params`, their
+    gradient `buckets` (indices into `params`), and the `items` compared (the tensors, the buckets, then `options`)."""
+
+    structure: list[tuple[Any, ...]]
+    params: list[torch.Tensor]
+    buckets: list[list[int]]
+    items: Items
+    options: Items
 
 
 def _named(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -29,10 +53,10 @@ def structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
     return [(kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for kind, name, t in _named(module)]
 
 
-def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ...]]) -> list[str]:
-    """One phrase per tensor that changed between two :func:`structure_of` lists."""
-    before = {(kind, name): rest for kind, name, *rest in old}
-    after = {(kind, name): rest for kind, name, *rest in new}
+def _describe_change(old: Layout, new: Layout) -> list[str]:
+    """One phrase per tensor or option that changed between two layouts."""
+    before = {(kind, name): rest for kind, name, *rest in old.structure}
+    after = {(kind, name): rest for kind, name, *rest in new.structure}
     phrases = []
     for (kind, name), (ident, *was) in before.items():
         if (kind, name) not in after:
@@ -46,6 +70,11 @@ def _describe_change(old: Sequence[tuple[Any, ...]], new: Sequence[tuple[Any, ..
         if what:
             phrases.append(f"{kind} {name!r} " + ", ".join(what))
     phrases += [f"{kind} {name!r} added" for kind, name in after if (kind, name) not in before]
+    phrases += [
+        f"{shown} where it had {old.options[key][1]}"
+        for key, (value, shown) in new.options.items()
+        if key in old.options and old.options[key][0] != value
+    ]
     return phrases or ["the order of its parameters or buffers"]
 
 
@@ -55,24 +84,18 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-#: The layout's items by key: (what every rank must have equal, how an error shows it).
-Items = dict[str, tuple[str, str]]
-
-
-def layout_of(module: nn.Module, bucket_bytes: int, options: Items) -> tuple[list[torch.Tensor], Any, Items]:
-    """The trainable parameters, their gradient buckets, and what must be equal on
-    every process: each tensor, each bucket (shown with `bucket_bytes`, which makes
-    them), then `options` (:func:`dpcore.distributed.option_items`)."""
+def layout_of(module: nn.Module, bucket_bytes: int, options: Items) -> Layout:
+    """`module`'s layout: each tensor, each bucket (shown with `bucket_bytes`, which makes them), then `options`."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    buckets = _C.make_buckets(trainable, bucket_bytes)
+    buckets = [list(g) for g in _C.make_buckets(trainable, bucket_bytes)]
     items: Items = {}
     for kind, name, t in _named(module):
         line = f"{kind} {name!r}: shape {tuple(t.shape)}, {t.dtype}"
         items[f"{kind} {name!r}"] = (line + (f", requires_grad={t.requires_grad}" if kind == "parameter" else ""),) * 2
     for k, group in enumerate(buckets):
-        line = f"gradient bucket {k}: parameters {list(group)}"
+        line = f"gradient bucket {k}: parameters {group}"
         items[f"gradient bucket {k}"] = (line, f"bucket_bytes={bucket_bytes} ({line})")
-    return trainable, buckets, {**items, **options}
+    return Layout(structure_of(module), trainable, buckets, {**items, **options}, dict(options))
 
 
 def _compared(items: Items) -> list[tuple[str, str]]:
@@ -88,18 +111,18 @@ def _first_difference(theirs: Items, base: Items) -> tuple[str, str] | None:
     return None
 
 
-def check_layout(items: Items, sync: GradientSync) -> None:
+def check_layout(layout: Layout, peers: Peers) -> None:
     """Collective: ValueError on every rank, naming each rank's first difference
-    from rank 0 as the user gave it, unless every rank has the same `items` (one
+    from rank 0 as the user gave it, unless every rank has the same items (one
     all-gather of a hash)."""
-    digest = hashlib.sha256(repr(_compared(items)).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=sync.device)
-    every = [torch.empty_like(mine) for _ in range(sync.world_size)]
-    dist.all_gather(every, mine, group=sync.group)
+    digest = hashlib.sha256(repr(_compared(layout.items)).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=peers.device)
+    every = [torch.empty_like(mine) for _ in range(peers.world_size)]
+    dist.all_gather(every, mine, group=peers.group)
     if all(torch.equal(h, every[0]) for h in every):
         return
-    layouts: list[Any] = [None] * sync.world_size
-    dist.all_gather_object(layouts, items, group=sync.group)
+    layouts: list[Any] = [None] * peers.world_size
+    dist.all_gather_object(layouts, layout.items, group=peers.group)
     found = [(rank, _first_difference(other, layouts[0])) for rank, other in enumerate(layouts)]
     parts = [f"rank {rank} has {d[0]} where rank 0 has {d[1]}" for rank, d in found if d is not None]
     raise ValueError(
@@ -108,18 +131,16 @@ def check_layout(items: Items, sync: GradientSync) -> None:
     )
 
 
-def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
-    """Collective, once the ranks `changed` changed their module since the build:
+def agree_on_change(peers: Peers, module: nn.Module, built: Layout, now: Layout, changed: Sequence[int]) -> None:
+    """Collective, once the ranks `changed` changed their module (or options) since `built`, to `now`:
     ValueError on every rank, naming each rank's change, unless every rank made
     the same change with the same values in new tensors."""
-    module = sync.module
-    _, _, items = layout_of(module, sync.bucket_bytes, sync.options)
-    known = {entry[2] for entry in sync.structure}
+    known = {entry[2] for entry in built.structure}
     values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
-    what = _describe_change(sync.structure, structure_of(module)) if sync.pending else []
-    world_size = sync.world_size
+    what = _describe_change(built, now) if peers.rank in changed else []
+    world_size = peers.world_size
     reports: list[Any] = [None] * world_size
-    dist.all_gather_object(reports, (_compared(items), values, what), group=sync.group)
+    dist.all_gather_object(reports, (_compared(now.items), values, what), group=peers.group)
     if len(changed) == world_size and all(r[:2] == reports[0][:2] for r in reports):
         return  # the same change everywhere: adopted after this synchronization
     parts = [f"rank {r}: {'; '.join(reports[r][2]) or 'its layout'}" for r in changed]
@@ -129,7 +150,7 @@ def agree_on_change(sync: GradientSync, changed: Sequence[int]) -> None:
     else:
         tail = "the changes differ between ranks (the tensors' values too, for replaced ones)"
     raise ValueError(
-        "DataParallel(process_group=...): the module's layout changed after construction on "
+        "DataParallel(process_group=...): the module's layout or the loss options changed after construction on "
         f"{'rank' if len(changed) == 1 else 'ranks'} {', '.join(map(str, changed))} ({' | '.join(parts)}), "
         f"but {tail}. Every rank must make the same change before the same forward; this backward's "
         "gradients were left as they were, not synchronized"

@@ -83,15 +83,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self._sync: GradientSync | None = None
         self._adopt(options, "module")
         if options.devices and process_group is not None:
-            self._sync = GradientSync(
-                module,
-                options.devices[0],
-                process_group,
-                broadcast_buffers=broadcast_buffers,
-                forward_sync_buffers=forward_sync_buffers,
-                bucket_bytes=options.bucket_bytes,
-                sync_batchnorm=sync_batchnorm,
-            )
+            self._sync = GradientSync(module, options)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # An option (or ``module``) written is checked with the others, as the constructor checks them, and what
@@ -230,7 +222,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             if sync is not None:
                 sync.before_forward(self)
             output, rows = self._forward(inputs, kwargs)
-            return output if sync is None else sync.after_forward(output, rows, self._loss.summed)
+            return output if sync is None else sync.after_forward(output, rows, self._options)
 
     forward = SignedForward(forward)  # type: ignore[assignment]
 
@@ -400,7 +392,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 "across processes (it does not run the model); give every rank the same number of batches "
                 "(e.g. a DistributedSampler with drop_last=True), or drop sync_batchnorm"
             )
-        return DataParallelJoinHook(sync, kwargs.get("divide_by_initial_world_size", True))
+        return sync.join_hook(kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dpcore._buckets import BucketReducer, SampleCounts, broadcast, flat_groups
+from dpcore._buckets import BucketReducer, SampleCounts, broadcast, flat_groups, weakly
 from dpcore._comm_hooks import GradBucket, HookedReducer, check_hook
-from dpcore._join import DataParallelJoinHook, notify
-from dpcore._layout import agree_on_change, check_layout, layout_of, structure_of
+from dpcore._join import DataParallelJoinHook, join_state, notify
+from dpcore._layout import Items, Peers, agree_on_change, check_layout, layout_of, structure_of
+from dpcore._options import Options
 from dpcore._pytree import map_tensors
 from dpcore.replicate import caller_stacklevel
 from dpcore.sync_batchnorm import AcrossProcesses
@@ -58,40 +59,40 @@ def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return effective, effective
 
 
-def option_items(
-    broadcast_buffers: bool | None, forward_sync_buffers: bool | None, resolved: tuple[bool, bool], sync_batchnorm: Any
-) -> dict[str, tuple[str, str]]:
-    """The options every rank must agree on, as :func:`dpcore._layout.layout_of`'s items: what is compared (their
+def option_items(options: Options, resolved: tuple[bool, bool]) -> Items:
+    """The options every rank must agree on, as :class:`dpcore._layout.Layout`'s items: what is compared (their
     effect; `resolved`: :func:`buffer_sync_options`'s) and how an error shows them (the names and values given)."""
     forward, init = resolved
     sent = {
         (True, True): "sent at construction and before training forwards",
         (False, True): "sent at construction only",
     }
-    given = f"broadcast_buffers={broadcast_buffers!r}, forward_sync_buffers={forward_sync_buffers!r}"
+    buffers = f"broadcast_buffers={options.broadcast_buffers!r}, forward_sync_buffers={options.forward_sync_buffers!r}"
+    criterion = options.criterion
+    loss = [] if criterion is None else [f"criterion={getattr(criterion, '__name__', type(criterion).__name__)}"]
+    if criterion is not None and options.criterion_reduction is None and options.own_reduction is not None:
+        loss[0] += f" with reduction={options.own_reduction!r}"
+    loss += [
+        f"{name}={getattr(options, name)!r}" for name in ("criterion_reduction", "model_loss") if getattr(options, name)
+    ]
+    summed = options.reduction == "sum"
+    weighted = "the processes' gradients summed" if summed else "the processes' gradients weighted by rows"
     return {
-        "buffer options": (f"{forward}, {init}", f"{given} (buffers {sent.get((forward, init), 'never sent')})"),
-        "sync_batchnorm": (str(bool(sync_batchnorm)), f"sync_batchnorm={sync_batchnorm!r}"),
+        "buffer options": (f"{forward}, {init}", f"{buffers} (buffers {sent.get((forward, init), 'never sent')})"),
+        "sync_batchnorm": (str(options.sync_batchnorm), f"sync_batchnorm={options.sync_batchnorm!r}"),
+        "loss": (str(summed), f"{', '.join(loss) or 'no criterion or model_loss'} ({weighted})"),
     }
 
 
 class GradientSync:
     """The cross-process half of ``DataParallel(..., process_group=pg)`` for the
-    master `module` (replica 0, on `device`), called around each forward. As
-    with DDP, every rank constructs it and runs the same synchronizing forwards
-    (:meth:`can_sync`) and backward passes, with the same ``no_sync`` use."""
+    master `module` (replica 0, on the first device of `options`), called around
+    each forward. As with DDP, every rank constructs it and runs the same
+    synchronizing forwards (:meth:`can_sync`) and backward passes, with the same
+    ``no_sync`` use."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        device: torch.device,
-        process_group: Any,
-        *,
-        broadcast_buffers: bool | None = None,
-        forward_sync_buffers: bool | None = None,
-        bucket_bytes: int,
-        sync_batchnorm: bool = False,
-    ) -> None:
+    def __init__(self, module: nn.Module, options: Options) -> None:
+        process_group = options.process_group
         if not dist.is_available():
             raise RuntimeError("process_group: torch.distributed is not available in this build of torch")
         if not isinstance(process_group, dist.ProcessGroup):
@@ -99,8 +100,6 @@ class GradientSync:
                 f"process_group: expected a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD "
                 f"after init_process_group), but got {type(process_group).__name__}"
             )
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes: expected a positive size, but got {bucket_bytes}")
         owner = _OWNERS.get(module)
         if owner is not None and owner() is not None:
             raise ValueError(
@@ -108,21 +107,22 @@ class GradientSync:
                 "all-reduce every gradient a second time); reuse that wrapper, or evaluate through the module itself "
                 "or a DataParallel without a process_group"
             )
+        device = options.devices[0]
         self.module, self.device, self.group = module, device, process_group
-        self.rank: int = dist.get_rank(process_group)
-        self.world_size: int = dist.get_world_size(process_group)
-        self.forward_sync_buffers, self.init_sync_buffers = buffer_sync_options(broadcast_buffers, forward_sync_buffers)
-        resolved = self.forward_sync_buffers, self.init_sync_buffers
-        self.options = option_items(broadcast_buffers, forward_sync_buffers, resolved, sync_batchnorm)
-        self.bucket_bytes = int(bucket_bytes)
+        self.peers = Peers(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), device)
+        resolved = buffer_sync_options(options.broadcast_buffers, options.forward_sync_buffers)
+        self.forward_sync_buffers, self.init_sync_buffers = resolved
+        self._given, self._options = options, option_items(options, resolved)  # the latest forward's
+        self.bucket_bytes = options.bucket_bytes
         self.no_sync_depth = 0
-        self.pending = False  # the module's structure changed since the build; not yet agreed with the others
+        self.pending = False  # the module (or an option) changed since the build; not yet agreed with the others
         self.counts = SampleCounts()
         self.reducer: BucketReducer = None  # type: ignore[assignment]  # set by _build
         self._hook: tuple[Any, Any] | None = None  # (hook, state) of register_comm_hook
         self._buffer_src = 0  # the rank whose buffers the latest training forward used
         self.forward_buffers = True  # DDP's require_forward_param_sync: the next training forward sends buffers
         self.staged: list[list[int]] | None = None  # see send_buffers
+        self._armed = (False, False)  # how the latest forward armed the readiness (the next backward synchronizes)
         self._build(initial=True)
         self.batchnorm_group: Any = None  # sync_batchnorm's collectives: a group of its own, of the same ranks
         try:  # what bounds the group's collectives
@@ -130,7 +130,7 @@ class GradientSync:
         except (AttributeError, RuntimeError):
             timeout = None
         self.timeout = timeout if isinstance(timeout, datetime.timedelta) else dist.default_pg_timeout
-        if sync_batchnorm and self.world_size > 1:
+        if options.sync_batchnorm and self.peers.world_size > 1:
             ranks = dist.get_process_group_ranks(process_group)
             order = {} if ranks == sorted(ranks) else {"sort_ranks": False}
             backend = dist.get_backend(process_group)
@@ -140,12 +140,11 @@ class GradientSync:
     def _build(self, initial: bool = False) -> None:
         """Collective: checks the layout, builds its buckets, sends rank 0's parameters and buffers."""
         self.pending = False
-        self.structure = structure_of(self.module)
-        self.params, self.indices, items = layout_of(self.module, self.bucket_bytes, self.options)
-        check_layout(items, self)
+        self.layout = layout_of(self.module, self.bucket_bytes, self._options)
+        check_layout(self.layout, self.peers)
         buffers = list(self.module.buffers())
         shared = list(self.module.parameters()) + (buffers if initial and self.init_sync_buffers else [])
-        broadcast(flat_groups(shared, self.device, self.bucket_bytes), 0, self.rank, self.group)
+        broadcast(flat_groups(shared, self.device, self.bucket_bytes), 0, self.peers)
         self._buffer_groups = flat_groups(buffers, self.device, self.bucket_bytes)
         if not initial:  # a rebuild within a step: the buffers as _finish sends them
             self.send_buffers(self._buffer_src, stage=True)
@@ -154,51 +153,51 @@ class GradientSync:
     def _make_reducer(self) -> None:
         if self.reducer is not None:
             self.reducer.readiness.remove()
-        self.reducer = BucketReducer(self) if self._hook is None else HookedReducer(self, self._hook)
+        parts = (self.peers, self.layout, self.counts, weakly(self._finish))  # weakly: see weakly's doc
+        self.reducer = BucketReducer(*parts) if self._hook is None else HookedReducer(*parts, self._hook)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """DDP's ``register_comm_hook``: once, on every rank, before the first synchronization."""
+        """DDP's ``register_comm_hook``: once, on every rank, before the first
+        synchronizing backward (which checks that every rank registered one)."""
         check_hook(state, hook)
         if self._hook is not None:
             raise RuntimeError(
                 "register_comm_hook: a communication hook is already registered; only one can be, as with DDP"
             )
-        if self.counts.started or self.reducer.readiness.task != -1:
+        if self.counts.started:
             raise RuntimeError(
                 "register_comm_hook: must be called before the first backward that synchronizes gradients (as "
                 "DDP's), on every rank; this wrapper has already synchronized"
             )
         self._hook = (hook, state)
+        self._drop_raised()
         self._make_reducer()
-
-    # The reducer's state, as the tests read it.
-    _buckets = property(lambda self: self.reducer.buckets)
-    _task = property(lambda self: self.reducer.readiness.task)
-    _launched = property(lambda self: self.reducer.launched)
-    _pending = property(lambda self: self.pending)
-    _count_bucket = property(
-        lambda self: self.reducer.count_bucket, lambda self, value: setattr(self.reducer, "count_bucket", value)
-    )
+        self.reducer.readiness.arm(*self._armed)  # as the latest forward armed the reducer replaced
 
     def check_structure(self) -> None:
         """Notes a change of the module's structure (agreed at the next synchronization)."""
-        if structure_of(self.module) != self.structure:
+        if structure_of(self.module) != self.layout.structure:
             self.pending = True
 
     def can_sync(self) -> bool:
         """Whether a forward now can start a gradient synchronization; no other makes a collective."""
-        return torch.is_grad_enabled() and bool(self.params or self.pending)
+        return torch.is_grad_enabled() and bool(self.layout.params or self.pending)
+
+    def _drop_raised(self) -> None:
+        """Drops the state of a synchronizing backward that raised (its task is still set): start afresh."""
+        if self.reducer.readiness.task != -1:
+            self.reducer.reset()
+            self.counts.local, self.counts.counted = 0, False
 
     def before_forward(self, joinable: Any = None) -> None:
         """Drops the state of a backward that raised; in a forward that can
         synchronize, the Join notification (`joinable`: the wrapper) and, after
         a synchronizing forward (DDP's schedule), the buffers; in any other, the
         staged buffers."""
-        if self.reducer.readiness.task != -1:  # a synchronizing backward raised: start afresh
-            self.reducer.reset()
-            self.counts.local, self.counts.counted = 0, False
+        self._drop_raised()
+        self._armed = (False, False)
         if self.can_sync():
-            self.send_buffers(notify(self, joinable), send=self.forward_buffers)
+            self.send_buffers(notify(joinable, self.peers, self.no_sync_depth == 0), send=self.forward_buffers)
             self.forward_buffers = self.no_sync_depth == 0
         elif self.staged is not None:
             self.write_staged()
@@ -209,8 +208,8 @@ class GradientSync:
         buffers' versions then) for :meth:`write_staged`, and the module keeps its own."""
         self._buffer_src, self.staged = src, None
         if send and self.forward_sync_buffers and self._buffer_groups:
-            broadcast(self._buffer_groups, src, self.rank, self.group, write=not stage)
-            if stage and self.rank != src:
+            broadcast(self._buffer_groups, src, self.peers, write=not stage)
+            if stage and self.peers.rank != src:
                 self.staged = [[t._version for t in g.params] for g in self._buffer_groups]
 
     def write_staged(self) -> None:
@@ -231,23 +230,34 @@ class GradientSync:
             return None
         return AcrossProcesses(self.batchnorm_group, self.timeout, 1.0 if summed else float(local_batch))
 
-    def after_forward(self, output: Any, local_batch: int, summed: bool) -> Any:
+    def after_forward(self, output: Any, local_batch: int, options: Options) -> Any:
         """Arms the next backward and records the batch size for its weights;
-        `output`, where `summed` with gradients multiplied by the process count."""
+        `output`, where the loss of `options` (the wrapper's now) is summed, with
+        gradients multiplied by the process count. A loss option changed since the
+        build is agreed with the other ranks at the next synchronization, as a
+        layout change is."""
         if not torch.is_grad_enabled():
             return output
+        if options is not self._given:
+            self._given, self._options = (
+                options,
+                option_items(options, (self.forward_sync_buffers, self.init_sync_buffers)),
+            )
+            self.pending = self.pending or self._options != self.layout.options
         if self.pending and not self.reducer.buckets:  # no bucket can carry the change: rebuild now (collective)
             self._build()
-        if not self.params:
+        if not self.layout.params:
             return output
-        self.reducer.readiness.arm(self.no_sync_depth == 0, self.batchnorm_group is not None)
+        self._armed = (self.no_sync_depth == 0, self.batchnorm_group is not None)
+        self.reducer.readiness.arm(*self._armed)
         self.reducer.pending = self.pending
+        summed = options.reduction == "sum"
         if not summed:
             self.counts.counted = True
             self.counts.local += int(local_batch)
-        if not summed or self.world_size == 1:
+        if not summed or self.peers.world_size == 1:
             return output
-        factor = float(self.world_size)
+        factor = float(self.peers.world_size)
 
         def scaled(t: torch.Tensor) -> torch.Tensor:
             if t.grad_fn is None:
@@ -285,20 +295,51 @@ class GradientSync:
         """Whether some rank's layout changed; ValueError unless every rank made the same change."""
         changed = self.reducer.changed_ranks()
         if changed:
-            agree_on_change(self, changed)
+            now = layout_of(self.module, self.bucket_bytes, self._options)
+            agree_on_change(self.peers, self.module, self.layout, now, changed)
         return bool(changed)
 
     def adopt_change(self, weight: float | torch.Tensor, contribute: bool) -> None:
         """Rebuilds the buckets and all-reduces the newly covered gradients times `weight` (0 unless `contribute`)."""
-        covered = {id(p) for p in self.params}
+        covered = {id(p) for p in self.layout.params}
         self._build()
-        for g in flat_groups([p for p in self.params if id(p) not in covered], self.device, self.bucket_bytes):
+        for g in flat_groups([p for p in self.layout.params if id(p) not in covered], self.device, self.bucket_bytes):
             present = g.fill([p.grad if contribute else None for p in g.params])
             if isinstance(weight, torch.Tensor) or weight != 1.0:
                 g.data.mul_(weight)
             dist.all_reduce(g.flat, group=self.group)
             if contribute:
                 g.copy_back(present)
+
+    def join_hook(self, divide_by_initial_world_size: bool = True) -> DataParallelJoinHook:
+        """DDP's ``join_hook``: a joined rank shadows the others' collectives,
+        counting its last samples with `divide_by_initial_world_size` (else none)."""
+        phantom = bool(divide_by_initial_world_size)
+        return DataParallelJoinHook(lambda: self._shadow(phantom), self._from_last_joiner)
+
+    def _shadow(self, phantom: bool) -> None:
+        """A joined rank's part of the others' training step: the same collectives,
+        zero gradients, its last sample count if `phantom` (else 0)."""
+        src, synchronizes = join_state(self.peers, False, False)
+        self.send_buffers(src, send=self.forward_buffers)  # as the others' before_forward (DDP's join hook)
+        self.forward_buffers = synchronizes
+        if not synchronizes or not self.reducer.buckets:
+            return
+        self.reducer.shadow(float(self.counts.last if phantom else 0), self.pending)
+        self.send_buffers(src, stage=True)
+        if self.agree_if_changed():
+            self.adopt_change(0.0, contribute=False)
+
+    def _from_last_joiner(self, is_last_joiner: bool) -> None:
+        """After every rank joined: the model from the highest of the last joiners."""
+        rank = torch.tensor([float(self.peers.rank) if is_last_joiner else -1.0], device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.group)
+        tensors = list(self.module.parameters())
+        self.staged = None  # the last joiner's buffers replace them
+        if self.forward_sync_buffers:
+            tensors += list(self.module.buffers())
+        if tensors:
+            broadcast(flat_groups(tensors, self.device, self.bucket_bytes), int(rank.item()), self.peers)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

@@ -162,13 +162,10 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
     out["uneven"] = check_steps(Runner(rank, world), uneven)
     # Many small buckets: launched from the hooks while backward goes on.
     small = Runner(rank, world, bucket_bytes=64)
-    out["buckets"] = len(small.dp._sync._buckets)
-    out["uneven_small_buckets"] = check_steps(small, uneven)
-    # No bucket that can carry the sample count (as when every bucket is half
-    # precision): the count takes its own all-reduce.
-    separate = Runner(rank, world)
-    separate.dp._sync._count_bucket = None
-    out["uneven_separate_count"] = check_steps(separate, uneven)
+    with _WireCounter() as wire:
+        wire.on = True
+        out["uneven_small_buckets"] = check_steps(small, uneven)
+    out["buckets"] = (len(wire.calls) - 1) / STEPS  # all_reduce calls per step, less the first one's agreement
 
     # Rank 1 with an empty local batch (its loss is NaN): it weighs nothing.
     r = Runner(rank, world, criterion=Criterion("mean"))
@@ -303,9 +300,9 @@ def scenario_equality(rank: int, world: int) -> dict[str, Any]:
         r.zero_grad()
         run_user_loss(r, uneven(step))
         r.step()
-        synced.append(sum(len(b.params) for b in r.dp._sync._buckets))
-    out["unfrozen"] = r.worst
-    out["synchronized_parameters"] = synced
+        synced.append(r.model.fc1.weight.grad is not None)
+    out["unfrozen"] = r.worst  # fc1.weight synchronized once unfrozen: a local gradient would differ
+    out["fc1_weight_has_grad"] = synced
     return out
 
 
@@ -437,6 +434,9 @@ def scenario_mismatch(rank: int, world: int) -> dict[str, Any]:
         "sync_batchnorm": {"sync_batchnorm": rank == 1},
         "same_effect": {"broadcast_buffers": True} if rank == 1 else {},
         "same_effect_both": {"broadcast_buffers": False, "forward_sync_buffers": True} if rank == 1 else {},
+        "criterion": {"criterion": nn.MSELoss(reduction="sum" if rank == 1 else "mean")},
+        "model_loss": {"model_loss": "sum"} if rank == 1 else {},
+        "same_effect_loss": {"model_loss": "rows"} if rank == 1 else {"criterion": nn.MSELoss()},
     }
     out["options"] = {}
     for name, options in given.items():
@@ -451,6 +451,25 @@ def scenario_mismatch(rank: int, world: int) -> dict[str, Any]:
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=dist.group.WORLD)
     dp(torch.randn(4, 40)).sum().backward()
     out["then_trains"] = model[0].weight.grad is not None
+    # register_comm_hook on rank 1 only: a RuntimeError on every rank at the first synchronizing backward, before
+    # any gradient collective; once every rank has registered it, training goes on.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    hooked = nn.Linear(4, 3)
+    dp = dpcore.DataParallel(hooked, ["cpu"] * 2, process_group=dist.group.WORLD)
+    if rank == 1:
+        dp.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    try:
+        dp(torch.ones(4, 4)).sum().backward()
+        out["hook_on_rank_1"] = None
+    except RuntimeError as error:
+        out["hook_on_rank_1"] = str(error)
+    loss = dp(torch.ones(4, 4)).sum()
+    if rank != 1:
+        dp.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    hooked.zero_grad()
+    loss.backward()
+    out["hook_then_everywhere"] = hooked.bias.grad.tolist()
     # One replica per rank: a parameter no rank used keeps .grad None, one
     # that only rank 1 used gets rank 1's gradient (halved) on every rank.
     torch.manual_seed(0)
@@ -615,6 +634,25 @@ def scenario_layout(rank: int, world: int) -> dict[str, Any]:
     for name, change in (("replace_equally", replace_equally), ("freeze_everywhere", freeze_everywhere)):
         r, result = case(change)
         out[name] = {**result, "worst": r.worst}
+    # The criterion's reduction changed in place after construction: on rank 1 before step 1, an error on every
+    # rank in that step; then on every rank before step 2, adopted: exact against one device, summed.
+    r = Runner(rank, world, group=group, criterion=Criterion("mean"))
+
+    def loss_step(step: int) -> None:
+        if (step == 1 and rank == 1) or step == 2:
+            r.dp.criterion.reduction = "sum"
+        r.zero_grad()
+        xs, ys = r.batch(uneven(step), classes=True)
+        Criterion("sum" if step >= 2 else "mean")(r.reference(torch.cat(xs)), torch.cat(ys)).backward()
+        r.dp(xs[rank].to(DEVICE), ys[rank].to(DEVICE)).backward()
+        r.step()
+
+    out["reduction_on_rank_1"] = _attempt(2, loss_step)
+    r.worst = 0.0
+    r.opt.zero_grad()
+    r.opt_ref.zero_grad()
+    loss_step(2)
+    out["reduction_everywhere"] = r.worst
     ones = torch.ones(1, device=DEVICE)
     dist.all_reduce(ones, group=group)
     out["group_usable"] = ones.item() == world
@@ -1076,8 +1114,8 @@ def _train_hooked(
             counter.calls = []
             for micro in range(accumulate):
                 n = sizes(step)
-                x = torch.randn(n, 16, generator=generator, dtype=dtype)
-                y = torch.randn(n, 1, generator=generator, dtype=dtype)
+                x = torch.randn(n, 16, generator=generator, dtype=torch.float64).to(dtype)  # the reference's rows
+                y = torch.randn(n, 1, generator=generator, dtype=torch.float64).to(dtype)
                 context = wrapper.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
                 with context:
                     out = wrapper(x)
@@ -1210,6 +1248,10 @@ def scenario_hooks(rank: int, world: int) -> dict[str, Any]:
             dtype=torch.float64,
         )
         out["uneven"][name] = _relative_difference(got["trace"], reference)
+    # No bucket that can carry the sample count (every bucket half precision): the count takes its own all-reduce.
+    half = _train_hooked(rank, hybrid, None, 3, lambda step: uneven(step)[rank], dtype=torch.float16)
+    out["uneven"]["float16_separate_count"] = _relative_difference(half["trace"], reference)
+    out["float16_separate_count_wire"] = half["wire"]
     # What the unweighted mean of the ranks' gradients (DDP's) would be off by on these batches.
     ddp_uneven = _train_hooked(rank, ddp, hooks["allreduce"], 1, lambda step: uneven(step)[rank], dtype=torch.float64)
     out["uneven"]["ddp_unweighted"] = _relative_difference(ddp_uneven["trace"], reference[:2])

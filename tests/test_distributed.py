@@ -123,8 +123,8 @@ def group_run(
 
 def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[str, Any]]]) -> None:
     """Against one device on the global batch, float64, after each of 3 SGD
-    steps (momentum): equal and uneven local batches, many buckets, the
-    sample count in its own all-reduce, an empty local batch on rank 1,
+    steps (momentum): equal and uneven local batches, many buckets, an
+    empty local batch on rank 1,
     criterion= (mean and sum), no_sync
     accumulation (the same shares in every micro-step: single-device
     accumulation; changing shares: the documented weights by each process's
@@ -139,7 +139,6 @@ def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[
             "equal",
             "uneven",
             "uneven_small_buckets",
-            "uneven_separate_count",
             "empty_rank",
             "criterion_mean",
             "criterion_sum",
@@ -158,13 +157,16 @@ def test_hybrid_equals_single_device_in_float64(group_run: tuple[int, list[dict[
         assert r["never_used_grad_is_none"] is True and r["extra_grad_on_every_rank"] is True
         assert r["scale_after_construction"] == 1.0  # rank 0's value, not 1 + rank
         assert r["scale_without_broadcast"] == 1.0 + 0.5 * rank
-        assert r["synchronized_parameters"] == [6, 7, 7]  # of 7; the frozen weight joins when unfrozen
+        assert r["fc1_weight_has_grad"] == [False, True, True]  # frozen at step 0, then synchronized
 
 
 def test_models_that_differ_between_processes_fail_on_every_rank(group_run: tuple[int, list[dict[str, Any]]]) -> None:
     """Different shapes or bucket layouts: ValueError on every rank naming the
-    first difference; the group stays usable. Also, with one replica per
-    rank, gradients of unused parameters (None everywhere, or used by one rank)."""
+    first difference; the group stays usable. register_comm_hook on rank 1
+    only: a RuntimeError on every rank at the first synchronizing backward,
+    naming the rank; once every rank registered it, training goes on. Also,
+    with one replica per rank, gradients of unused parameters (None
+    everywhere, or used by one rank)."""
     world, results = group_run
     for r in results:
         r = r["mismatch"]
@@ -172,6 +174,10 @@ def test_models_that_differ_between_processes_fail_on_every_rank(group_run: tupl
         assert "where rank 0 has parameter '0.weight': shape (5, 4)" in r["shape"]
         assert r["buckets"] is not None and "gradient bucket" in r["buckets"]
         assert r["then_trains"] is True
+        assert r["hook_on_rank_1"] is not None and r["hook_on_rank_1"].startswith(
+            "register_comm_hook: called on rank 1 only; every rank must register the same hook"
+        ), r["hook_on_rank_1"]
+        assert r["hook_then_everywhere"] == [4.0] * 3  # d(sum over 4 rows)/d(bias), every rank weighted alike
         assert r["single_replica_never_grad"] is None
         # rank 1: d(sum of 2 x 3 outputs)/d(bias) = 2 per entry; weighted by rank 1's share 2 / (2 * world)
         assert r["single_replica_extra_bias_grad"] == [pytest.approx(2.0 / world)] * 3
@@ -188,7 +194,9 @@ def test_options_that_differ_between_processes_are_named_as_given(group_run: tup
     naming the option by the name and value each disagreeing rank gave, and
     rank 0's: broadcast_buffers=False on every other rank (each named),
     forward_sync_buffers=False on ranks 1.. against True, sync_batchnorm=True
-    on rank 1 alone, bucket_bytes on rank 1 alone (the bucket it changes).
+    on rank 1 alone, bucket_bytes on rank 1 alone (the bucket it changes), a
+    summed criterion or model_loss='sum' on rank 1 alone (the loss, by which
+    the processes' gradients are weighted).
     Options given differently to the same effect (broadcast_buffers=True,
     or with forward_sync_buffers=True) agree."""
     world, results = group_run
@@ -206,6 +214,14 @@ def test_options_that_differ_between_processes_are_named_as_given(group_run: tup
             for r in others
         ],
         "sync_batchnorm": ["rank 1 has sync_batchnorm=True where rank 0 has sync_batchnorm=False"],
+        "criterion": [
+            "rank 1 has criterion=MSELoss with reduction='sum' (the processes' gradients summed) where rank 0 has "
+            "criterion=MSELoss with reduction='mean' (the processes' gradients weighted by rows)"
+        ],
+        "model_loss": [
+            "rank 1 has model_loss='sum' (the processes' gradients summed) where rank 0 has no criterion or "
+            "model_loss (the processes' gradients weighted by rows)"
+        ],
     }
     for rank, r in enumerate(results):
         got = r["mismatch"]["options"]
@@ -215,6 +231,7 @@ def test_options_that_differ_between_processes_are_named_as_given(group_run: tup
             assert "; ".join(phrases) in message, (rank, message)
             assert message.count(" has ") == 2 * len(phrases), (rank, message)  # the agreeing ranks are not named
         assert got["same_effect"] is None and got["same_effect_both"] is None, (rank, got)
+        assert got["same_effect_loss"] is None, (rank, got)
         buckets = r["mismatch"]["buckets"]
         assert "rank 1 has bucket_bytes=1024 (gradient bucket 0: parameters" in buckets, buckets
         assert "where rank 0 has bucket_bytes=1000000 (gradient bucket 0: parameters" in buckets, buckets
@@ -303,9 +320,11 @@ def test_rank_zero_evaluation_makes_no_collective(parity_run: tuple[int, list[di
 def test_a_layout_change_on_one_rank_is_an_error_on_every_rank(parity_run: tuple[int, list[dict[str, Any]]]) -> None:
     """After construction, rank 1 freezes a parameter (before step 2), or
     rank 0 replaces one (before step 1), or every rank replaces one with
-    different values: a ValueError on every rank in that step, at once,
+    different values, or rank 1 sets its criterion's reduction to 'sum' in
+    place (before step 1): a ValueError on every rank in that step, at once,
     naming the rank and the change; the group stays usable. The same change
-    on every rank (equal values) is adopted, exact against one device."""
+    on every rank (equal values; the reduction) is adopted, exact against
+    one device."""
     world, results = parity_run
     expected = {
         "freeze_on_rank_1": (
@@ -320,6 +339,12 @@ def test_a_layout_change_on_one_rank_is_an_error_on_every_rank(parity_run: tuple
             "did not change",
         ),
         "replace_differently": (1, "on ranks " + ", ".join(map(str, range(world))), "the changes differ"),
+        "reduction_on_rank_1": (
+            1,
+            "on rank 1 (rank 1: criterion=Criterion with reduction='sum' (the processes' gradients summed) where it "
+            "had criterion=Criterion with reduction='mean' (the processes' gradients weighted by rows))",
+            "did not change",
+        ),
     }
     for rank, r in enumerate(results):
         r = r["layout"]
@@ -330,6 +355,7 @@ def test_a_layout_change_on_one_rank_is_an_error_on_every_rank(parity_run: tuple
             assert got["seconds"] < AT_ONCE_S, f"rank {rank}: {case}: {got}"
         for case in ("replace_equally", "freeze_everywhere"):
             assert r[case]["error"] is None and 0.0 <= r[case]["worst"] <= ATOL, f"rank {rank}: {case}: {r[case]}"
+        assert 0.0 <= r["reduction_everywhere"] <= ATOL, (rank, r["reduction_everywhere"])
         assert r["group_usable"] is True
 
 
@@ -465,7 +491,7 @@ def test_half_precision_hooks_halve_the_bytes_on_the_wire(hooks_run: tuple[int, 
     (float32), in the same calls as DDP with that hook; beside them dpcore
     sends one float64 side tensor per synchronization (each parameter's
     "has a gradient" flag, the sample count, a counted flag, one layout mark
-    per rank), plus the sample count alone before the first. PowerSGD
+    per rank), plus the sample count and hook marks before the first. PowerSGD
     sends DDP's compressed tensors from step 2 on."""
     world, results = hooks_run
     side = [["torch.float64", HOOKNET_TENSORS + 2 + world]]
@@ -475,7 +501,7 @@ def test_half_precision_hooks_halve_the_bytes_on_the_wire(hooks_run: tuple[int, 
             if name in ("none", "fp16_small_buckets"):
                 continue
             ours, ddp = steps["dpcore"], steps["ddp"]
-            assert ours[0][0] == ["torch.float64", 2], (rank, name, ours[0])  # the first N, once
+            assert ours[0][0] == ["torch.float64", 2 + world], (rank, name, ours[0])  # the first N, hook marks: once
             assert [step[1:] if k == 0 else step for k, step in enumerate(ours)] == [s + side for s in ddp]
         full = wire["allreduce"]["dpcore"]
         for name, dtype in (("fp16", "torch.float16"), ("bf16", "torch.bfloat16"), ("fp16_wrapper", "torch.float16")):
@@ -484,8 +510,10 @@ def test_half_precision_hooks_halve_the_bytes_on_the_wire(hooks_run: tuple[int, 
                 reference = full[k][1:-1] if k == 0 else full[k][:-1]
                 assert gradients == [[dtype, HOOKNET_ELEMENTS]], (rank, name, step)
                 assert _wire_bytes(gradients) * 2 == _wire_bytes(reference) == 4 * HOOKNET_ELEMENTS
-        # Without a hook: one float32 bucket holding gradients, flags, count, counted flag and marks.
-        assert wire["none"]["dpcore"] == [[["torch.float32", HOOKNET_ELEMENTS + HOOKNET_TENSORS + 2 + world]]] * 5
+        # Without a hook: one float32 bucket holding gradients, flags, count, counted flag and marks (at the first
+        # synchronization after the count and hook marks, as with a hook).
+        bucket = ["torch.float32", HOOKNET_ELEMENTS + HOOKNET_TENSORS + 2 + world]
+        assert wire["none"]["dpcore"] == [[["torch.float64", 2 + world], bucket]] + [[bucket]] * 4
         # One bucket per parameter: each sent compressed, then the side tensor.
         for k, step in enumerate(wire["fp16_small_buckets"]):
             gradients = step[1:-1] if k == 0 else step[:-1]
@@ -500,14 +528,22 @@ def test_hooks_keep_uneven_batches_weighted(hooks_run: tuple[int, list[dict[str,
     and 7 rows), float64, 3 SGD steps against one device on the global
     batch: with allreduce_hook as exact as without a hook; with fp16 and
     bf16 compression within their precision (relative 2**-10 and 2**-7 of
-    the largest entry), where DDP's unweighted mean is off by far more."""
-    _, results = hooks_run
+    the largest entry), where DDP's unweighted mean is off by far more. A
+    float16 model without a hook (no bucket can carry the sample count, which
+    takes its own all-reduce) within float16's precision."""
+    world, results = hooks_run
     for rank, r in enumerate(results):
         got = r["uneven"]
         assert 0.0 <= got["none"] <= 1e-12 and 0.0 <= got["allreduce"] <= 1e-12, (rank, got)
         assert 0.0 < got["fp16"] <= 2.0**-10, (rank, got)
         assert 0.0 < got["bf16"] <= 2.0**-7, (rank, got)
         assert got["ddp_unweighted"] > 0.1, (rank, got)
+        assert 0.0 < got["float16_separate_count"] <= 2.0**-7, (rank, got)
+        # A float16 bucket cannot carry the count: it goes alone in float64 (after the first synchronization's
+        # count and hook marks).
+        wire = r["float16_separate_count_wire"]
+        bucket, alone = ["torch.float16", HOOKNET_ELEMENTS + HOOKNET_TENSORS + 2 + world], ["torch.float64", 2]
+        assert wire == [[["torch.float64", 2 + world], alone, bucket]] + [[alone, bucket]] * 2, (rank, wire)
 
 
 # -- synchronized BatchNorm across processes ------------------------------------
@@ -625,39 +661,52 @@ def test_default_devices_are_the_modules_and_no_sync_works_without_a_group(world
         pass
 
 
-def test_no_sync_leaves_gradients_local_and_autograd_grad_is_untouched(world_of_one: Any) -> None:
+@pytest.fixture
+def collectives(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The collectives torch.distributed makes while the test runs: (name, elements of the tensor sent), in order."""
+    calls: list[tuple[str, int]] = []
+    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object"):
+        real = getattr(dist, name)
+
+        def counted(tensor: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append((_name, tensor.numel() if isinstance(tensor, torch.Tensor) else 0))
+            return _real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
+    return calls
+
+
+def test_no_sync_leaves_gradients_local_and_autograd_grad_is_untouched(
+    world_of_one: Any, collectives: list[tuple[str, int]]
+) -> None:
     model = nn.Linear(3, 2)
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
-    sync = dp._sync
-    assert sync is not None
     with dp.no_sync():
-        dp(torch.randn(4, 3)).sum().backward()
-    assert sync._task == -1 and not sync._launched  # nothing was launched
-    grads = torch.autograd.grad(dp(torch.randn(4, 3)).sum(), list(model.parameters()))
-    assert len(grads) == 2 and sync._task == -1  # autograd.grad accumulates nothing: no synchronization
+        loss = dp(torch.randn(4, 3)).sum()
+        collectives.clear()
+        loss.backward()
+    assert collectives == []  # nothing was launched
+    loss = dp(torch.randn(4, 3)).sum()
+    collectives.clear()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    assert len(grads) == 2 and collectives == []  # autograd.grad accumulates nothing: no synchronization
+    dp(torch.randn(4, 3)).sum().backward()
+    # A synchronizing one: one bucket of both gradients (6 + 2), a flag each, the count, the counted flag, 1 mark.
+    assert ("all_reduce", 6 + 2 + 2 + 1 + 1 + 1) in collectives
 
 
 def test_forwards_that_cannot_synchronize_make_no_collective(
-    world_of_one: Any, monkeypatch: pytest.MonkeyPatch
+    world_of_one: Any, collectives: list[tuple[str, int]]
 ) -> None:
     """no_grad, inference_mode and a model without trainable parameters:
     no collective at all (so one rank may evaluate alone); a training
     forward broadcasts the buffers, and its backward all-reduces."""
-    calls: list[str] = []
-    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object"):
-        real = getattr(dist, name)
-
-        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(dist, name, counted)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one)
     frozen = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().requires_grad_(False)
     dp_frozen = dpcore.DataParallel(frozen, ["cpu"] * 2, process_group=world_of_one)
     x = torch.randn(6, 3, dtype=torch.float64)
-    calls.clear()
+    collectives.clear()
     for train in (True, False):
         model.train(train)
         with torch.no_grad():
@@ -665,13 +714,16 @@ def test_forwards_that_cannot_synchronize_make_no_collective(
         with torch.inference_mode():
             dp(x)
         dp_frozen(x).sum()
-    assert calls == []
+    assert collectives == []
     model.train()
     dp(x).sum().backward()
-    assert "broadcast" in calls and "all_reduce" in calls
+    names = [name for name, _ in collectives]
+    assert "broadcast" in names and "all_reduce" in names
 
 
-def test_bucket_readiness_is_counted_in_cpp(world_of_one: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bucket_readiness_is_counted_in_cpp(
+    world_of_one: Any, monkeypatch: pytest.MonkeyPatch, collectives: list[tuple[str, int]]
+) -> None:
     """The gradients' readiness is counted in C++ (csrc/dpcore/grad_ready.h):
     a synchronizing backward calls the Python side once when it begins and
     at most once per bucket, never once per parameter; a backward under
@@ -691,10 +743,13 @@ def test_bucket_readiness_is_counted_in_cpp(world_of_one: Any, monkeypatch: pyte
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(10)]).double()
     reference = copy.deepcopy(model)
     dp = dpcore.DataParallel(model, ["cpu"] * 2, process_group=world_of_one, bucket_bytes=3 * 8 * 8 * 8)
-    buckets = len(dp._sync._buckets)
-    assert 1 < buckets < len(list(model.parameters())) // 2
     x = torch.randn(6, 8, dtype=torch.float64)
-    dp(x).square().mean().backward()
+    loss = dp(x).square().mean()
+    collectives.clear()
+    loss.backward()
+    buckets = len(collectives) - 1  # one all-reduce per bucket, after the first synchronization's agreement
+    assert collectives[0] == ("all_reduce", 2 + 1) and {name for name, _ in collectives} == {"all_reduce"}
+    assert 1 < buckets < len(list(model.parameters())) // 2
     assert calls.count("_begin") == 1 and 1 <= calls.count("_ready") <= buckets, calls
     reference(x).square().mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -961,10 +1016,12 @@ def test_a_layout_change_with_a_hook_is_adopted(world_of_one: Any) -> None:
     hybrid = dpcore.DataParallel(a, ["cpu"] * 2, process_group=world_of_one, bucket_bytes=64)
     plain = dpcore.DataParallel(b, ["cpu"] * 2)
     dtypes: list[torch.dtype] = []
+    hooked: list[Any] = []  # the parameters of each bucket the hook got
 
     def hook(state: Any, bucket: Any) -> Any:
         future = bf16_compress_hook(state, bucket)
         dtypes.append(bucket.buffer().dtype)
+        hooked.extend(bucket.parameters())
         return future
 
     hybrid.register_comm_hook(world_of_one, hook)
@@ -987,12 +1044,13 @@ def test_a_layout_change_with_a_hook_is_adopted(world_of_one: Any) -> None:
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=2.0**-7, atol=0)
-    sync = hybrid._sync
-    assert sync is not None and sum(len(bucket.params) for bucket in sync._buckets) == 3
+    hooked.clear()
+    hybrid(x).square().mean().backward()  # the buckets as rebuilt: the hook gets every trainable parameter
+    assert sorted(map(id, hooked)) == sorted(id(p) for p in (a[0].bias, a[2].weight, a[2].bias))
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_one_process_group_adopts_a_change_and_joins(backend: str) -> None:
+def test_one_process_group_adopts_a_change_and_joins(backend: str, collectives: list[tuple[str, int]]) -> None:
     """A one-process group on the CPU (gloo) or a GPU (NCCL, skipped
     without one), float64 against a plain DataParallel over 3 steps: a
     parameter frozen before step 1 and another replaced before step 2 (a
@@ -1033,9 +1091,11 @@ def test_one_process_group_adopts_a_change_and_joins(backend: str) -> None:
                     assert (p.grad is None) == (q.grad is None)
                     if p.grad is not None:
                         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-13)
-        sync = hybrid._sync
-        assert sync is not None and not sync._pending
-        assert sum(len(bucket.params) for bucket in sync._buckets) == 3  # fc0.bias, fc2.weight, the new fc2.bias
+        loss = hybrid(x).square().mean()
+        collectives.clear()
+        loss.backward()  # the change adopted: no agreement, one bucket of the 3 trainable parameters
+        # fc0.bias, fc2.weight, the new fc2.bias: gradients, a flag each, the count, the counted flag, one mark
+        assert collectives == [("all_reduce", 5 + 10 + 2 + 3 + 1 + 1 + 1)], collectives
         del hybrid
     finally:
         dist.destroy_process_group()

@@ -110,8 +110,7 @@ def weakly(method: Callable[_P, None]) -> Callable[_P, None]:
     ref = weakref.WeakMethod(method)
 
     def call(*args: _P.args, **kwargs: _P.kwargs) -> None:
-        target = ref()
-        if target is not None:
+        if (target := ref()) is not None:
             target(*args, **kwargs)
 
     return call

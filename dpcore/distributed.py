@@ -110,7 +110,7 @@ class GradientSync:
         device = options.devices[0]
         self.module, self.device, self.group = module, device, process_group
         self.peers = Peers(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), device)
-        resolved = buffer_sync_options(options.broadcast_buffers, options.forward_sync_buffers)
+        resolved = self._resolved = buffer_sync_options(options.broadcast_buffers, options.forward_sync_buffers)
         self.forward_sync_buffers, self.init_sync_buffers = resolved
         self._given, self._options = options, option_items(options, resolved)  # the latest forward's
         self.bucket_bytes = options.bucket_bytes
@@ -239,10 +239,7 @@ class GradientSync:
         if not torch.is_grad_enabled():
             return output
         if options is not self._given:
-            self._given, self._options = (
-                options,
-                option_items(options, (self.forward_sync_buffers, self.init_sync_buffers)),
-            )
+            self._given, self._options = options, option_items(options, self._resolved)
             self.pending = self.pending or self._options != self.layout.options
         if self.pending and not self.reducer.buckets:  # no bucket can carry the change: rebuild now (collective)
             self._build()

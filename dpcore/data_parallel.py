@@ -361,6 +361,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                 self._sync.check_structure()
         return self._cache
 
+    @property
+    def replica_cache(self) -> ReplicaCache | None:
+        """The replicas' cache, as the last call left it (never built here): None before the first call that
+        replicates, and after a write of an option it is built from (the next call builds a new one)."""
+        return self._cache
+
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every replica: call it after writes that bypass
         version counters outside an optimizer step (``p.data.add_(...)``, numpy)."""

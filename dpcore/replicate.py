@@ -8,7 +8,6 @@ exact" and "Writes no version counter sees".
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import sys
@@ -102,6 +101,8 @@ class ReplicaCache:
             self._set = _C.ReplicaSet(module, self.devices[1:], bucket_bytes, factory)
         # (ReplicaBuffers, master tensors, requires_grad) per bucket.
         self._bucket_plan: list[tuple[Any, list[torch.Tensor], bool]] = self._set.buckets
+        # id(master tensor) -> (its bucket's ReplicaBuffers, its entry there), for write().
+        self._entries = {id(t): (bucket, i) for bucket, masters, _ in self._bucket_plan for i, t in enumerate(masters)}
         if self._bucket_plan:
             track(self, (t for _, masters, _ in self._bucket_plan for t in masters))
         rows = self._set.replica_modules
@@ -116,10 +117,13 @@ class ReplicaCache:
         """The ``dpcore._C.ReplicaBuffers`` of every bucket, in order."""
         return [bucket for bucket, _, _ in self._bucket_plan]
 
-    @functools.cached_property
-    def entries(self) -> dict[int, tuple[Any, int]]:
-        """id(master tensor) -> (its bucket's ``ReplicaBuffers``, its entry there); the plan's, built once."""
-        return {id(t): (bucket, i) for bucket, masters, _ in self._bucket_plan for i, t in enumerate(masters)}
+    def write(self, position: int, updates: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes each ``(master, value)`` of `updates` (value on ``devices[position]``, equal to master) into that
+        replica's copy, which the next refresh leaves as it is until master changes; writes nothing once invalid."""
+        entries = self._entries if self.valid() else {}
+        for master, value in updates:
+            if (entry := entries.get(id(master))) is not None:
+                entry[0].write(position - 1, entry[1], value, master)
 
     def buckets_of(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
         """The buckets holding any of the master tensors `tensors`."""

@@ -4,7 +4,7 @@ device list (ZeRO stage 1 in one process); the mechanism is in docs/design.md.""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -15,8 +15,10 @@ from torch.utils._pytree import tree_leaves
 
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
+from dpcore._step_hook import exempt
 from dpcore.data_parallel import DataParallel
 from dpcore.parallel_apply import start_parallel_apply
+from dpcore.replicate import ReplicaCache
 
 __all__ = ["ShardedOptimizer"]
 
@@ -62,21 +64,18 @@ class _Shard:
             self.pairs.append((master, work))
         return work
 
-    def step(self, replicas: dict[int, tuple[Any, int]], kwargs: dict[str, Any]) -> None:
+    def step(self, cache: ReplicaCache | None, kwargs: dict[str, Any]) -> None:
         """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to
-        the masters, and written into this position's replica buffers (`replicas`: ReplicaCache.entries), which
-        the next refresh then leaves as they are."""
+        the masters, and written into this position's replicas in `cache` (ReplicaCache.write)."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
             with torch.no_grad():
                 for master, work in self.pairs:
-                    if master.grad is None:
-                        work.grad = None
-                        continue
-                    if self.seen[id(master)] != (master.data_ptr(), master._version):
-                        work.copy_(master)
-                    work.grad = master.grad.to(self.device)
-                    stepped.append((master, work))
+                    work.grad = None if master.grad is None else master.grad.to(self.device)
+                    if work.grad is not None:
+                        if self.seen[id(master)] != (master.data_ptr(), master._version):
+                            work.copy_(master)
+                        stepped.append((master, work))
         self.optimizer.step(**kwargs)
         if stepped:
             with torch.no_grad():
@@ -84,9 +83,8 @@ class _Shard:
                     master.copy_(work)
                     work.grad = None
                     self.seen[id(master)] = (master.data_ptr(), master._version)
-                    entry = replicas.get(id(master))
-                    if entry is not None:
-                        entry[0].write(self.position - 1, entry[1], work, master)
+                if cache is not None:
+                    cache.write(self.position, stepped)
 
     def view_as_buckets(self) -> None:
         """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its
@@ -113,9 +111,7 @@ class _ShardStates(MutableMapping):  # type: ignore[type-arg]
 
     def _found(self, param: object) -> tuple[dict[Any, Any], torch.Tensor]:
         """(the shard optimizer's state, the key of `param` there); KeyError if not a parameter."""
-        shard = self._owner._shard_of.get(id(param)) if isinstance(param, torch.Tensor) else None
-        if shard is None:
-            raise KeyError("not a parameter of this optimizer")
+        shard = self._owner._shards[self._owner.shard_of(param)]  # type: ignore[arg-type]
         return shard.optimizer.state, shard.working[id(param)]
 
     def __getitem__(self, param: torch.Tensor) -> Any:
@@ -149,8 +145,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     over `params`' module, or a device list whose first device holds `params`). Each step equals the plain
     optimizer's; ``param_groups`` are the truth (schedulers and edits reach every shard at the next step);
     ``state_dict()`` is the plain optimizer's format; GradScaler skips the whole step on inf."""
-
-    _marks_own_changes = True  # for dpcore._step_hook
 
     def __init__(
         self,
@@ -190,6 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.parameters_as_bucket_view:
                 shard.view_as_buckets()
         self.state = _ShardStates(self)  # type: ignore[assignment]
+        exempt(self)  # from dpcore._step_hook: each shard's step marks or writes what it changed
 
     def _check_params(self, params: list[torch.Tensor], arg: str) -> None:
         """ValueError naming `arg` unless every parameter is dense, on the first device, the module's, and listed
@@ -251,19 +246,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.parameters_as_bucket_view:
                 shard.view_as_buckets()
 
-    def _sync_groups(self) -> list[_Shard]:
-        """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient."""
+    def _sync_groups(self) -> tuple[list[_Shard], list[dict[str, Any]]]:
+        """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient, and the
+        hyperparameters copied (per group)."""
         listed = {id(p) for group in self.param_groups for p in group["params"]}
         if listed != self._shard_of.keys():
             raise ValueError(
                 "param_groups: a group's 'params' list was changed by hand since the shards were laid out; "
                 "add parameters with add_param_group()"
             )
-        for j, group in enumerate(self.param_groups):
-            settings = _settings(group)
-            for shard in self._shards:
-                shard.optimizer.param_groups[j].update(settings)
-        return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)]
+        pushed = [_settings(group) for group in self.param_groups]
+        for shard in self._shards:
+            for local, settings in zip(shard.optimizer.param_groups, pushed):
+                local.update(settings)
+        return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)], pushed
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called
@@ -271,29 +267,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         param groups during the step reach ``param_groups`` (ZeroRedundancyOptimizer's sync after its step)."""
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable that returns the loss, or None, but got {closure!r}")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        busy = self._sync_groups()
-        pushed = [_settings(group) for group in self.param_groups]
-        replicas = self._replica_entries() if any(s.copies for s in busy) else {}
+        with torch.enable_grad():
+            loss = None if closure is None else closure()
+        busy, pushed = self._sync_groups()
+        cache = self._replica_cache() if any(s.copies for s in busy) else None
         if len(busy) == 1:
-            busy[0].step(replicas, kwargs)
+            busy[0].step(cache, kwargs)
         elif busy:
-            run = start_parallel_apply(
-                [s.step for s in busy], [(replicas, kwargs)] * len(busy), None, [s.device for s in busy]
-            )
-            run.result()
+            steps = [s.step for s in busy]
+            start_parallel_apply(steps, [(cache, kwargs)] * len(busy), None, [s.device for s in busy]).result()
         for j, (group, before) in enumerate(zip(self.param_groups, pushed)):
             group.update(_changed_settings(j, before, [s.optimizer.param_groups[j] for s in busy]))
         return loss
 
-    def _replica_entries(self) -> dict[int, tuple[Any, int]]:
-        """The wrapper's replica buffers of each master (ReplicaCache.entries); {} before its first call."""
-        wrapper = None if self._wrapper is None else self._wrapper()
-        cache = None if wrapper is None else wrapper._cache
-        return {} if cache is None or not cache.valid() else cache.entries
+    def _replica_cache(self) -> ReplicaCache | None:
+        """The wrapper's replica cache where it replicates over this optimizer's device list, else None."""
+        cache = None if self._wrapper is None or (dp := self._wrapper()) is None else dp.replica_cache
+        return cache if cache is not None and cache.devices == self.devices else None
 
     def state_bytes(self) -> dict[int, int]:
         """Bytes of optimizer state held by each position of the device list (a tensor counted once)."""
@@ -399,12 +389,9 @@ def _check_flag(value: Any, arg: str) -> bool:
 def _param_list(params: Any) -> list[Any]:
     """`params` as a list of tensors, (name, tensor) pairs or groups with a list each; TypeError or ValueError
     naming `params` for a lone tensor, a non-iterable, or a group without its 'params'."""
-    if isinstance(params, torch.Tensor):
+    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
         raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}")
-    try:
-        entries = list(params)
-    except TypeError:
-        raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}") from None
+    entries = list(params)
     for i, entry in enumerate(entries):
         if isinstance(entry, dict):
             if "params" not in entry:

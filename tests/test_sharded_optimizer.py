@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import io
 import pickle
 import threading
@@ -25,7 +26,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import dpcore
-from dpcore import sharded_optimizer
+from dpcore import _step_hook, sharded_optimizer
+from dpcore.replicate import ReplicaCache
 from conftest import CPU_PARAMS, CUDA_PARAMS
 
 STEPS = 20
@@ -426,7 +428,7 @@ def test_updated_shards_are_not_copied_back_to_their_own_replicas(name: str, cop
     # replicas with no more bytes than the refresh moves without sharding; the replicas are current.
     pair = Pair(["cpu"] * 4, name)
     pair.train(range(1))  # the first call builds the replicas; the first step creates the state
-    cache = pair.dp._cache
+    cache = pair.dp.replica_cache
     for i in range(1, 4):
         x, y = pair.batches[i]
         stepped = {id(p) for p in pair.model.parameters() if p.requires_grad}
@@ -446,6 +448,74 @@ def test_updated_shards_are_not_copied_back_to_their_own_replicas(name: str, cop
         assert written > 0
     pair.train(range(4, STEPS))
     pair.assert_equal()
+
+
+def test_a_device_list_changed_under_the_optimizer_gets_no_writes(copies: None) -> None:
+    # The shards keep the device list they were laid out on; the wrapper's replicas now cover another one, so
+    # no shard writes into them (the refresh copies the updated masters) and training stays exact.
+    pair = Pair(["cpu"] * 4, "adamw")
+    pair.train(range(3))
+    pair.dp.device_ids = ["cpu"] * 3
+    pair.train(range(3, STEPS))
+    assert len(pair.dp.replica_cache.devices) == 3
+    x, _ = pair.batches[0]
+    with torch.no_grad():
+        torch.testing.assert_close(pair.dp(x), pair.model(x), atol=1e-12, rtol=0)
+    pair.assert_equal()
+
+
+def test_replica_cache_write_is_left_as_it_is_by_the_next_refresh() -> None:
+    # ReplicaCache.write(position, [(master, value)]): the value is that position's copy of master, which the next
+    # refresh leaves as it is until master changes again; the other positions are refreshed; a tensor the cache
+    # does not hold is skipped; a cache made invalid by a change of structure writes nothing.
+    model = _model()
+    cache = ReplicaCache(model, [torch.device("cpu")] * 3)
+    cache.replicas(3)
+    weight = model[0].weight
+    (bucket, masters) = next((b, m) for b, m, _ in cache._bucket_plan if any(t is weight for t in m))
+    size = sum(t.numel() * t.element_size() for t in masters)
+    with torch.no_grad():
+        weight.mul_(0.5)
+    cache.write(2, [(weight, weight.detach().clone()), (torch.zeros(3), torch.zeros(3))])
+    replicas = cache.replicas(3)
+    assert bucket.last_copied_bytes == [size, size - weight.numel() * weight.element_size()]
+    for replica in replicas[1:]:
+        torch.testing.assert_close(replica[0].weight, weight, atol=0, rtol=0)
+    with torch.no_grad():
+        weight.add_(1.0)
+    cache.replicas(3)
+    assert bucket.last_copied_bytes == [size, size]
+    with pytest.raises(RuntimeError, match="ReplicaBuffers.write: expected a value of"):
+        cache.write(1, [(weight, torch.zeros(1, dtype=weight.dtype))])
+    model.add_module("extra", nn.Linear(2, 2))
+    assert not cache.valid()
+    cache.write(1, [(weight, torch.zeros(1, dtype=weight.dtype))])  # nothing written, so nothing to refuse
+
+
+def test_the_step_hook_exempts_a_sharded_optimizer_while_it_lives() -> None:
+    # Fused steps bump no version counter; the step hook bumps each of the optimizer's parameters once. A sharded optimizer
+    # is exempt by registration (its shards' own steps are hooked): each master is bumped once, as by the
+    # plain optimizer; a plain optimizer's class attribute exempts nothing; the registration ends with its owner.
+    model = _model()
+    dp = dpcore.DataParallel(model, ["cpu"] * 2)
+    sharded = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1, fused=True)
+
+    class Marks(torch.optim.SGD):
+        _marks_own_changes = True  # the attribute the hook once probed for
+
+    x, y = _batches()[0]
+    plain = [torch.optim.SGD(model.parameters(), lr=0.1, fused=True), Marks(model.parameters(), lr=0.1, fused=True)]
+    for opt in (sharded, *plain):
+        _loss(dp, x, y).backward()
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        assert [p._version for p in model.parameters()] == [v + 1 for v in before], type(opt)
+        opt.zero_grad()
+    key = id(sharded)
+    assert key in _step_hook._exempt
+    del sharded
+    gc.collect()
+    assert key not in _step_hook._exempt
 
 
 # ---------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def test_manual_sgd_with_the_fixes_is_exact_without_warning(devices: list[str], 
         assert _close(out, ref_out) and _close(loss, ref_loss), f"step {step}"
     if option == "always":  # every bucket copied at every call
         dp(torch.randn(4, 5, dtype=torch.float64))
-        assert all(b.last_refresh_copied for b in dp._cache.buckets)
+        assert all(b.last_refresh_copied for b in dp.replica_cache.buckets)
 
 
 def _ema_run(devices: list[str] | None, swap: str, steps: int = 12) -> tuple[list[torch.Tensor], list[str]]:
@@ -241,7 +241,7 @@ def test_batchnorm_statistics_reach_the_replicas(devices: list[str], sync_batchn
         x = torch.randn(8, 5, generator=g, dtype=torch.float64)
         with torch.no_grad():
             assert _close(dp(x), model(x))
-    for row in dp._cache.replica_modules:
+    for row in dp.replica_cache.replica_modules:
         assert torch.equal(row[2].running_mean, model[1].running_mean)
         assert torch.equal(row[2].running_var, model[1].running_var)
 
@@ -417,7 +417,7 @@ def test_a_sign_of_zero_is_a_difference(devices: list[str]) -> None:
         dp(x)
         model.bias.data.neg_()
         dp(x)
-    replica_bias = dp._cache.replica_modules[0][0].bias
+    replica_bias = dp.replica_cache.replica_modules[0][0].bias
     assert torch.equal(torch.signbit(replica_bias), torch.signbit(model.bias))
 
 

@@ -133,6 +133,13 @@ def start_parallel_apply(
 def replica_generator() -> torch.Generator | None:
     """This thread's stream generator inside a replica that has one, else None."""
 
+def replica_seeds(devices: Sequence[torch.device]) -> list[int]:
+    """Each call's stream seed for a parallel call on `devices` (every call, lone ones too), derived as the
+    replicas' streams are: one number taken now per group sharing a default generator, then the position."""
+
+def set_rng_state_functions(functions: list[tuple[Any, str, Callable[..., Any]]]) -> None:
+    """(owner, name, function): owner.name is function while a replica with a random stream runs."""
+
 def worker_thread_count() -> int: ...
 def worker_pool_count() -> int: ...
 

@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as module_mod
 
 from dpcore import _pytree as pt
+from dpcore._loader import _C
 
 if TYPE_CHECKING:
     from dpcore.replicate import ReplicaCache
@@ -320,7 +321,6 @@ class GraphRunner:
         self._refused: dict[Any, str] = {}
         self._warned: set[str] = set()
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self._captures = 0
         self._cache: Any = None
         self._modules: list[nn.Module] = []
         self._buffer_buckets: list[Any] = []
@@ -361,17 +361,13 @@ class GraphRunner:
             self._streams[index] = torch.cuda.Stream(device=device)
         return self._streams[index]
 
-    def _generator(self, index: int, device: torch.device) -> torch.Generator:
-        """A fresh random-number state per capture (a failed one leaves its state unusable), seeded
-        from the device generator's initial seed, the replica and a capture count."""
-        self._captures += 1
-        default = torch.cuda.default_generators[device.index]
-        rng = default.clone_state()
-        rng.manual_seed(
-            (default.initial_seed() + 0x9E3779B97F4A7C15 * (index + 1) + 0xBF58476D1CE4E5B9 * self._captures)
-            % (1 << 63)
-        )
-        return rng
+    def _generators(self, devices: list[torch.device]) -> list[torch.Generator]:
+        """Per replica to capture on `devices`, a fresh random-number state (a failed capture leaves its
+        state unusable) seeded as an eager call's replica stream is (_C.replica_seeds: one derivation)."""
+        rngs = [torch.cuda.default_generators[device.index].clone_state() for device in devices]
+        for rng, seed in zip(rngs, _C.replica_seeds(devices)):
+            rng.manual_seed(seed)
+        return rngs
 
     @contextlib.contextmanager
     def _master_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
@@ -481,10 +477,11 @@ class GraphRunner:
         replicas, slots = cache.capture_replicas(used[-1] + 1)
         self._synchronize()
         graphs = []
+        rngs = self._generators([cache.devices[i] for i in used])
         for j, i in enumerate(used):
-            device, replica = cache.devices[i], replicas[i]
+            device, replica, rng = cache.devices[i], replicas[i], rngs[j]
             params = [p for p in replica.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-            call, stream, rng = make_call(replica), self.stream(i, device), self._generator(i, device)
+            call, stream = make_call(replica), self.stream(i, device)
             graphs.append(_ReplicaGraph(call, leaves[j], specs[j], params, stream, rng, cache, len(used) == 1))
         used_slots = [slots[i - 1] if i > 0 else [] for i in used]
         return _SignatureGraphs(graphs, used_slots, cache.module)

@@ -1,22 +1,25 @@
 """torch's RNG-state functions, made to see a replica's own random stream
-(``fork_rng``, activation checkpointing). ``dpcore._C`` calls
-:func:`install_state_functions` on the first parallel call that gives a
-replica a stream. Why and how: docs/design.md, "Randomness, what is process-wide".
+(``fork_rng``, activation checkpointing). :data:`STATE_FUNCTIONS` is handed
+to ``dpcore._C`` once (dpcore/parallel_apply.py), which binds torch's names
+to them only while a replica with a stream runs. Why and how: docs/design.md,
+"Randomness, what is process-wide".
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import torch
+import torch.cuda.random
+import torch.random
 
 from dpcore._loader import _C
 
-__all__ = ["install_state_functions"]
+__all__ = ["STATE_FUNCTIONS"]
 
-_install_lock = threading.Lock()
+_cpu_get, _cpu_set = torch.random.get_rng_state, torch.random.set_rng_state
+_cuda_get, _cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rng_state
 
 
 def _own(device_type: str, device: Any = None) -> torch.Generator | None:
@@ -32,47 +35,39 @@ def _own(device_type: str, device: Any = None) -> torch.Generator | None:
     return own
 
 
-def install_state_functions() -> None:
-    """Rebinds ``torch.get_rng_state``/``set_rng_state`` (and torch.random's
-    and torch.cuda's names of them) to act on the calling replica's stream
-    for the device, and elsewhere call the functions they replace. Idempotent
-    and thread-safe."""
-    import torch.cuda
-    import torch.cuda.random
-    import torch.random
-
-    with _install_lock:
-        if not getattr(torch.random.get_rng_state, "_dpcore_streams", False):
-            _rebind()
+@functools.wraps(_cpu_get)
+def get_rng_state() -> torch.Tensor:
+    own = _own("cpu")
+    return _cpu_get() if own is None else own.get_state()
 
 
-def _rebind() -> None:
-    cpu_get, cpu_set = torch.random.get_rng_state, torch.random.set_rng_state
-    cuda_get, cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rng_state
+@functools.wraps(_cpu_set)
+def set_rng_state(new_state: torch.Tensor) -> None:
+    own = _own("cpu")
+    _cpu_set(new_state) if own is None else own.set_state(new_state)
 
-    @functools.wraps(cpu_get)
-    def get_rng_state() -> torch.Tensor:
-        own = _own("cpu")
-        return cpu_get() if own is None else own.get_state()
 
-    @functools.wraps(cpu_set)
-    def set_rng_state(new_state: torch.Tensor) -> None:
-        own = _own("cpu")
-        cpu_set(new_state) if own is None else own.set_state(new_state)
+@functools.wraps(_cuda_get)
+def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    own = _own("cuda", device)
+    return _cuda_get(device) if own is None else own.get_state()
 
-    @functools.wraps(cuda_get)
-    def cuda_get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        own = _own("cuda", device)
-        return cuda_get(device) if own is None else own.get_state()
 
-    @functools.wraps(cuda_set)
-    def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        own = _own("cuda", device)
-        cuda_set(new_state, device) if own is None else own.set_state(new_state)
+@functools.wraps(_cuda_set)
+def cuda_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    own = _own("cuda", device)
+    _cuda_set(new_state, device) if own is None else own.set_state(new_state)
 
-    for function in (get_rng_state, set_rng_state, cuda_get_rng_state, cuda_set_rng_state):
-        function._dpcore_streams = True  # type: ignore[attr-defined]
-    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
-    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
-    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = cuda_get_rng_state
-    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = cuda_set_rng_state
+
+#: (owner, name, function): on a thread running a replica with a stream, each
+#: acts on that stream for its device; elsewhere it calls the function it replaces.
+STATE_FUNCTIONS = [
+    (owner, name, function)
+    for owners, name, function in (
+        ((torch, torch.random), "get_rng_state", get_rng_state),
+        ((torch, torch.random), "set_rng_state", set_rng_state),
+        ((torch.cuda, torch.cuda.random), "get_rng_state", cuda_get_rng_state),
+        ((torch.cuda, torch.cuda.random), "set_rng_state", cuda_set_rng_state),
+    )
+    for owner in owners
+]

@@ -9,10 +9,13 @@ from typing import Any
 
 import torch
 
+from dpcore import _rng
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_device, normalize_device
 
 __all__ = ["parallel_apply", "start_parallel_apply"]
+
+_C.set_rng_state_functions(_rng.STATE_FUNCTIONS)  # bound by _C only while replicas with streams run
 
 
 def _module_device(module: Any) -> torch.device:

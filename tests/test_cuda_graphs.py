@@ -503,23 +503,18 @@ class _FakeStream:
 
 
 class _FakeGenerator:
-    def __init__(self) -> None:
-        self.seed = 0
+    """A CUDA default generator's graph-safe states on the CPU: a state is a
+    torch.Generator, and while one is set, the calling thread's draws use it
+    (as a capture's kernels use the state set on the device generator)."""
 
-    def clone_state(self) -> _FakeGenerator:
-        return _FakeGenerator()
+    def clone_state(self) -> torch.Generator:
+        return torch.Generator().set_state(torch.default_generator.get_state())
 
-    def graphsafe_get_state(self) -> _FakeGenerator:
-        return self
+    def graphsafe_get_state(self) -> torch.Generator:
+        return self.clone_state()
 
-    def graphsafe_set_state(self, state: Any) -> None:
-        pass
-
-    def initial_seed(self) -> int:
-        return 7
-
-    def manual_seed(self, seed: int) -> None:
-        self.seed = seed
+    def graphsafe_set_state(self, state: torch.Generator) -> None:
+        torch.default_generator.set_state(state.get_state())
 
 
 class _FakeGraph:
@@ -626,6 +621,29 @@ def test_stand_in_nested_outputs_criterion_and_no_grad(stand_in_cuda: list[str])
             assert crit(x, y).dim() == 0
     assert len(crit._graphs._entries) == 2  # a forward-only graph of its own
     assert all(g.bwd is None for g in list(crit._graphs._entries.values())[1].graphs)
+
+
+def test_stand_in_capture_draws_the_eager_replicas_streams(stand_in_cuda: list[str]) -> None:
+    """One seed derivation for eager and graphed replicas: under one seed, the
+    call that captures draws, replica by replica, the numbers that the same
+    call draws eagerly (each replica a stream of its own), and leaves the
+    device generator where the eager call leaves it."""
+    model = _mlp(dropout=0.5)
+    eager = dpcore.DataParallel(model, ["cpu"] * 3)
+    graphed = _stand_in_dp(model, n=3)
+    x = torch.ones(9, 6, dtype=torch.float64)  # every replica the same rows
+    for _ in range(_graphs.WARMUP_CALLS):
+        graphed(x)
+    torch.manual_seed(5)
+    want = eager(x)
+    after = torch.default_generator.get_state()
+    torch.manual_seed(5)
+    got = graphed(x)
+    assert stand_in_cuda.count("capture") == 3 * 2  # this call captured each replica's forward and backward
+    assert torch.equal(got, want)
+    assert torch.equal(torch.default_generator.get_state(), after)
+    chunks = want.chunk(3)
+    assert not torch.equal(chunks[0], chunks[1]) and not torch.equal(chunks[1], chunks[2])
 
 
 @pytest.mark.parametrize(

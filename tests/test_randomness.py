@@ -146,6 +146,21 @@ def test_eval_mode_is_unaffected(devices: list[Any]) -> None:
     assert torch.equal(torch.random.get_rng_state(), state) or device.type == "cuda"
 
 
+def test_replica_streams_are_seeded_by_replica_seeds() -> None:
+    """The one seed derivation: each replica's stream has the seed that
+    _C.replica_seeds (what CUDA-graph captures use) gives under the same seed."""
+
+    class Seeds(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tensor([dpcore._C.replica_generator().initial_seed() % (1 << 62)])
+
+    torch.manual_seed(8)
+    want = dpcore._C.replica_seeds([torch.device("cpu")] * 3)
+    torch.manual_seed(8)
+    got = dpcore.DataParallel(Seeds(), ["cpu"] * 3)(torch.zeros(3, 1))
+    assert got.tolist() == [s % (1 << 62) for s in want] and len(set(want)) == 3
+
+
 def test_one_replica_draws_like_the_bare_module() -> None:
     """One device (or a batch of one row on several devices): the module runs
     as it is, on the default generator, so the output equals the bare
@@ -455,25 +470,82 @@ def test_streams_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
         dp(x)
 
 
+#: torch's RNG-state names that dpcore binds while a replica with a stream runs.
+STATE_NAMES = [
+    (owner, name)
+    for owner in (torch, torch.random, torch.cuda, torch.cuda.random)
+    for name in ("get_rng_state", "set_rng_state")
+]
+
+
+def _bound(originals: list[Any]) -> list[bool]:
+    """Per name of STATE_NAMES, whether it is bound to something other than `originals`' entry."""
+    return [getattr(owner, name) is not f for (owner, name), f in zip(STATE_NAMES, originals)]
+
+
+class SeesBindings(nn.Module):
+    """Records, per call, _bound(torch's functions) seen inside the replica, then applies dropout."""
+
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.inner = inner if inner is not None else nn.Identity()
+        self.originals = [getattr(owner, name) for owner, name in STATE_NAMES]
+        self.seen: list[list[bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(_bound(self.originals))
+        return F.dropout(self.inner(x), 0.5)
+
+
+def test_torch_names_are_bound_only_while_replicas_with_streams_run() -> None:
+    """Inside every replica with a stream (nested ones too), torch's RNG-state
+    names are dpcore's; before and after a call they are torch's own (no
+    process-wide patch left); a lone replica never sees dpcore's; a name that
+    code rebinds during a call keeps that code's value."""
+    originals = [getattr(owner, name) for owner, name in STATE_NAMES]
+    inner = SeesBindings()
+    outer = SeesBindings(dpcore.DataParallel(inner, ["cpu"] * 2))
+    x = torch.ones(8, 16)
+    dpcore.DataParallel(outer, ["cpu"] * 2)(x)
+    assert outer.seen == [[True] * 8] * 2 and inner.seen == [[True] * 8] * 4
+    assert _bound(originals) == [False] * 8
+    lone = SeesBindings()
+    dpcore.DataParallel(lone, ["cpu"])(x)
+    assert lone.seen == [[False] * 8] and _bound(originals) == [False] * 8
+
+    class Rebinds(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.get_rng_state = mine
+            return x
+
+    def mine() -> torch.Tensor:
+        return originals[0]()
+
+    try:
+        dpcore.DataParallel(Rebinds(), ["cpu"] * 2)(x)
+        assert torch.get_rng_state is mine and _bound(originals)[1:] == [False] * 7
+    finally:
+        torch.get_rng_state = originals[0]
+
+
 def test_kernels_are_cpp_and_installed_once_on_first_need() -> None:
     """Nothing is installed before a parallel call gives a replica a stream,
-    nor ever while DPCORE_REPLICA_RNG=0; then the kernels are C++ ones, and
-    torch.get_rng_state is rebound once (a fresh process)."""
+    nor ever while DPCORE_REPLICA_RNG=0 (torch's names are not rebound even
+    inside replicas); then the kernels are C++ ones, registered once (a
+    fresh process)."""
     script = """
 import os, torch, dpcore
-from torch import nn
+from test_randomness import SeesBindings
 key = "TESTING_ONLY_GenericMode"
-original = torch.get_rng_state
-model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+model = SeesBindings()
 x = torch.randn(8, 4)
 dpcore.DataParallel(model, ["cpu"])(x)                    # one replica: nothing shared
 dpcore.DataParallel(model, ["cpu"] * 2)(x)                # the streams are off
 assert torch._C._dispatch_get_registrations_for_dispatch_key(key) == []
-assert torch.get_rng_state is original
+assert model.seen == [[False] * 8] * 3, model.seen
 os.environ["DPCORE_REPLICA_RNG"] = "1"
 dpcore.DataParallel(model, ["cpu"] * 2)(x)
-rebound = torch.get_rng_state
-assert rebound is not original and torch.random.get_rng_state is rebound
+assert model.seen[3:] == [[True] * 8] * 2, model.seen
 registered = torch._C._dispatch_get_registrations_for_dispatch_key(key)
 assert "aten::bernoulli_.float" in registered and "aten::native_dropout" in registered, registered
 assert all(name.startswith("aten::") for name in registered), registered
@@ -481,7 +553,6 @@ dump = torch._C._dispatch_dump("aten::bernoulli_.float")
 line = next(l for l in dump.splitlines() if l.startswith(key))
 assert "replica_rng.cpp" in line, line
 dpcore.DataParallel(model, ["cpu"] * 3)(x)
-assert torch.get_rng_state is rebound
 assert torch._C._dispatch_get_registrations_for_dispatch_key(key) == registered
 print("ok")
 """

@@ -45,15 +45,6 @@ constexpr std::array<std::string_view, 7> kDeviceGeneratorOperators = {
 // The stream of the call running on this thread, if it has one.
 thread_local ReplicaStream* tls_stream = nullptr;
 
-// A 64-bit seed for the call at `position` of a group, from the group's
-// `seed` (splitmix64's finalizer: distinct positions give unrelated seeds).
-uint64_t mix(uint64_t seed, uint64_t position) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * (position + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
 // Whether tensors on `tensor` draw from the generator of `stream`'s device.
 bool same_generator(const c10::Device& tensor, const c10::Device& stream) {
   return tensor.type() == stream.type() && (tensor.is_cpu() || tensor.index() == stream.index());
@@ -158,6 +149,36 @@ void device_generator_kernel(
   give_back();
 }
 
+// The calls of `devices` that share a default generator: (the device, with
+// its index, and the calls on it), in order of first appearance. Calls on
+// devices other than CPU and CUDA are left out.
+std::vector<std::pair<c10::Device, std::vector<size_t>>> generator_groups(
+    const std::vector<c10::Device>& devices) {
+  std::vector<std::pair<c10::Device, std::vector<size_t>>> groups;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (!devices[i].is_cpu() && !devices[i].is_cuda()) {
+      continue;
+    }
+    const c10::Device device = with_index(devices[i]);
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == device; });
+    if (group == groups.end()) {
+      groups.emplace_back(device, std::vector<size_t>{i});
+    } else {
+      group->second.push_back(i);
+    }
+  }
+  return groups;
+}
+
+// The generator the calls on `device` take their number from: this
+// thread's own stream where it is a call on `device` (a parallel call
+// inside a call), else the device's default generator.
+at::Generator parent_generator(const c10::Device& device) {
+  ReplicaStream* outer = tls_stream;
+  return outer != nullptr && outer->device() == device ? outer->generator()
+                                                       : at::globalContext().defaultGenerator(device);
+}
+
 // The index of an argument `Generator? generator` among `arguments`.
 std::optional<size_t> generator_argument(const std::vector<c10::Argument>& arguments) {
   for (size_t i = 0; i < arguments.size(); ++i) {
@@ -230,6 +251,25 @@ const std::string& kernels_unavailable() {
 
 } // namespace
 
+uint64_t stream_seed(uint64_t number, uint64_t position) {
+  uint64_t z = number + 0x9E3779B97F4A7C15ULL * (position + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+uint64_t take_number(at::Generator& generator) {
+  if (generator.device().is_cpu()) {
+    c10::impl::ExcludeDispatchKeyGuard no_streams(kKey);
+    return static_cast<uint64_t>(
+        at::randint(0, std::numeric_limits<int64_t>::max(), {}, generator, at::kLong).item<int64_t>());
+  }
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  const uint64_t offset = generator.get_offset();
+  generator.set_offset(offset + 4);
+  return stream_seed(generator.current_seed(), offset);
+}
+
 namespace detail {
 
 // The calls of one parallel call that share `parent`: one number is taken
@@ -237,33 +277,17 @@ namespace detail {
 struct StreamGroup {
   explicit StreamGroup(at::Generator parent) : parent(std::move(parent)) {}
 
-  uint64_t take_seed() {
+  uint64_t take_number() {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!seed) {
-      seed = draw(parent);
+    if (!number) {
+      number = dpcore::take_number(parent);
     }
-    return *seed;
-  }
-
-  // One 64-bit number from `generator`, advancing it. On the CPU a draw; on
-  // CUDA, without a kernel launch or a synchronization, the Philox
-  // generator's (seed, offset), whose offset then moves on by one draw's
-  // worth (4), as a kernel drawing from it would.
-  static uint64_t draw(at::Generator& generator) {
-    if (generator.device().is_cpu()) {
-      c10::impl::ExcludeDispatchKeyGuard no_streams(kKey);
-      return static_cast<uint64_t>(
-          at::randint(0, std::numeric_limits<int64_t>::max(), {}, generator, at::kLong).item<int64_t>());
-    }
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    const uint64_t offset = generator.get_offset();
-    generator.set_offset(offset + 4);
-    return mix(generator.current_seed(), offset);
+    return *number;
   }
 
   at::Generator parent;
   std::mutex mutex;
-  std::optional<uint64_t> seed;
+  std::optional<uint64_t> number;
 };
 
 } // namespace detail
@@ -278,7 +302,7 @@ const at::Generator& ReplicaStream::generator() {
                                                : at::globalContext()
                                                      .getAcceleratorHooksInterface(device_.type())
                                                      .getNewGenerator(device_.index());
-    generator.set_current_seed(mix(group_->take_seed(), position_));
+    generator.set_current_seed(stream_seed(group_->take_number(), position_));
     generator_ = std::move(generator);
   }
   return *generator_;
@@ -286,20 +310,7 @@ const at::Generator& ReplicaStream::generator() {
 
 ReplicaStreams replica_streams(const std::vector<c10::Device>& devices) {
   ReplicaStreams streams;
-  // (device, the calls that share its default generator), in order of first appearance.
-  std::vector<std::pair<c10::Device, std::vector<size_t>>> groups;
-  for (size_t i = 0; i < devices.size(); ++i) {
-    if (!devices[i].is_cpu() && !devices[i].is_cuda()) {
-      continue;
-    }
-    const c10::Device device = with_index(devices[i]);
-    auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == device; });
-    if (group == groups.end()) {
-      groups.emplace_back(device, std::vector<size_t>{i});
-    } else {
-      group->second.push_back(i);
-    }
-  }
+  const auto groups = generator_groups(devices);
   const bool shared =
       std::any_of(groups.begin(), groups.end(), [](const auto& g) { return g.second.size() > 1; });
   if (!shared || !env_flag(kReplicaRngVariable, true)) {
@@ -314,17 +325,29 @@ ReplicaStreams replica_streams(const std::vector<c10::Device>& devices) {
     if (calls.size() < 2) {
       continue;
     }
-    // The parent: this thread's own stream where it is a call on `device`
-    // (a parallel call inside a call), else the device's default generator.
-    ReplicaStream* outer = tls_stream;
-    auto group = std::make_shared<detail::StreamGroup>(
-        outer != nullptr && outer->device() == device ? outer->generator()
-                                                      : at::globalContext().defaultGenerator(device));
+    auto group = std::make_shared<detail::StreamGroup>(parent_generator(device));
     for (size_t position = 0; position < calls.size(); ++position) {
       streams.per_call[calls[position]] = std::make_shared<ReplicaStream>(device, group, position);
     }
   }
   return streams;
+}
+
+std::vector<uint64_t> replica_seeds(const std::vector<c10::Device>& devices) {
+  for (size_t i = 0; i < devices.size(); ++i) {
+    TORCH_CHECK_VALUE(
+        devices[i].is_cpu() || devices[i].is_cuda(),
+        "replica_seeds: expected CPU or CUDA devices, but devices[", i, "] is ", devices[i]);
+  }
+  std::vector<uint64_t> seeds(devices.size());
+  for (const auto& [device, calls] : generator_groups(devices)) {
+    at::Generator parent = parent_generator(device);
+    const uint64_t number = take_number(parent);
+    for (size_t position = 0; position < calls.size(); ++position) {
+      seeds[calls[position]] = stream_seed(number, position);
+    }
+  }
+  return seeds;
 }
 
 ReplicaStreamScope::ReplicaStreamScope(ReplicaStream* stream)

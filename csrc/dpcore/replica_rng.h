@@ -19,10 +19,25 @@ namespace detail {
 struct StreamGroup;
 } // namespace detail
 
+// The one seed derivation (docs/randomness.md): the seed of the stream of
+// the call at `position` among the calls of a parallel call that share a
+// default generator, from the one `number` taken from that generator for
+// them: splitmix64's output number `position` + 1 from state `number`,
+// z = number + 0x9E3779B97F4A7C15 * (position + 1),
+// z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9, z = (z ^ (z >> 27)) * 0x94D049BB133111EB,
+// seed = z ^ (z >> 31) (mod 2^64). Distinct positions give unrelated seeds.
+uint64_t stream_seed(uint64_t number, uint64_t position);
+
+// One 64-bit number taken from `generator`, advancing it: on the CPU a
+// randint(0, 2^63 - 1) draw; on CUDA, with no kernel launch or
+// synchronization, stream_seed(seed, offset) of the Philox generator, whose
+// offset then moves on by one draw's worth (4), as a kernel drawing would.
+uint64_t take_number(at::Generator& generator);
+
 // The stream of one call: a generator on `device`, created on its first use
-// and seeded from its group's seed (one number taken from the group's parent
-// generator when the first call of the group draws) and its `position` in
-// the group.
+// and seeded with stream_seed(the group's number, `position`), the number
+// taken from the group's parent generator when the first call of the group
+// draws.
 class ReplicaStream {
  public:
   ReplicaStream(c10::Device device, std::shared_ptr<detail::StreamGroup> group, uint64_t position);
@@ -76,6 +91,14 @@ class ReplicaStreamScope {
   bool entered_;
   bool was_included_;
 };
+
+// The seed of the stream of each call of a parallel call on `devices` (CPU
+// or CUDA; an error naming the entry otherwise), derived as
+// replica_streams' are, but now and for every call: per group of calls that
+// share a default generator (a lone call forms a group of one), one number
+// taken from the group's parent, then stream_seed(number, position in the
+// group). What the CUDA-graph captures seed their random states with.
+std::vector<uint64_t> replica_seeds(const std::vector<c10::Device>& devices);
 
 // The generator of the stream of the call running on this thread (created
 // on first use), or nullopt where the thread has none.

@@ -2,7 +2,9 @@
 // GIL handling lives here: the caller releases the GIL while it waits (taking
 // it back every kSignalPoll so that Ctrl-C reaches it), and each worker takes
 // it only to call into Python. Each call that shares a generator with
-// another runs in a random stream of its own (dpcore/replica_rng.h).
+// another runs in a random stream of its own (dpcore/replica_rng.h), and
+// while such calls run, torch's RNG-state names are bound to the functions
+// dpcore/_rng.py hands over once (set_rng_state_functions).
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -244,17 +246,93 @@ class ParallelRun {
   std::vector<c10::Device> devices_;
 };
 
-// The calls' random streams (replica_rng.h). The first call that gets any
-// has dpcore._rng make torch's RNG-state functions see them; where the
-// streams are unavailable, one RuntimeWarning says why. GIL held.
+// The RNG-state names to bind while replicas with streams run, given once
+// by dpcore/_rng.py (the C++ imports no Python): a list of [owner, name,
+// function, replaced], `replaced` holding the value that binding took
+// while it holds. A strong reference, left to the process at exit (no
+// decref once the interpreter is gone). GIL held.
+py::handle state_functions;
+// The calls with a stream running now, of every run; GIL held.
+size_t calls_with_streams = 0;
+
+void set_rng_state_functions(const py::list& functions) {
+  TORCH_CHECK(
+      calls_with_streams == 0,
+      "set_rng_state_functions: expected no replica with a random stream running, but ", calls_with_streams,
+      " are");
+  py::list entries;
+  for (const py::handle entry : functions) {
+    TORCH_CHECK_VALUE(
+        py::isinstance<py::tuple>(entry) && py::len(entry) == 3 &&
+            py::isinstance<py::str>(entry[py::int_(1)]),
+        "set_rng_state_functions: expected (owner, name, function) tuples, but got ",
+        py::repr(entry).cast<std::string>());
+    entries.append(
+        py::list(py::make_tuple(entry[py::int_(0)], entry[py::int_(1)], entry[py::int_(2)], py::none())));
+  }
+  std::exchange(state_functions, entries.release()).dec_ref();
+}
+
+// While alive on a call with a stream (`bound`), torch's RNG-state names
+// are bound to state_functions: from the first such call of any run to
+// start until the last to end, so that outside them torch is as it is. A
+// name that other code rebound meanwhile is left as that code set it. GIL
+// held throughout.
+class StateFunctionsBound {
+ public:
+  explicit StateFunctionsBound(bool bound) : bound_(bound && static_cast<bool>(state_functions)) {
+    if (bound_ && calls_with_streams++ == 0) {
+      swap(true);
+    }
+  }
+  ~StateFunctionsBound() {
+    if (bound_ && --calls_with_streams == 0) {
+      swap(false);
+    }
+  }
+  StateFunctionsBound(const StateFunctionsBound&) = delete;
+  StateFunctionsBound& operator=(const StateFunctionsBound&) = delete;
+
+ private:
+  // Binds each name (on) or puts back what it replaced (off); a failure is
+  // reported as unraisable, the Python error state kept as it was.
+  static void swap(bool on) noexcept {
+    PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject* entries = state_functions.ptr();
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); ++i) {
+      PyObject* entry = PyList_GET_ITEM(entries, i);
+      PyObject* owner = PyList_GET_ITEM(entry, 0);
+      PyObject* name = PyList_GET_ITEM(entry, 1);
+      PyObject* function = PyList_GET_ITEM(entry, 2);
+      PyObject* current = PyObject_GetAttr(owner, name);
+      bool failed = current == nullptr;
+      if (!failed && on) {
+        failed = PyObject_SetAttr(owner, name, function) != 0;
+        PyList_SetItem(entry, 3, current); // takes `current`: what the binding replaced
+        current = nullptr;
+      } else if (!failed) {
+        PyObject* replaced = PyList_GET_ITEM(entry, 3);
+        failed = current == function && PyObject_SetAttr(owner, name, replaced) != 0;
+        Py_INCREF(Py_None);
+        PyList_SetItem(entry, 3, Py_None);
+      }
+      Py_XDECREF(current);
+      if (failed) {
+        PyErr_WriteUnraisable(name);
+      }
+    }
+    PyErr_Restore(type, value, traceback);
+  }
+
+  bool bound_;
+};
+
+// The calls' random streams (replica_rng.h); where they are unavailable,
+// one RuntimeWarning says why. GIL held.
 ReplicaStreams streams_for(const std::vector<c10::Device>& devices) {
-  static bool state_functions = false;
   static bool warned = false;
   ReplicaStreams streams = replica_streams(devices);
-  if (!streams.per_call.empty() && !state_functions) {
-    py::module_::import("dpcore._rng").attr("install_state_functions")();
-    state_functions = true;
-  }
   if (!streams.unavailable.empty() && !warned) {
     warned = true;
     const std::string message =
@@ -300,6 +378,7 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
     tasks.push_back(Task{devices[i], [call, i, stream = std::move(stream)] {
                            ReplicaStreamScope random_stream(stream.get());
                            py::gil_scoped_acquire gil;
+                           StateFunctionsBound state_names(stream != nullptr);
                            // While it runs Python code, the call can be interrupted
                            // (ApplyCall::interrupt_running); once it has returned, an
                            // interrupt sent too late is dropped, never left pending for
@@ -364,6 +443,15 @@ void bind_parallel_apply(py::module_& m) {
       "replica_generator", [] { return current_replica_generator(); },
       "The generator of the random stream of the replica running on this thread (docs/design.md, "
       "\"Randomness\"), or None where the thread has none.");
+  m.def(
+      "replica_seeds", &replica_seeds, py::arg("devices"),
+      "The seed of the random stream of each call of a parallel call on `devices`, derived as the "
+      "replicas' streams are (docs/randomness.md), for every call: one number taken now per group "
+      "of calls that share a default generator, then each call's position in its group.");
+  m.def(
+      "set_rng_state_functions", &set_rng_state_functions, py::arg("functions"),
+      "(owner, name, function) triples: while a replica with a random stream runs, owner.name is "
+      "function (torch's RNG-state names and dpcore/_rng.py's functions), and as before otherwise.");
   m.def("worker_thread_count", &worker_thread_count);
   m.def("worker_pool_count", &worker_pool_count);
   // No worker may be left running Python code while the interpreter shuts down.

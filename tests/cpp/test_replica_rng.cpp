@@ -3,11 +3,15 @@
 // for the same seed whatever the order the calls run in; the default
 // generator gives one number per parallel call; an explicit generator, and
 // code outside any scope, are left alone; DPCORE_REPLICA_RNG=0 turns it off.
+// Every stream's seed is stream_seed(the group's number, position), the
+// derivation replica_seeds gives the CUDA-graph captures.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,6 +77,74 @@ TEST(ReplicaRng, ScopesLeaveOtherDrawsAlone) {
   EXPECT_TRUE(at::equal(elsewhere, at::rand({4}, reference, at::kDouble)));
   at::Tensor own_state = dpcore::current_replica_generator()->get_state();
   EXPECT_FALSE(at::equal(own_state, state));
+}
+
+TEST(ReplicaRng, StreamSeedIsSplitmix64FromTheNumber) {
+  // splitmix64's reference outputs from state 0: stream p is output p + 1
+  EXPECT_EQ(dpcore::stream_seed(0, 0), 0xE220A8397B1DCDAFULL);
+  EXPECT_EQ(dpcore::stream_seed(0, 1), 0x6E789E6AA1B965F4ULL);
+  EXPECT_EQ(dpcore::stream_seed(0, 2), 0x06C45D188009454FULL);
+  EXPECT_EQ(dpcore::stream_seed(0, 3), 0xF88BB8A8724C81ECULL);
+  for (const uint64_t number : {uint64_t{1}, uint64_t{12345}, ~uint64_t{0}}) {
+    std::set<uint64_t> seen;
+    for (uint64_t position = 0; position < 256; ++position) {
+      const uint64_t seed = dpcore::stream_seed(number, position);
+      EXPECT_EQ(seed, dpcore::stream_seed(number, position)); // deterministic
+      EXPECT_TRUE(seen.insert(seed).second) << "number " << number << ", position " << position;
+      if (position > 0) { // one step of the sequence: the state moves on by the golden gamma
+        EXPECT_EQ(seed, dpcore::stream_seed(number + 0x9E3779B97F4A7C15ULL, position - 1));
+      }
+    }
+    EXPECT_NE(dpcore::stream_seed(number, 0), dpcore::stream_seed(number + 1, 0));
+  }
+}
+
+TEST(ReplicaRng, ReplicaSeedsAreTheStreamsSeeds) {
+  at::manual_seed(11);
+  at::Generator copy = at::detail::createCPUGenerator();
+  copy.set_state(at::detail::getDefaultCPUGenerator().get_state());
+  const std::vector<uint64_t> seeds = dpcore::replica_seeds(cpus(3));
+  const uint64_t number = dpcore::take_number(copy); // one randint draw
+  EXPECT_EQ(
+      seeds,
+      (std::vector<uint64_t>{
+          dpcore::stream_seed(number, 0), dpcore::stream_seed(number, 1), dpcore::stream_seed(number, 2)}));
+  EXPECT_TRUE(
+      at::equal(at::detail::getDefaultCPUGenerator().get_state(), copy.get_state())); // one number taken
+  at::manual_seed(11);
+  EXPECT_EQ(dpcore::replica_seeds(cpus(3)), seeds);
+  at::manual_seed(11);
+  EXPECT_EQ(dpcore::replica_seeds(cpus(1)), std::vector<uint64_t>{seeds[0]}); // a lone call's seed too
+  at::manual_seed(12);
+  EXPECT_NE(dpcore::replica_seeds(cpus(3)), seeds);
+  at::manual_seed(11);
+  dpcore::ReplicaStreams streams = dpcore::replica_streams(cpus(3)); // the eager replicas' streams
+  for (size_t i = 0; i < seeds.size(); ++i) {
+    EXPECT_EQ(streams.per_call.at(i)->generator().current_seed(), seeds[i]) << "call " << i;
+  }
+  try {
+    dpcore::replica_seeds({c10::Device(c10::kCPU), dpcore_test::meta()});
+    ADD_FAILURE() << "a meta device was accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("expected CPU or CUDA devices, but devices[1] is meta"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(ReplicaRng, ReplicaSeedsInsideACallTakeFromItsStream) {
+  at::manual_seed(2);
+  dpcore::ReplicaStreams streams = dpcore::replica_streams(cpus(2));
+  dpcore::ReplicaStreamScope scope(streams.per_call.at(0).get());
+  at::Generator own = *dpcore::current_replica_generator(); // takes the outer call's number now
+  const at::Tensor outside = at::detail::getDefaultCPUGenerator().get_state();
+  at::Generator copy = at::detail::createCPUGenerator();
+  copy.set_state(own.get_state());
+  const std::vector<uint64_t> seeds = dpcore::replica_seeds(cpus(2));
+  const uint64_t number = dpcore::take_number(copy);
+  EXPECT_EQ(seeds, (std::vector<uint64_t>{dpcore::stream_seed(number, 0), dpcore::stream_seed(number, 1)}));
+  EXPECT_TRUE(at::equal(own.get_state(), copy.get_state()));
+  EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), outside));
 }
 
 TEST(ReplicaRng, TheVariableTurnsItOff) {

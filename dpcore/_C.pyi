@@ -142,6 +142,8 @@ def set_rng_state_functions(functions: list[tuple[Any, str, Callable[..., Any]]]
 
 def worker_thread_count() -> int: ...
 def worker_pool_count() -> int: ...
+def join_abandoned_runs() -> None:
+    """Cancels unfinished abandoned runs and waits for their running calls (registered with atexit)."""
 
 # -- replicas (csrc/python/replica_sync.cpp) ------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from dpcore._devices import DeviceLike, as_device, normalize_device
 __all__ = ["parallel_apply", "start_parallel_apply"]
 
 _C.set_rng_state_functions(_rng.STATE_FUNCTIONS)  # bound by _C only while replicas with streams run
+atexit.register(_C.join_abandoned_runs)  # no worker may run Python code while the interpreter shuts down
 
 
 def _module_device(module: Any) -> torch.device:

@@ -454,8 +454,10 @@ void bind_parallel_apply(py::module_& m) {
       "function (torch's RNG-state names and dpcore/_rng.py's functions), and as before otherwise.");
   m.def("worker_thread_count", &worker_thread_count);
   m.def("worker_pool_count", &worker_pool_count);
-  // No worker may be left running Python code while the interpreter shuts down.
-  py::module_::import("atexit").attr("register")(py::cpp_function(&join_abandoned_runs));
+  m.def(
+      "join_abandoned_runs", &join_abandoned_runs,
+      "Cancels the runs left unfinished and waits for their running calls: registered with atexit by "
+      "dpcore/parallel_apply.py, so that no worker runs Python code while the interpreter shuts down.");
 }
 
 } // namespace python

@@ -38,8 +38,10 @@ ReplicaBuffers::ReplicaBuffers(at::TensorList like, std::vector<c10::Device> tar
   // Normal tensors (with version counters) even when built in inference mode, and plain ones (not
   // functorch's wrappers, whose storage cannot be read) when built under a torch.func transform.
   c10::InferenceMode normal_mode(false);
-  c10::impl::ExcludeDispatchKeyGuard no_transforms(c10::DispatchKeySet(
-      {c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
+  c10::impl::ExcludeDispatchKeyGuard no_transforms(
+      c10::DispatchKeySet(
+          {c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+           c10::DispatchKey::FuncTorchDynamicLayerBackMode}));
   flats_.reserve(targets_.size());
   anchors_.reserve(targets_.size());
   for (const c10::Device& device : targets_) {

@@ -69,9 +69,8 @@ void bind_comm(py::module_& m) {
       "scatter",
       [](const at::Tensor& tensor, const Devices& devices,
          const std::optional<std::vector<int64_t>>& chunk_sizes, int64_t dim,
-         const std::optional<dpcore::StreamList>& streams, bool separate) {
-        return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams, separate);
-      },
+         const std::optional<dpcore::StreamList>& streams,
+         bool separate) { return dpcore::scatter(tensor, devices, chunk_sizes, dim, streams, separate); },
       py::arg("tensor"), py::arg("devices"), py::arg("chunk_sizes"), py::arg("dim"), py::arg("streams"),
       py::arg("separate") = false, NoGil());
   m.def(

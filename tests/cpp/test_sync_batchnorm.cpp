@@ -1,7 +1,8 @@
 // sync_batch_norm: replicas on threads, each with a chunk of the batch, give
 // what at::batch_norm gives on the whole batch (output, gradients of input,
 // weight and bias, running statistics), for uneven chunks, chunks of one row
-// with channels_last-strided gradients, and without affine parameters; reduced precision keeps its dtype; bad inputs are named.
+// with channels_last-strided gradients, and without affine parameters; reduced precision keeps its dtype; bad
+// inputs are named.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>

@@ -97,8 +97,8 @@ void separate_chunks(const at::Tensor& tensor, std::vector<at::Tensor>& chunks) 
     }
     c10::VariableVersion version =
         first ? tensor.unsafeGetTensorImpl()->version_counter() : c10::VariableVersion(/*version=*/0);
-    chunk = at::Tensor(
-        chunk.unsafeGetTensorImpl()->shallow_copy_and_detach(std::move(version), /*allow_tensor_metadata_change=*/true));
+    chunk = at::Tensor(chunk.unsafeGetTensorImpl()->shallow_copy_and_detach(
+        std::move(version), /*allow_tensor_metadata_change=*/true));
     first = false;
   }
 }

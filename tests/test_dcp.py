@@ -33,7 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 KINDS = ["bare", "wrapper", "sharded"]
 STEPS = 3  # before the checkpoint, and again after it
-TOL = {"atol": 1e-10, "rtol": 0.0}
+TOL = {"atol": 1e-10, "rtol": 1e-9}  # float64; sums over other device counts differ in their last bits
 
 
 def _model(seed: int) -> nn.Module:

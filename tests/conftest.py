@@ -14,10 +14,12 @@ CUDA parameters carry the ``cuda`` marker (``pytest -m cuda`` selects them).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Union
 
 import pytest
 import torch
+import torch.distributed as dist
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -112,3 +114,15 @@ def subprocess_env() -> dict[str, str]:
 
 
 TESTS_DIR = __import__("os").path.dirname(__import__("os").path.abspath(__file__))
+
+
+@pytest.fixture
+def world_of_one() -> Any:
+    """A one-process gloo group (the default group) for the duration of a test."""
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -616,18 +616,6 @@ def test_sync_batchnorm_a_rank_in_eval_mode_is_an_error_on_every_rank(tmp_path: 
 # -- one process: the API, without spawning ------------------------------------
 
 
-@pytest.fixture
-def world_of_one() -> Any:
-    """A one-process gloo group (the default group) for the duration of a test."""
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_one_process_group_matches_plain_data_parallel(world_of_one: Any) -> None:
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2)).double()

@@ -5,14 +5,12 @@ raises the constructor's error and changes nothing; one the wrapper cannot follo
 from __future__ import annotations
 
 import copy
-import datetime
 import inspect
 import pickle
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -268,18 +266,6 @@ def test_the_hybrid_options_are_fixed_at_construction(attribute: str) -> None:
     dp = _build(Net(), 2, {})
     with pytest.raises(AttributeError, match=rf"^{attribute}: cannot be changed after construction: "):
         setattr(dp, attribute, None)
-
-
-@pytest.fixture
-def world_of_one() -> Any:
-    """A one-process gloo group (the default group) for the duration of a test."""
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30)
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("n", COUNTS)

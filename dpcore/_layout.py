@@ -19,8 +19,8 @@ Items = dict[str, tuple[str, str]]
 
 @dataclasses.dataclass(frozen=True)
 class Peers:
-    """The processes of the hybrid mode as this one sees them: their group, this rank, their number, and the
-    device of the collectives (the module's)."""
+    """The processes of the hybrid mode as this one sees them: their group, this rank, their number, and the device of
+    the collectives (the module's)."""
 
     group: Any
     rank: int
@@ -48,8 +48,8 @@ def _named(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def structure_of(module: nn.Module) -> list[tuple[Any, ...]]:
-    """What a rebuild of the buckets depends on: every parameter and buffer
-    (kind, name, identity, shape, dtype, device, requires_grad), in order."""
+    """What a rebuild of the buckets depends on: every parameter and buffer (kind, name, identity, shape, dtype, device,
+    requires_grad), in order."""
     return [(kind, name, id(t), tuple(t.shape), t.dtype, t.device, t.requires_grad) for kind, name, t in _named(module)]
 
 
@@ -112,9 +112,8 @@ def _first_difference(theirs: Items, base: Items) -> tuple[str, str] | None:
 
 
 def check_layout(layout: Layout, peers: Peers) -> None:
-    """Collective: ValueError on every rank, naming each rank's first difference
-    from rank 0 as the user gave it, unless every rank has the same items (one
-    all-gather of a hash)."""
+    """Collective: ValueError on every rank, naming each rank's first difference from rank 0 as the user gave it, unless
+    every rank has the same items (one all-gather of a hash)."""
     digest = hashlib.sha256(repr(_compared(layout.items)).encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.int64, device=peers.device)
     every = [torch.empty_like(mine) for _ in range(peers.world_size)]
@@ -132,9 +131,9 @@ def check_layout(layout: Layout, peers: Peers) -> None:
 
 
 def agree_on_change(peers: Peers, module: nn.Module, built: Layout, now: Layout, changed: Sequence[int]) -> None:
-    """Collective, once the ranks `changed` changed their module (or options) since `built`, to `now`:
-    ValueError on every rank, naming each rank's change, unless every rank made
-    the same change with the same values in new tensors."""
+    """Collective, once the ranks `changed` changed their module (or options) since `built`, to `now`: ValueError on
+    every rank, naming each rank's change, unless every rank made the same change with the same values in new
+    tensors."""
     known = {entry[2] for entry in built.structure}
     values = [f"{kind} {name!r} values {_digest(t)}" for kind, name, t in _named(module) if id(t) not in known]
     what = _describe_change(built, now) if peers.rank in changed else []

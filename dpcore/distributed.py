@@ -1,8 +1,5 @@
-"""Hybrid data parallelism, ``dpcore.DataParallel(..., process_group=pg)``:
-:class:`GradientSync` joins the processes of a ``torch.distributed`` group
-into one training job, as DDP does. The rules: docs/hybrid.md; the
-mechanism: docs/design.md, "Hybrid".
-"""
+"""``DataParallel(..., process_group=pg)``: :class:`GradientSync` joins a ``torch.distributed`` group's processes into
+one training job, as DDP does. The rules: docs/hybrid.md; the mechanism: docs/design.md, "Hybrid"."""
 
 from __future__ import annotations
 
@@ -16,10 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook
 
-from dpcore._buckets import BucketReducer, SampleCounts, broadcast, flat_groups, weakly
-from dpcore._comm_hooks import GradBucket, HookedReducer, check_hook
-from dpcore._join import DataParallelJoinHook, join_state, notify
+from dpcore._buckets import BucketReducer, GradBucket, HookedReducer, SampleCounts, broadcast, check_hook, flat_groups
+from dpcore._buckets import weakly
 from dpcore._layout import Items, Peers, agree_on_change, check_layout, layout_of, structure_of
 from dpcore._options import Options
 from dpcore._pytree import map_tensors
@@ -33,8 +30,8 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GradientSync]] = weakr
 
 
 def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
-    """(forward, init): whether buffers go out from rank 0 while training and at
-    construction, resolved (and warned about) as torch 2.13's DDP does."""
+    """(forward, init): whether buffers go out from rank 0 while training and at construction, resolved (and warned
+    about) as torch 2.13's DDP does."""
     for name, value in (("broadcast_buffers", broadcast_buffers), ("forward_sync_buffers", forward_sync_buffers)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name}: expected True, False or None, but got {value!r}")
@@ -60,8 +57,8 @@ def buffer_sync_options(broadcast_buffers: bool | None, forward_sync_buffers: bo
 
 
 def option_items(options: Options, resolved: tuple[bool, bool]) -> Items:
-    """The options every rank must agree on, as :class:`dpcore._layout.Layout`'s items: what is compared (their
-    effect; `resolved`: :func:`buffer_sync_options`'s) and how an error shows them (the names and values given)."""
+    """The options every rank must agree on, as :class:`dpcore._layout.Layout`'s items: what is compared (their effect;
+    `resolved`: :func:`buffer_sync_options`'s) and how an error shows them (the names and values given)."""
     forward, init = resolved
     sent = {
         (True, True): "sent at construction and before training forwards",
@@ -84,12 +81,49 @@ def option_items(options: Options, resolved: tuple[bool, bool]) -> Items:
     }
 
 
+def join_state(peers: Peers, training: bool, synchronizes: bool) -> tuple[int, bool]:
+    """One all-reduce per training forward under Join (`training`: this rank runs it; a joined rank shadows it): the
+    highest rank not joined (the source of buffers, as DDP's) and whether the backward synchronizes."""
+    state = torch.zeros(peers.world_size + 1, dtype=torch.float32, device=peers.device)
+    if training:
+        state[peers.rank] = 1
+        state[-1] = 1 if synchronizes else 0
+    dist.all_reduce(state, group=peers.group)
+    values = state.tolist()
+    return max((r for r, v in enumerate(values[:-1]) if v != 0), default=0), values[-1] != 0
+
+
+def notify(joinable: Any, peers: Peers, synchronizes: bool) -> int:
+    """In a training forward inside an enabled Join (`joinable`: the wrapper), the join context's collectives; the
+    rank whose buffers it uses (else 0)."""
+    config = getattr(joinable, "_join_config", None)
+    if config is None or not config.enable:
+        return 0
+    work = Join.notify_join_context(joinable)
+    src, _ = join_state(peers, True, synchronizes)
+    if work is not None:
+        work.wait()
+    return src
+
+
+class DataParallelJoinHook(JoinHook):
+    """The join hook of ``DataParallel(..., process_group=pg)``: :meth:`GradientSync.join_hook`'s."""
+
+    def __init__(self, sync: GradientSync, phantom: bool) -> None:
+        super().__init__()
+        self._sync, self._phantom = sync, phantom
+
+    def main_hook(self) -> None:
+        self._sync._shadow(self._phantom)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self._sync._from_last_joiner(is_last_joiner)
+
+
 class GradientSync:
-    """The cross-process half of ``DataParallel(..., process_group=pg)`` for the
-    master `module` (replica 0, on the first device of `options`), called around
-    each forward. As with DDP, every rank constructs it and runs the same
-    synchronizing forwards (:meth:`can_sync`) and backward passes, with the same
-    ``no_sync`` use."""
+    """The cross-process half of ``DataParallel(..., process_group=pg)`` for the master `module` (replica 0, on the
+    first device of `options`), called around each forward. As with DDP, every rank constructs it and runs the same
+    synchronizing forwards (:meth:`can_sync`) and backward passes, with the same ``no_sync`` use."""
 
     def __init__(self, module: nn.Module, options: Options) -> None:
         process_group = options.process_group
@@ -157,8 +191,8 @@ class GradientSync:
         self.reducer = BucketReducer(*parts) if self._hook is None else HookedReducer(*parts, self._hook)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """DDP's ``register_comm_hook``: once, on every rank, before the first
-        synchronizing backward (which checks that every rank registered one)."""
+        """DDP's ``register_comm_hook``: once, on every rank, before the first synchronizing backward (which checks that
+        every rank registered one)."""
         check_hook(state, hook)
         if self._hook is not None:
             raise RuntimeError(
@@ -190,9 +224,8 @@ class GradientSync:
             self.counts.local, self.counts.counted = 0, False
 
     def before_forward(self, joinable: Any = None) -> None:
-        """Drops the state of a backward that raised; in a forward that can
-        synchronize, the Join notification (`joinable`: the wrapper) and, after
-        a synchronizing forward (DDP's schedule), the buffers; in any other, the
+        """Drops the state of a backward that raised; in a forward that can synchronize, the Join notification
+        (`joinable`: the wrapper) and, after a synchronizing forward (DDP's schedule), the buffers; in any other, the
         staged buffers."""
         self._drop_raised()
         self._armed = (False, False)
@@ -203,9 +236,9 @@ class GradientSync:
             self.write_staged()
 
     def send_buffers(self, src: int, send: bool = True, stage: bool = False) -> None:
-        """With ``forward_sync_buffers`` and `send`: rank `src`'s buffers to every
-        rank; with `stage`, they are kept aside (:attr:`staged`: this rank's
-        buffers' versions then) for :meth:`write_staged`, and the module keeps its own."""
+        """With ``forward_sync_buffers`` and `send`: rank `src`'s buffers to every rank; with `stage`, they are kept
+        aside (:attr:`staged`: this rank's buffers' versions then) for :meth:`write_staged`, and the module keeps its
+        own."""
         self._buffer_src, self.staged = src, None
         if send and self.forward_sync_buffers and self._buffer_groups:
             broadcast(self._buffer_groups, src, self.peers, write=not stage)
@@ -213,9 +246,8 @@ class GradientSync:
                 self.staged = [[t._version for t in g.params] for g in self._buffer_groups]
 
     def write_staged(self) -> None:
-        """At a forward that makes no collective where DDP's would send the buffers
-        (the first after a synchronizing backward): the staged buffers of rank
-        `src` into this rank's, except those written since they arrived."""
+        """At a forward that makes no collective where DDP's would send the buffers (the first after a synchronizing
+        backward): the staged buffers of rank `src` into this rank's, except those written since they arrived."""
         with torch.no_grad():
             for g, versions in zip(self._buffer_groups, self.staged or []):
                 for t, staged, version in zip(g.params, g.views, versions):
@@ -224,18 +256,16 @@ class GradientSync:
         self.staged = None
 
     def batchnorm_across(self, local_batch: int, summed: bool) -> AcrossProcesses | None:
-        """BatchNorm across the processes for the forward about to run, weighted as
-        :meth:`after_forward` weighs it; None where nothing is to synchronize."""
+        """BatchNorm across the processes for the forward about to run, weighted as :meth:`after_forward` weighs it;
+        None where nothing is to synchronize."""
         if self.batchnorm_group is None or not self.can_sync():
             return None
         return AcrossProcesses(self.batchnorm_group, self.timeout, 1.0 if summed else float(local_batch))
 
     def after_forward(self, output: Any, local_batch: int, options: Options) -> Any:
-        """Arms the next backward and records the batch size for its weights;
-        `output`, where the loss of `options` (the wrapper's now) is summed, with
-        gradients multiplied by the process count. A loss option changed since the
-        build is agreed with the other ranks at the next synchronization, as a
-        layout change is."""
+        """Arms the next backward and records the batch size for its weights; `output`, where the loss of `options` (the
+        wrapper's now) is summed, with gradients multiplied by the process count. A loss option changed since the build
+        is agreed with the other ranks at the next synchronization, as a layout change is."""
         if not torch.is_grad_enabled():
             return output
         if options is not self._given:
@@ -309,14 +339,13 @@ class GradientSync:
                 g.copy_back(present)
 
     def join_hook(self, divide_by_initial_world_size: bool = True) -> DataParallelJoinHook:
-        """DDP's ``join_hook``: a joined rank shadows the others' collectives,
-        counting its last samples with `divide_by_initial_world_size` (else none)."""
-        phantom = bool(divide_by_initial_world_size)
-        return DataParallelJoinHook(lambda: self._shadow(phantom), self._from_last_joiner)
+        """DDP's ``join_hook``: a joined rank shadows the others' collectives, counting its last samples with
+        `divide_by_initial_world_size` (else none)."""
+        return DataParallelJoinHook(self, bool(divide_by_initial_world_size))
 
     def _shadow(self, phantom: bool) -> None:
-        """A joined rank's part of the others' training step: the same collectives,
-        zero gradients, its last sample count if `phantom` (else 0)."""
+        """A joined rank's part of the others' training step: the same collectives, zero gradients, its last sample
+        count if `phantom` (else 0)."""
         src, synchronizes = join_state(self.peers, False, False)
         self.send_buffers(src, send=self.forward_buffers)  # as the others' before_forward (DDP's join hook)
         self.forward_buffers = synchronizes

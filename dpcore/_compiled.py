@@ -1,8 +1,5 @@
-"""Compiled modules (``torch.compile``) inside dpcore's replicas: a replica
-factory that never writes through an ``OptimizedModule`` (:func:`replicate_module`)
-and per-replica compiled calls (:class:`CompiledReplicas`). The rule:
-docs/design.md, "Compiled modules".
-"""
+"""Compiled modules (``torch.compile``) inside dpcore's replicas: :func:`replicate_module` and
+:class:`CompiledReplicas`; the rule: docs/design.md, "Compiled modules"."""
 
 from __future__ import annotations
 
@@ -20,8 +17,8 @@ _OPTIMIZED_OWN = ("forward", "_forward", "_torchdynamo_orig_callable", "_torchdy
 
 
 def _optimized_module_type() -> type | None:
-    """torch's OptimizedModule class, or None while torch._dynamo was never
-    imported (then nothing was compiled; importing it only to check is slow)."""
+    """torch's OptimizedModule class, or None while torch._dynamo was never imported (then nothing was compiled;
+    importing it only to check is slow)."""
     return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
@@ -44,9 +41,8 @@ def has_compiled(module: nn.Module) -> bool:
 
 
 def replicate_module(master: nn.Module) -> nn.Module:
-    """A replica of `master` as ``_replicate_for_data_parallel()`` makes it,
-    but for an OptimizedModule without writing through its ``__setattr__``
-    (which would reach, and empty, the master's inner module)."""
+    """A replica of `master` as ``_replicate_for_data_parallel()`` makes it, but for an OptimizedModule without writing
+    through its ``__setattr__`` (which would reach, and empty, the master's inner module)."""
     if not is_optimized(master):
         return master._replicate_for_data_parallel()
     replica = type(master).__new__(type(master))
@@ -60,8 +56,8 @@ def replicate_module(master: nn.Module) -> nn.Module:
 
 
 def _dynamo_context(compiled: Any) -> Any:
-    """The Dynamo context that made `compiled` (a ``torch.compile(fn, ...)``
-    result), from its ``get_compiler_config`` closure, or None."""
+    """The Dynamo context that made `compiled` (a ``torch.compile(fn, ...)`` result), from its ``get_compiler_config``
+    closure, or None."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
     getter = getattr(compiled, "get_compiler_config", None)
@@ -74,10 +70,10 @@ def _dynamo_context(compiled: Any) -> Any:
 
 
 def _own_entries(kind: str, master: nn.Module, replica: nn.Module, index: int, sources: tuple[Any, ...]) -> Any:
-    """(entries, keep-alive): the replica's own compiled entries, made from `sources`. An OptimizedModule
-    gets the master's Dynamo context on its inner module; a ``compile()``'d module the counterpart of the
-    master's ``_compiled_call_impl`` (same Dynamo context, or for ``compile(disable=True)`` its own
-    ``_call_impl``); TypeError for anything else."""
+    """(entries, keep-alive): the replica's own compiled entries, made from `sources`. An OptimizedModule gets the
+    master's Dynamo context on its inner module; a ``compile()``'d module the counterpart of the master's
+    ``_compiled_call_impl`` (same Dynamo context, or for ``compile(disable=True)`` its own ``_call_impl``); TypeError
+    for anything else."""
     if kind == "optimized":
         ctx, inner = sources[1], sources[2]
         if inner is None or ctx is None:
@@ -102,12 +98,9 @@ def _own_entries(kind: str, master: nn.Module, replica: nn.Module, index: int, s
 
 
 class CompiledReplicas:
-    """Per-replica compiled calls for the compiled modules among `masters`
-    (``module.modules()``) and their replicas ``rows[j][i]``: after
-    :meth:`apply`, each replica of a compiled module calls its own compiled
-    call, made with the master's Dynamo context on first use and kept while
-    the master's compiled callable is the same object.
-    """
+    """Per-replica compiled calls for the compiled modules among `masters` (``module.modules()``) and their replicas
+    ``rows[j][i]``: after :meth:`apply`, each replica of a compiled module calls its own compiled call, made with the
+    master's Dynamo context on first use and kept while the master's compiled callable is the same object."""
 
     def __init__(self, masters: Sequence[nn.Module], rows: Sequence[Sequence[nn.Module]]):
         self._masters = list(masters)

@@ -16,8 +16,8 @@ def normalize_device(device: torch.device) -> torch.device:
 
 
 def as_device(device: DeviceLike, arg: str) -> torch.device:
-    """One device, normalized: an int is a CUDA index (as in torch.cuda.comm),
-    a str or torch.device is taken as is; else TypeError naming `arg`."""
+    """One device, normalized: an int is a CUDA index (as in torch.cuda.comm), a str or torch.device is taken as is;
+    else TypeError naming `arg`."""
     if type(device) is torch.device and (device.type != "cpu" or device.index is None):
         return device  # already normalized: the common case, at every call
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
@@ -42,8 +42,8 @@ def as_devices(devices: Iterable[DeviceLike] | None, arg: str) -> list[torch.dev
 
 
 def as_destination(destination: DeviceLike | None, arg: str = "destination") -> torch.device | None:
-    """A destination as torch.cuda.comm takes it: None (the inputs' current
-    device) is returned as is, -1 is the CPU, else as_device."""
+    """A destination as torch.cuda.comm takes it: None (the inputs' current device) is returned as is, -1 is the CPU,
+    else as_device."""
     if destination is None:
         return None
     if isinstance(destination, int) and not isinstance(destination, bool) and destination == -1:

@@ -1,9 +1,5 @@
-"""Autograd Functions over dpcore.comm, with the contract of
-``torch.nn.parallel._functions`` (same argument order), on CUDA and CPU
-device lists alike. Each one's backward is itself differentiable (double
-backward). The coalesced broadcasts sum in backward only the gradients that
-exist, so an unused parameter keeps ``.grad`` None, as on one device.
-"""
+"""Autograd Functions over dpcore.comm with the contract of ``torch.nn.parallel._functions``, on CUDA and CPU device
+lists alike; each backward is differentiable, and a missing gradient stays None."""
 
 from __future__ import annotations
 
@@ -22,24 +18,18 @@ __all__ += ["reduce_present"]
 
 
 def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)``. Outside functorch transforms and dynamo's
-    tracing it goes straight to autograd's C++ ``apply``: torch's binds the
-    arguments with ``inspect.signature`` at every call of a Function that
-    defines ``setup_context``, as dpcore's do."""
+    """``function.apply(*args)``. Outside functorch transforms and dynamo's tracing it goes straight to autograd's C++
+    ``apply``: torch's binds the arguments with ``inspect.signature`` at every call of a Function that defines
+    ``setup_context``, as dpcore's do."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return function.apply(*args)
     return super(torch.autograd.Function, function).apply(*args)  # torch._C._FunctionBase.apply
 
 
 class Scatter(torch.autograd.Function):
-    """Differentiable ``comm.scatter``: ``Scatter.apply(devices, chunk_sizes,
-    dim, input)``, output i the i-th chunk on ``devices[i]``. Each chunk is its
-    own tensor, as on distinct devices: on ``input``'s device it shares the
-    input's memory (writes reach the caller's tensor) but is no view, and all
-    but the first have their own version counter, so one replica's in-place
-    write never fails another's backward. A leaf that requires grad keeps
-    views (its in-place writes are refused, as on one device). Backward is
-    :class:`Gather`."""
+    """Differentiable ``comm.scatter``: ``Scatter.apply(devices, chunk_sizes, dim, input)``, output i the i-th chunk on
+    ``devices[i]``, each its own tensor with its own version counter (a chunk on ``input``'s device shares its memory;
+    views for a leaf that requires grad). Backward is :class:`Gather`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -67,9 +57,8 @@ class Scatter(torch.autograd.Function):
 
 
 class Gather(torch.autograd.Function):
-    """Differentiable ``comm.gather``: ``Gather.apply(destination, dim,
-    *inputs)``, a new tensor on ``destination``; 0-dim inputs are stacked
-    into a 1-D tensor without a warning. Backward is :class:`Scatter`."""
+    """Differentiable ``comm.gather``: ``Gather.apply(destination, dim, *inputs)``, a new tensor on ``destination``;
+    0-dim inputs are stacked into a 1-D tensor without a warning. Backward is :class:`Scatter`."""
 
     @staticmethod
     def forward(destination: DeviceLike | None, dim: int, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -97,8 +86,8 @@ class Gather(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], destination: Any, dim: int, *inputs: torch.Tensor) -> Any:
-        """torch.func.vmap's rule: every input with the batch dimension first (an unbatched one expanded),
-        joined along the one after `dim` (0-dim ones stacked along 1)."""
+        """torch.func.vmap's rule: every input with the batch dimension first (an unbatched one expanded), joined along
+        the one after `dim` (0-dim ones stacked along 1)."""
         dims = in_dims[2:]
         if all(d is None for d in dims):
             return apply(Gather, destination, dim, *inputs), None
@@ -112,9 +101,9 @@ class Gather(torch.autograd.Function):
 
 
 class BroadcastTensor(torch.autograd.Function):
-    """Differentiable ``comm.broadcast`` of one tensor: ``BroadcastTensor.apply(devices, input)``,
-    output i on ``devices[i]`` (the first on ``input``'s device shares its memory). Backward
-    sums onto ``input.device`` (with tensor ops under ``create_graph=True``)."""
+    """Differentiable ``comm.broadcast`` of one tensor: ``BroadcastTensor.apply(devices, input)``, output i on
+    ``devices[i]`` (the first on ``input``'s device shares its memory). Backward sums onto ``input.device`` (with tensor
+    ops under ``create_graph=True``)."""
 
     @staticmethod
     def forward(devices: Sequence[DeviceLike], input: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -141,9 +130,8 @@ def _split_lists(flat: Sequence[torch.Tensor], size: int) -> list[list[torch.Ten
 
 
 class ReduceAddCoalesced(torch.autograd.Function):
-    """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination,
-    num_inputs, *grads)`` sums K flattened lists of ``num_inputs`` tensors
-    onto ``destination``. Backward is :class:`BroadcastCoalesced`."""
+    """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination, num_inputs, *grads)`` sums K flattened lists
+    of ``num_inputs`` tensors onto ``destination``. Backward is :class:`BroadcastCoalesced`."""
 
     @staticmethod
     def forward(destination: torch.device, num_inputs: int, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -159,9 +147,8 @@ class ReduceAddCoalesced(torch.autograd.Function):
 
 
 class BroadcastCoalesced(torch.autograd.Function):
-    """Differentiable ``comm.broadcast_coalesced`` onto fresh memory:
-    ``apply(devices, *inputs)``, a copy of every input per device, device by
-    device. Backward is :func:`reduce_present`."""
+    """Differentiable ``comm.broadcast_coalesced`` onto fresh memory: ``apply(devices, *inputs)``, a copy of every input
+    per device, device by device. Backward is :func:`reduce_present`."""
 
     @staticmethod
     def forward(devices: Sequence[torch.device], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -184,10 +171,9 @@ class BroadcastCoalesced(torch.autograd.Function):
 
 
 class BroadcastBucket(torch.autograd.Function):
-    """One bucket of parameters onto the persistent buffers of cached replicas:
-    ``apply(replicas, *params)``, with ``replicas`` the bucket's
-    ``dpcore._C.ReplicaBuffers``, refreshes them and returns tensors viewing
-    them, as BroadcastCoalesced does (and with its backward)."""
+    """One bucket of parameters onto the persistent buffers of cached replicas: ``apply(replicas, *params)``, with
+    ``replicas`` the bucket's ``dpcore._C.ReplicaBuffers``, refreshes them and returns tensors viewing them, as
+    BroadcastCoalesced does (and with its backward)."""
 
     @staticmethod
     def forward(replicas: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
@@ -198,8 +184,8 @@ class BroadcastBucket(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], replicas: Any, *params: torch.Tensor) -> Any:
-        """torch.func.vmap's rule for the module's own parameters (what vmap over the inputs, or over the
-        tensors of a functional call, sees): unbatched, so are their copies."""
+        """torch.func.vmap's rule for the module's own parameters (what vmap over the inputs, or over the tensors of a
+        functional call, sees): unbatched, so are their copies."""
         if any(d is not None for d in in_dims[1:]):
             raise ValueError(
                 "vmap over the module's own parameters is not supported by DataParallel's replica buffers; "
@@ -212,10 +198,9 @@ class BroadcastBucket(torch.autograd.Function):
 def reduce_present(
     destination: torch.device, num_inputs: int, grads: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor | None, ...]:
-    """The backward of a coalesced broadcast: `grads` holds K flattened lists
-    of ``num_inputs`` gradients, None where missing. Input j gets the sum of
-    its present gradients on `destination` (one :class:`ReduceAddCoalesced`,
-    missing ones as zeros), or None when none is present."""
+    """The backward of a coalesced broadcast: `grads` holds K flattened lists of ``num_inputs`` gradients, None where
+    missing. Input j gets the sum of its present gradients on `destination` (one :class:`ReduceAddCoalesced`, missing
+    ones as zeros), or None when none is present."""
     if all(g is not None for g in grads):
         return apply(ReduceAddCoalesced, destination, num_inputs, *grads)
     lists = _split_lists(grads, num_inputs)

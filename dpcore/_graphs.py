@@ -1,9 +1,5 @@
-"""CUDA-graph-captured replicas: ``DataParallel(..., cuda_graphs=True)``.
-
-Each replica's forward and backward are captured once per call signature
-and replayed (:class:`GraphRunner`); what cannot be captured runs eagerly,
-with one warning naming the reason (docs/design.md, "CUDA graphs"; docs/cuda_graphs.md).
-"""
+"""``DataParallel(..., cuda_graphs=True)``: each replica's forward and backward captured once per call signature and
+replayed, else run eagerly with one warning (docs/design.md, "CUDA graphs"; docs/cuda_graphs.md)."""
 
 from __future__ import annotations
 
@@ -49,8 +45,8 @@ class Uncapturable(Exception):
 
 
 def hook_reason(modules: Sequence[nn.Module]) -> str | None:
-    """Why `modules` cannot be captured because of hooks (a module's or a
-    global forward or backward hook, which a replay would skip), or None."""
+    """Why `modules` cannot be captured because of hooks (a module's or a global forward or backward hook, which a
+    replay would skip), or None."""
     for name in _GLOBAL_HOOK_DICTS:
         if getattr(module_mod, name, None):
             return f"a global module hook is registered (torch.nn.modules.module.{name})"
@@ -62,10 +58,9 @@ def hook_reason(modules: Sequence[nn.Module]) -> str | None:
 
 
 def _flatten_input(args: tuple[Any, ...], kwargs: dict[str, Any], root: str) -> tuple[list[torch.Tensor], Any]:
-    """(tensors, key) of one replica's call: its tensors in flatten order and
-    a hashable key (the pytree spec of ``(args, kwargs)`` and each tensor's
-    metadata). Raises Uncapturable, naming the path under `root`, for a
-    tensor off CUDA or not dense, or an unhashable leaf."""
+    """(tensors, key) of one replica's call: its tensors in flatten order and a hashable key (the pytree spec of
+    ``(args, kwargs)`` and each tensor's metadata). Raises Uncapturable, naming the path under `root`, for a tensor off
+    CUDA or not dense, or an unhashable leaf."""
     tree = (args, kwargs)
     tensors, spec = pt.flatten(tree)
     metas = []
@@ -111,10 +106,9 @@ def _signature(
 def call_signature(
     args: Sequence[Any], kws: Sequence[dict[str, Any]], used: Sequence[int], modules: Sequence[nn.Module]
 ) -> tuple[Any, ...]:
-    """The key a call's captured graphs are kept under: the replicas used,
-    each one's argument structure and tensor metadata, grad, inference and
-    CUDA autocast state, every module's training flag. Raises Uncapturable
-    when the call cannot be captured."""
+    """The key a call's captured graphs are kept under: the replicas used, each one's argument structure and tensor
+    metadata, grad, inference and CUDA autocast state, every module's training flag. Raises Uncapturable when the call
+    cannot be captured."""
     return _signature(args, kws, used, modules)[0]
 
 
@@ -136,9 +130,8 @@ _ABANDONED: list[torch.cuda.CUDAGraph] = []
 def _capturing(
     graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, rng: torch.Generator
 ) -> Iterator[None]:
-    """Captures the block's CUDA work on `stream` into `graph` (memory from
-    `pool`), with `rng` as the device generator's state, which replays then
-    draw from. On an error the capture is abandoned; the previous stream and
+    """Captures the block's CUDA work on `stream` into `graph` (memory from `pool`), with `rng` as the device
+    generator's state, which replays then draw from. On an error the capture is abandoned; the previous stream and
     generator state are restored in every case."""
     device = stream.device
     generator = torch.cuda.default_generators[device.index]
@@ -164,10 +157,8 @@ def _capturing(
 
 
 class _ReplicaGraph:
-    """One replica's captured forward (and backward) for one signature:
-    :meth:`load` then :meth:`launch` compute by replay what the call computes
-    eagerly; with grad, the outputs carry an autograd node whose backward
-    replays the captured backward."""
+    """One replica's captured forward (and backward) for one signature: :meth:`load` then :meth:`launch` replay it;
+    with grad, the outputs carry an autograd node whose backward replays the captured backward."""
 
     def __init__(
         self,
@@ -229,9 +220,8 @@ class _ReplicaGraph:
                     placeholder.copy_(value)
 
     def launch(self, leaves: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Any:
-        """Replays the forward on this replica's stream; the output aliases
-        static memory until the next replay. With a backward graph, it carries
-        a _Replay node over the differentiable `leaves` and `params`."""
+        """Replays the forward on this replica's stream; the output aliases static memory until the next replay. With a
+        backward graph, it carries a _Replay node over the differentiable `leaves` and `params`."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if self.bwd is None:
                 self.fwd.replay()
@@ -311,9 +301,8 @@ class _SignatureGraphs:
 
 
 class GraphRunner:
-    """The CUDA-graph side of one DataParallel: per-replica streams, the
-    captured signatures (at most CACHE_SIZE, least recently used dropped) and
-    the warm-up counts. It never reads the wrapper."""
+    """The CUDA-graph side of one DataParallel: per-replica streams, the captured signatures (at most CACHE_SIZE, least
+    recently used dropped) and the warm-up counts. It never reads the wrapper."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[Any, _SignatureGraphs] = OrderedDict()
@@ -362,8 +351,8 @@ class GraphRunner:
         return self._streams[index]
 
     def _generators(self, devices: list[torch.device]) -> list[torch.Generator]:
-        """Per replica to capture on `devices`, a fresh random-number state (a failed capture leaves its
-        state unusable) seeded as an eager call's replica stream is (_C.replica_seeds: one derivation)."""
+        """Per replica to capture on `devices`, a fresh random-number state (a failed capture leaves its state unusable)
+        seeded as an eager call's replica stream is (_C.replica_seeds: one derivation)."""
         rngs = [torch.cuda.default_generators[device.index].clone_state() for device in devices]
         for rng, seed in zip(rngs, _C.replica_seeds(devices)):
             rng.manual_seed(seed)
@@ -371,8 +360,8 @@ class GraphRunner:
 
     @contextlib.contextmanager
     def _master_stream(self, device: torch.device) -> Iterator[torch.cuda.Stream]:
-        """Replica 0's stream, after the caller's, as the current stream: the autograd nodes touching
-        the master's parameters are made on it (elsewhere, they would invalidate replica 0's capture)."""
+        """Replica 0's stream, after the caller's, as the current stream: the autograd nodes touching the master's
+        parameters are made on it (elsewhere, they would invalidate replica 0's capture)."""
         stream = self.stream(0, device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.device(device), torch.cuda.stream(stream):
@@ -388,11 +377,9 @@ class GraphRunner:
         *,
         combined: bool,
     ) -> list[Any] | None:
-        """The outputs of the replicas `used`, each called as
-        ``make_call(replica)(*args[j], **kws[j])``, by replay, capture or
-        warm-up; or None for the eager path (the reason warned once). Unless
-        `combined` (the caller makes new tensors of them), outputs are cloned
-        so that they never alias graph memory."""
+        """The outputs of the replicas `used`, each called as ``make_call(replica)(*args[j], **kws[j])``, by replay,
+        capture or warm-up; or None for the eager path (the reason warned once). Unless `combined` (the caller makes new
+        tensors of them), outputs are cloned so that they never alias graph memory."""
         self._bind(cache)
         reason = hook_reason(self._modules)
         if reason is not None:

@@ -1,5 +1,5 @@
-"""Loads dpcore._C after checking it was built against the torch in use: the one place that
-imports it (every module does ``from dpcore._loader import _C``, never from ``__init__``)."""
+"""Loads dpcore._C after checking it was built against the torch in use: the one place that imports it (every module
+does ``from dpcore._loader import _C``, never from ``__init__``)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _base(version: str) -> str:
 
 
 def installed_elsewhere(package_dir: str, search_path: Sequence[str] | None = None) -> str | None:
-    """The folder of the first built dpcore package (one with _build_info.py) on `search_path`
-    (default sys.path) other than `package_dir` and its parent's entry; None when there is none."""
+    """The folder of the first built dpcore package (one with _build_info.py) on `search_path` (default sys.path) other
+    than `package_dir` and its parent's entry; None when there is none."""
     shadowing = os.path.realpath(os.path.dirname(package_dir))
     for entry in list(sys.path if search_path is None else search_path):
         if os.path.realpath(entry or os.getcwd()) == shadowing:
@@ -38,8 +38,8 @@ def installed_elsewhere(package_dir: str, search_path: Sequence[str] | None = No
 
 
 def not_built_message(package_dir: str, search_path: Sequence[str] | None = None) -> str:
-    """What to say when `package_dir` holds no build: that it shadows a built dpcore further on
-    `search_path` (naming both), else how to build: in place in a source checkout, else reinstall."""
+    """What to say when `package_dir` holds no build: that it shadows a built dpcore further on `search_path` (naming
+    both), else how to build: in place in a source checkout, else reinstall."""
     installed = installed_elsewhere(package_dir, search_path)
     if installed is not None:
         return (
@@ -61,8 +61,8 @@ def not_built_message(package_dir: str, search_path: Sequence[str] | None = None
 
 
 def load_extension() -> ModuleType:
-    """Imports dpcore._C; ImportError naming both versions when it was built against another torch
-    release, or saying how to build it (not_built_message) when it is missing."""
+    """Imports dpcore._C; ImportError naming both versions when it was built against another torch release, or saying
+    how to build it (not_built_message) when it is missing."""
     package_dir = os.path.dirname(os.path.abspath(__file__))
     try:
         build_info = importlib.import_module("dpcore._build_info")

@@ -11,9 +11,9 @@ T = TypeVar("T")
 
 
 class Broadcast(Generic[T]):
-    """Marks an argument (or anything inside one) to be passed whole to every replica, not split:
-    its tensors copied to each replica's device (differentiably; the replica on a tensor's own
-    device gets the tensor itself), other values passed by reference, containers rebuilt."""
+    """Marks an argument (or anything inside one) to be passed whole to every replica, not split: its tensors copied to
+    each replica's device (differentiably; the replica on a tensor's own device gets the tensor itself), other values
+    passed by reference, containers rebuilt."""
 
     __slots__ = ("value",)
 
@@ -25,9 +25,9 @@ class Broadcast(Generic[T]):
 
 
 class Samples(Generic[T]):
-    """Marks a list (or tuple) as the batch itself, one entry per sample (docs/samples.md): each
-    replica gets consecutive samples, their tensors moved whole to its device, and every list in
-    the outputs is taken to hold one entry per sample (joined in replica order)."""
+    """Marks a list (or tuple) as the batch itself, one entry per sample (docs/samples.md): each replica gets
+    consecutive samples, their tensors moved whole to its device, and every list in the outputs is taken to hold one
+    entry per sample (joined in replica order)."""
 
     __slots__ = ("value",)
 

@@ -1,5 +1,5 @@
-"""PackedSequence split by whole sequences and joined back (private): the index arithmetic of
-both directions, on the host (CPU int64 tensors). The rules: docs/samples.md and docs/design.md."""
+"""PackedSequence split by whole sequences and joined back (private): the index arithmetic of both directions, on the
+host (CPU int64 tensors). The rules: docs/samples.md and docs/design.md."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dpcore._functions import Gather, Scatter, apply
 
 
 class Layout(NamedTuple):
-    """The order of one PackedSequence: its sequences' ``lengths`` (original order) and
-    ``sorted_indices`` (CPU int64); ``given_sorted`` False where it had ``sorted_indices=None``."""
+    """The order of one PackedSequence: its sequences' ``lengths`` (original order) and ``sorted_indices`` (CPU int64);
+    ``given_sorted`` False where it had ``sorted_indices=None``."""
 
     lengths: torch.Tensor
     sorted_indices: torch.Tensor
@@ -23,11 +23,10 @@ class Layout(NamedTuple):
 
 
 class Rows(NamedTuple):
-    """One split PackedSequence: replica j holds ``rows[j]`` packed rows of ``sequences[j]``
-    sequences; ``order``: the batch's packed row of each of the replicas' rows concatenated in
-    replica order (CPU int64), None for the identity; ``parts``: the (batch_sizes, sorted_indices,
-    unsorted_indices) of each replica's part (the tensors it was given, None where not given);
-    ``fields``: the input's own."""
+    """One split PackedSequence: replica j holds ``rows[j]`` packed rows of ``sequences[j]`` sequences; ``order``: the
+    batch's packed row of each of the replicas' rows concatenated in replica order (CPU int64), None for the identity;
+    ``parts``: the (batch_sizes, sorted_indices, unsorted_indices) of each replica's part (the tensors it was given,
+    None where not given); ``fields``: the input's own."""
 
     rows: tuple[int, ...]
     sequences: tuple[int, ...]
@@ -81,8 +80,8 @@ def layout(packed: PackedSequence) -> Layout:
 def split(
     packed: PackedSequence, sizes: Sequence[int], devices: Sequence[torch.device]
 ) -> tuple[list[PackedSequence], Layout, Rows]:
-    """`packed` cut into the PackedSequences of its next ``sizes[i]`` sequences on ``devices[i]``
-    (differentiably), its Layout and the parts' Rows."""
+    """`packed` cut into the PackedSequences of its next ``sizes[i]`` sequences on ``devices[i]`` (differentiably), its
+    Layout and the parts' Rows."""
     info = layout(packed)
     batch_sizes = _cpu_long(packed.batch_sizes)
     times, positions = _row_times(batch_sizes)
@@ -123,8 +122,8 @@ def _fits(parts: Sequence[torch.Tensor], counts: Sequence[int], dim: int) -> boo
 
 
 def _field_of(parts: Sequence[torch.Tensor], split: Rows) -> list[tuple[str, torch.Tensor]]:
-    """(name, the input's field) of the field that every part is (the replica's own tensor, as an RNN's output
-    passes it on), else of each field that every part equals in value."""
+    """(name, the input's field) of the field that every part is (the replica's own tensor, as an RNN's output passes it
+    on), else of each field that every part equals in value."""
     if len(parts) != len(split.parts) or split.fields is None:
         return []
     if not all(t.dim() == 1 and t.dtype == torch.int64 for t in parts):
@@ -143,11 +142,11 @@ def _field_of(parts: Sequence[torch.Tensor], split: Rows) -> list[tuple[str, tor
 def recombine(
     parts: Sequence[torch.Tensor], splits: Sequence[Rows], dim: int, destination: DeviceLike | None
 ) -> torch.Tensor | None:
-    """The replicas' tensors `parts` of one output of a call whose PackedSequence inputs were split as `splits`,
-    as the module returns it for the whole batch: a field of each replica's PackedSequence (batch_sizes,
-    sorted_indices, unsorted_indices) as the input's; packed data (each replica's packed rows along dim 0) in
-    the batch's packed order. None where it is gathered as any output: 0-dim (stacked), or one row per sequence
-    along `dim`. ValueError where none of these fits, or where two fit that differ."""
+    """The replicas' tensors `parts` of one output of a call whose PackedSequence inputs were split as `splits`, as the
+    module returns it for the whole batch: a field of each replica's PackedSequence (batch_sizes, sorted_indices,
+    unsorted_indices) as the input's; packed data (each replica's packed rows along dim 0) in the batch's packed order.
+    None where it is gathered as any output: 0-dim (stacked), or one row per sequence along `dim`. ValueError where none
+    of these fits, or where two fit that differ."""
     if all(t.dim() == 0 for t in parts):
         return None
     fields = [found for split in splits for found in _field_of(parts, split)]
@@ -204,8 +203,8 @@ def join_rows(parts: Sequence[torch.Tensor], rows: Rows, destination: DeviceLike
 def join(
     packs: Sequence[PackedSequence], destination: DeviceLike | None, layouts: Sequence[Layout] = ()
 ) -> PackedSequence:
-    """One PackedSequence of the sequences of `packs` on `destination`, sorted as the first of
-    `layouts` with their lengths, else stably longest first."""
+    """One PackedSequence of the sequences of `packs` on `destination`, sorted as the first of `layouts` with their
+    lengths, else stably longest first."""
     lengths, sources = [], []
     offset = 0
     for pack in packs:

@@ -1,8 +1,5 @@
-"""``dpcore.patch_torch()``: library code that builds ``torch.nn.DataParallel``
-itself (Hugging Face Trainer) builds dpcore's wrapper instead. Opt-in,
-process-wide and reversible; nothing happens on import. The rule:
-docs/migration.md and docs/design.md.
-"""
+"""``dpcore.patch_torch()``: code that builds ``torch.nn.DataParallel`` builds dpcore's instead; opt-in, process-wide,
+reversible (docs/migration.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ __all__ = ["TorchPatch", "patch_torch", "unpatch_torch"]
 
 
 class _StandInMeta(type(_DpcoreDataParallel)):  # ABCMeta: the wrapper is a Joinable
-    """Metaclass of the stand-in for torch's class: torch's own wrappers
-    count as instances of the stand-in itself (not of its subclasses)."""
+    """Metaclass of the stand-in for torch's class: torch's own wrappers count as instances of the stand-in itself (not
+    of its subclasses)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
         return super().__instancecheck__(obj) or (cls is DataParallel and isinstance(obj, TorchDataParallel))
@@ -29,8 +26,8 @@ class _StandInMeta(type(_DpcoreDataParallel)):  # ABCMeta: the wrapper is a Join
 
 
 class DataParallel(_DpcoreDataParallel, metaclass=_StandInMeta):
-    """``torch.nn.DataParallel`` while patched: :class:`dpcore.DataParallel`,
-    of which torch's own wrappers are instances too."""
+    """``torch.nn.DataParallel`` while patched: :class:`dpcore.DataParallel`, of which torch's own wrappers are
+    instances too."""
 
 
 _lock = threading.Lock()
@@ -57,9 +54,8 @@ def _restore() -> None:
 
 
 class TorchPatch:
-    """The handle :func:`patch_torch` returns: ``undo()`` (or leaving its
-    ``with`` block) ends this patch; torch's class is back once every handle
-    is undone or after :func:`unpatch_torch`. Undoing twice does nothing."""
+    """The handle :func:`patch_torch` returns: ``undo()`` (or leaving its ``with`` block) ends this patch; torch's class
+    is back once every handle is undone or after :func:`unpatch_torch`. Undoing twice does nothing."""
 
     def __init__(self, generation: int) -> None:
         self._generation = generation
@@ -88,12 +84,10 @@ class TorchPatch:
 
 
 def patch_torch() -> TorchPatch:
-    """Makes ``torch.nn.DataParallel`` (and torch's two other names of it)
-    build a :class:`dpcore.DataParallel`, with dpcore's defaults, until
-    undone: ``with dpcore.patch_torch(): ...``, ``handle.undo()`` or
-    :func:`unpatch_torch`. ``isinstance(w, torch.nn.DataParallel)`` holds
-    for dpcore's wrappers and torch's alike while patched. Nested calls are
-    counted; names bound before the patch keep torch's class."""
+    """Makes ``torch.nn.DataParallel`` (and torch's two other names of it) build a :class:`dpcore.DataParallel`, with
+    dpcore's defaults, until undone: ``with dpcore.patch_torch(): ...``, ``handle.undo()`` or :func:`unpatch_torch`.
+    ``isinstance(w, torch.nn.DataParallel)`` holds for dpcore's wrappers and torch's alike while patched. Nested calls
+    are counted; names bound before the patch keep torch's class."""
     global _depth
     with _lock:
         if _depth == 0:
@@ -103,8 +97,8 @@ def patch_torch() -> TorchPatch:
 
 
 def unpatch_torch() -> bool:
-    """Ends every patch of :func:`patch_torch` at once (their handles become
-    inactive); returns whether a patch was on."""
+    """Ends every patch of :func:`patch_torch` at once (their handles become inactive); returns whether a patch was
+    on."""
     global _depth, _generation
     with _lock:
         was_on = _depth > 0

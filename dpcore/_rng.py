@@ -1,9 +1,6 @@
-"""torch's RNG-state functions, made to see a replica's own random stream
-(``fork_rng``, activation checkpointing). :data:`STATE_FUNCTIONS` is handed
-to ``dpcore._C`` once (dpcore/parallel_apply.py), which binds torch's names
-to them only while a replica with a stream runs. Why and how: docs/design.md,
-"Randomness, what is process-wide".
-"""
+"""torch's RNG-state functions, made to see a replica's own random stream (``fork_rng``, activation checkpointing).
+:data:`STATE_FUNCTIONS` is handed to ``dpcore._C`` once (dpcore/parallel_apply.py), which binds torch's names to them
+only while a replica with a stream runs. Why and how: docs/design.md, "Randomness, what is process-wide"."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ _cuda_get, _cuda_set = torch.cuda.random.get_rng_state, torch.cuda.random.set_rn
 
 
 def _own(device_type: str, device: Any = None) -> torch.Generator | None:
-    """The generator of this thread's replica stream if it is on a device of
-    `device_type` (for CUDA: the one torch.cuda resolves `device` to), else None."""
+    """The generator of this thread's replica stream if it is on a device of `device_type` (for CUDA: the one torch.cuda
+    resolves `device` to), else None."""
     own = _C.replica_generator()
     if own is None or own.device.type != device_type:
         return None

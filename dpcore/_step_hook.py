@@ -1,5 +1,5 @@
-"""The process-wide optimizer step post-hook that makes fused and ``.data``
-steps visible to cached replicas (docs/design.md, "Optimizer steps")."""
+"""The process-wide optimizer step post-hook that makes fused and ``.data`` steps visible to cached replicas
+(docs/design.md, "Optimizer steps")."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def track(owner: object, tensors: Iterable[torch.Tensor]) -> None:
-    """Until ``owner`` (a replica cache) is collected, an optimizer step over
-    any of ``tensors`` bumps its version counter. Registers the hook on first use."""
+    """Until ``owner`` (a replica cache) is collected, an optimizer step over any of ``tensors`` bumps its version
+    counter. Registers the hook on first use."""
     global _handle
     ids = [id(t) for t in tensors]
     with _lock:

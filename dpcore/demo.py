@@ -61,8 +61,8 @@ def digits_cnn(batchnorm: bool = False) -> nn.Module:
 
 
 def load_data(seed: int, device: torch.device, limit: int | None = None) -> list[torch.Tensor]:
-    """[x_train, y_train, x_test, y_test] on `device`: float32 N x 1 x 8 x 8 images in [0, 1], int64
-    labels; a stratified 80/20 split with `seed`, of a stratified subset of `limit` images if given."""
+    """[x_train, y_train, x_test, y_test] on `device`: float32 N x 1 x 8 x 8 images in [0, 1], int64 labels; a
+    stratified 80/20 split with `seed`, of a stratified subset of `limit` images if given."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -82,8 +82,8 @@ def batches(n: int, batch_size: int, generator: torch.Generator, min_last: int =
 
 
 def sampler_batches(n: int, batch_size: int, seed: int, epoch: int, world: int) -> list[torch.Tensor]:
-    """One epoch as torch's DistributedSampler deals it to `world` processes: global batch b is
-    every rank's b-th batch in rank order, so ``index.tensor_split(world)[r]`` is rank r's share."""
+    """One epoch as torch's DistributedSampler deals it to `world` processes: global batch b is every rank's b-th batch
+    in rank order, so ``index.tensor_split(world)[r]`` is rank r's share."""
     from torch.utils.data import DistributedSampler
 
     local: list[tuple[torch.Tensor, ...]] = []
@@ -115,9 +115,9 @@ def check_agreement(
     cuda_graphs: bool = False,
     compile_backend: str | None = None,
 ) -> dict[str, Any]:
-    """Runs `steps` float64 steps on the batches `order` from copies of `model` with DataParallel over
-    `devices` (each rank of a `process_group` feeding its share) and on devices[0]; returns {"ok", "steps",
-    "atol", "max_abs_diff", "loss_diff"} (per step, the worst over all ranks, parameters and buffers)."""
+    """Runs `steps` float64 steps on the batches `order` from copies of `model` with DataParallel over `devices` (each
+    rank of a `process_group` feeding its share) and on devices[0]; returns {"ok", "steps", "atol", "max_abs_diff",
+    "loss_diff"} (per step, the worst over all ranks, parameters and buffers)."""
     criterion, group = nn.CrossEntropyLoss(), process_group
     single, parallel = copy.deepcopy(model).double(), copy.deepcopy(model).double()
     run_single, run_parallel = (
@@ -130,15 +130,13 @@ def check_agreement(
     diffs: list[float] = []
     loss_diffs: list[float] = []
     for index in list(order)[:steps]:
-        opt_single.zero_grad()
-        loss_single = criterion(run_single(x[index].double()), y[index])
-        loss_single.backward()
-        opt_single.step()
-        opt_parallel.zero_grad()
         share = index.tensor_split(world)[rank]
+        loss_single = criterion(run_single(x[index].double()), y[index])
         loss_parallel = dp(x[share].double(), y[share])
-        loss_parallel.backward()
-        opt_parallel.step()
+        for loss, optimizer in ((loss_single, opt_single), (loss_parallel, opt_parallel)):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
         loss_global = loss_parallel.detach()
         if group is not None:  # the mean over the global batch
             loss_global = loss_global * len(share)
@@ -165,8 +163,8 @@ def _default_devices() -> str:
 
 
 def _local_devices(devices: list[torch.device], local_rank: int) -> list[torch.device]:
-    """This process's devices under torchrun: CPU lists as given, CUDA indices offset by
-    local_rank * (largest index + 1); ValueError naming --devices when one is not visible."""
+    """This process's devices under torchrun: CPU lists as given, CUDA indices offset by local_rank * (largest index +
+    1); ValueError naming --devices when one is not visible."""
     if devices[0].type != "cuda" or local_rank == 0:
         return devices
     stride = max(d.index for d in devices) + 1
@@ -244,8 +242,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.d
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the demo on the command line `argv` and returns its summary ("agreement" is None when the
-    check is skipped); exits 2 on a bad option, 1 when scikit-learn or tqdm is missing or the check fails."""
+    """Runs the demo on the command line `argv` and returns its summary ("agreement" is None when the check is skipped);
+    exits 2 on a bad option, 1 when scikit-learn or tqdm is missing or the check fails."""
     args, devices, spec = _parse(argv)
     missing = []
     for module, package in (("sklearn", "scikit-learn"), ("tqdm", "tqdm")):

@@ -36,11 +36,11 @@ def parallel_apply(
     *,
     all_at_once: bool = False,
 ) -> list[Any]:
-    """torch.nn.parallel.parallel_apply on persistent worker threads: ``modules[i](*inputs[i], **kwargs_tup[i])``
-    for every i at once, under the caller's grad, inference and autocast state with ``devices[i]`` (default: the
-    module's) current; the results in order, or the lowest index's exception (the same object, noted with its
-    replica and device). CPU calls run at most ``torch.get_num_threads()`` at a time, unless ``all_at_once``
-    (calls that wait for each other). Ctrl-C skips calls not started and interrupts running ones."""
+    """torch.nn.parallel.parallel_apply on persistent worker threads: ``modules[i](*inputs[i], **kwargs_tup[i])`` for
+    every i at once, under the caller's grad, inference and autocast state with ``devices[i]`` (default: the module's)
+    current; the results in order, or the lowest index's exception (the same object, noted with its replica and device).
+    CPU calls run at most ``torch.get_num_threads()`` at a time, unless ``all_at_once`` (calls that wait for each
+    other). Ctrl-C skips calls not started and interrupts running ones."""
     return start_parallel_apply(modules, inputs, kwargs_tup, devices, all_at_once=all_at_once).result()
 
 
@@ -52,9 +52,9 @@ def start_parallel_apply(
     *,
     all_at_once: bool = False,
 ) -> Any:
-    """Starts :func:`parallel_apply`'s calls; returns a ``dpcore._C.ParallelRun`` at once: ``result()``
-    waits and returns (or raises) what parallel_apply would; ``join(timeout=None)`` waits without raising
-    and returns whether all ended; ``cancel()`` skips those not started; ``done``."""
+    """Starts :func:`parallel_apply`'s calls; returns a ``dpcore._C.ParallelRun`` at once: ``result()`` waits and
+    returns (or raises) what parallel_apply would; ``join(timeout=None)`` waits without raising and returns whether all
+    ended; ``cancel()`` skips those not started; ``done``."""
     n = len(modules)
     kwargs_tup = [{}] * n if kwargs_tup is None else kwargs_tup
     devices = [None] * n if devices is None else devices
@@ -71,8 +71,8 @@ def start_parallel_apply(
 
 
 class CallGuard:
-    """Serializes the calls of one DataParallel (``with guard:``); the next
-    call first waits for the replicas of an interrupted one (``abandoned``)."""
+    """Serializes the calls of one DataParallel (``with guard:``); the next call first waits for the replicas of an
+    interrupted one (``abandoned``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -1,9 +1,5 @@
-"""Cached, exact replicas of a module on a list of devices (:class:`ReplicaCache`).
-
-Replica modules and per-device parameter buffers live across steps; replica 0
-is the master itself. The rules: docs/design.md, "Replicas are cached and
-exact" and "Writes no version counter sees".
-"""
+"""Cached, exact replicas of a module on a list of devices (:class:`ReplicaCache`); the rules: docs/design.md,
+"Replicas are cached and exact" and "Writes no version counter sees"."""
 
 from __future__ import annotations
 
@@ -55,8 +51,8 @@ def check_replica_refresh(value: Any) -> str:
 
 @contextlib.contextmanager
 def _normal_mode() -> Iterator[None]:
-    """Leaves inference mode (for no_grad) where the caller is inside it: the
-    persistent buffers and their copies must be normal tensors."""
+    """Leaves inference mode (for no_grad) where the caller is inside it: the persistent buffers and their copies must
+    be normal tensors."""
     if torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
             yield
@@ -65,13 +61,10 @@ def _normal_mode() -> Iterator[None]:
 
 
 class ReplicaCache:
-    """Replicas of `module` for ``devices[1:]``, kept across calls (one C++
-    ``ReplicaSet``; each bucket needing grad goes through a BroadcastBucket
-    node). ``replicas(n)`` returns the master and n-1 replicas equal to it,
-    whose gradients flow to it; writes no version counter saw are found
-    within CHECK_INTERVAL_MAX calls; a structural change makes ``valid()``
-    False. Calls are serialized across threads.
-    """
+    """Replicas of `module` for ``devices[1:]``, kept across calls (one C++ ``ReplicaSet``; each bucket needing grad
+    goes through a BroadcastBucket node). ``replicas(n)`` returns the master and n-1 replicas equal to it, whose
+    gradients flow to it; writes no version counter saw are found within CHECK_INTERVAL_MAX calls; a structural change
+    makes ``valid()`` False. Calls are serialized across threads."""
 
     def __init__(
         self,
@@ -173,9 +166,8 @@ class ReplicaCache:
             self._check()
 
     def _before_refresh(self) -> None:
-        """Before each refresh: marks changed the norm statistics after a call
-        that trained a norm layer, and every bucket with refresh="always";
-        else runs the check at its check points."""
+        """Before each refresh: marks changed the norm statistics after a call that trained a norm layer, and every
+        bucket with refresh="always"; else runs the check at its check points."""
         if self._norm_buckets:
             if self._norms_trained:
                 for bucket in self._norm_buckets:
@@ -193,9 +185,8 @@ class ReplicaCache:
         self._check()
 
     def _check(self) -> None:
-        """Compares the buckets the refresh would skip with the master (a
-        difference is copied by the next refresh), warns once, and schedules
-        the next check."""
+        """Compares the buckets the refresh would skip with the master (a difference is copied by the next refresh),
+        warns once, and schedules the next check."""
         with torch._C._DisableFuncTorch():  # under torch.func's transforms (functional_call): plain tensors
             stale = [masters[i] for bucket, masters, _ in self._bucket_plan for i in bucket.verify(masters)]
         since, self._checked_at = max(0, self._calls - self._checked_at - 1), self._calls
@@ -221,8 +212,8 @@ class ReplicaCache:
     # -- The CUDA-graph interface (dpcore._graphs.GraphRunner) --
 
     def refresh_copies(self) -> list[tuple[torch.Tensor, ...] | None]:
-        """Brings every bucket's replica buffers up to date without touching the
-        replica modules; returns per bucket its autograd-linked copies or None."""
+        """Brings every bucket's replica buffers up to date without touching the replica modules; returns per bucket its
+        autograd-linked copies or None."""
         with self._lock:
             grad_enabled = torch.is_grad_enabled()
             self._before_refresh()
@@ -234,9 +225,8 @@ class ReplicaCache:
             return out
 
     def capture_replicas(self, n: int) -> tuple[list[nn.Module], list[list[tuple[int, int]]]]:
-        """The master plus n-1 replicas whose parameters are leaves viewing the
-        persistent buffers (for capture), and per replica after the first the
-        ``(bucket, copy index)`` of each parameter requiring grad: where
+        """The master plus n-1 replicas whose parameters are leaves viewing the persistent buffers (for capture), and
+        per replica after the first the ``(bucket, copy index)`` of each parameter requiring grad: where
         :meth:`refresh_copies` puts its autograd-linked counterpart."""
         self._check_n(n)
         with self._lock, _normal_mode(), torch.no_grad():
@@ -291,9 +281,8 @@ def caller_stacklevel() -> int:
 
 
 def replicate(network: nn.Module, devices: Sequence[DeviceLike], detach: bool = False) -> list[nn.Module]:
-    """torch.nn.parallel.replicate's contract: one module per device, the
-    first ``network`` itself (on devices[0]), the others copies whose
-    gradients reach ``network``'s parameters, unless ``detach``."""
+    """torch.nn.parallel.replicate's contract: one module per device, the first ``network`` itself (on devices[0]), the
+    others copies whose gradients reach ``network``'s parameters, unless ``detach``."""
     devs = as_devices(devices, "devices")
     if not devs:
         return []

@@ -1,5 +1,5 @@
-"""dpcore.ShardedOptimizer: any torch optimizer with its state split across a
-device list (ZeRO stage 1 in one process); the mechanism is in docs/design.md."""
+"""dpcore.ShardedOptimizer: any torch optimizer with its state split across a device list (ZeRO stage 1 in one process);
+the mechanism is in docs/design.md."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ class _Shard:
         return work
 
     def step(self, cache: ReplicaCache | None, kwargs: dict[str, Any]) -> None:
-        """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to
-        the masters, and written into this position's replicas in `cache` (ReplicaCache.write)."""
+        """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to the
+        masters, and written into this position's replicas in `cache` (ReplicaCache.write)."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self.copies:
             with torch.no_grad():
@@ -87,8 +87,8 @@ class _Shard:
                     cache.write(self.position, stepped)
 
     def view_as_buckets(self) -> None:
-        """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its
-        strides (ZeroRedundancyOptimizer's parameters_as_bucket_view); one with gaps keeps its own storage."""
+        """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its strides
+        (ZeroRedundancyOptimizer's parameters_as_bucket_view); one with gaps keeps its own storage."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for _, work in self.pairs:
             if work.requires_grad and torch.empty_like(work).stride() == work.stride():
@@ -141,10 +141,10 @@ class _ShardStates(MutableMapping):  # type: ignore[type-arg]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer_class(params, **defaults)`` with its state split over `devices` (a ``dpcore.DataParallel``
-    over `params`' module, or a device list whose first device holds `params`). Each step equals the plain
-    optimizer's; ``param_groups`` are the truth (schedulers and edits reach every shard at the next step);
-    ``state_dict()`` is the plain optimizer's format; GradScaler skips the whole step on inf."""
+    """``optimizer_class(params, **defaults)`` with its state split over `devices` (a ``dpcore.DataParallel`` over
+    `params`' module, or a device list whose first device holds `params`). Each step equals the plain optimizer's;
+    ``param_groups`` are the truth (schedulers and edits reach every shard at the next step); ``state_dict()`` is the
+    plain optimizer's format; GradScaler skips the whole step on inf."""
 
     def __init__(
         self,
@@ -187,8 +187,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         exempt(self)  # from dpcore._step_hook: each shard's step marks or writes what it changed
 
     def _check_params(self, params: list[torch.Tensor], arg: str) -> None:
-        """ValueError naming `arg` unless every parameter is dense, on the first device, the module's, and listed
-        once (torch's optimizer only warns of a repeat, and steps it twice)."""
+        """ValueError naming `arg` unless every parameter is dense, on the first device, the module's, and listed once
+        (torch's optimizer only warns of a repeat, and steps it twice)."""
         own = None if self._module is None else {id(p) for p in self._module.parameters()}
         first = self.devices[0] if self.devices else normalize_device(params[0].device) if params else None
         index: dict[int, int] = {}
@@ -262,9 +262,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)], pushed
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
-        """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called
-        with `kwargs`; `closure` is called once, first. Entries the shards' optimizers add to or change in their
-        param groups during the step reach ``param_groups`` (ZeroRedundancyOptimizer's sync after its step)."""
+        """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called with
+        `kwargs`; `closure` is called once, first. Entries the shards' optimizers add to or change in their param groups
+        during the step reach ``param_groups`` (ZeroRedundancyOptimizer's sync after its step)."""
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable that returns the loss, or None, but got {closure!r}")
         with torch.enable_grad():
@@ -387,8 +387,8 @@ def _check_flag(value: Any, arg: str) -> bool:
 
 
 def _param_list(params: Any) -> list[Any]:
-    """`params` as a list of tensors, (name, tensor) pairs or groups with a list each; TypeError or ValueError
-    naming `params` for a lone tensor, a non-iterable, or a group without its 'params'."""
+    """`params` as a list of tensors, (name, tensor) pairs or groups with a list each; TypeError or ValueError naming
+    `params` for a lone tensor, a non-iterable, or a group without its 'params'."""
     if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
         raise TypeError(f"params: expected an iterable of tensors or dicts, but got {torch.typename(params)}")
     entries = list(params)
@@ -402,8 +402,8 @@ def _param_list(params: Any) -> list[Any]:
 
 
 def _changed_settings(j: int, before: dict[str, Any], after: list[dict[str, Any]]) -> dict[str, Any]:
-    """The settings of group `j` that the shards' optimizers added or changed during a step (`after`: their
-    groups j); ValueError naming the entry if two shards set different values."""
+    """The settings of group `j` that the shards' optimizers added or changed during a step (`after`: their groups j);
+    ValueError naming the entry if two shards set different values."""
     changed: dict[str, Any] = {}
     for group in after:
         for key, value in _settings(group).items():

@@ -1,9 +1,5 @@
-"""Synchronized BatchNorm, ``dpcore.DataParallel(module, ..., sync_batchnorm=True)``:
-every BatchNorm call with batch statistics normalizes with those of the whole
-batch (of every process's, with a process group), as one device's BatchNorm
-on the whole batch does, running statistics included. The rules:
-docs/sync_batchnorm.md; the mechanism: docs/design.md, "Synchronized BatchNorm".
-"""
+"""``DataParallel(..., sync_batchnorm=True)``: BatchNorm with the whole batch's statistics (of every process's, with a
+process group), as on one device. The rules: docs/sync_batchnorm.md; the mechanism: docs/design.md."""
 
 from __future__ import annotations
 
@@ -41,8 +37,8 @@ _F_BATCH_NORM = F.batch_norm
 
 
 def needs_sync(module: nn.Module) -> bool:
-    """Whether a forward of `module` normalizes with batch statistics anywhere:
-    a ``_BatchNorm`` in training mode, or one without running statistics."""
+    """Whether a forward of `module` normalizes with batch statistics anywhere: a ``_BatchNorm`` in training mode, or
+    one without running statistics."""
     return any(
         isinstance(m, _BatchNorm) and (m.training or (m.running_mean is None and m.running_var is None))
         for m in module.modules()
@@ -59,10 +55,9 @@ def synchronized_apply(
     run: Callable[..., list[Any]] = parallel_apply,
     across: AcrossProcesses | None = None,
 ) -> list[Any]:
-    """``run(calls, inputs, kwargs_tup, devices, all_at_once=True)`` with BatchNorm
-    synchronized among the calls (``calls[i]`` runs replica ``modules[i]``) and
-    across the processes with `across`. Raises the exception of the lowest
-    replica that raised one of its own, else SyncBatchNormError."""
+    """``run(calls, inputs, kwargs_tup, devices, all_at_once=True)`` with BatchNorm synchronized among the calls
+    (``calls[i]`` runs replica ``modules[i]``) and across the processes with `across`. Raises the exception of the
+    lowest replica that raised one of its own, else SyncBatchNormError."""
     rendezvous = _C.Rendezvous(len(calls))
     if across is not None:  # replicas 1.. wait at each call while replica 0 waits for the other processes
         rendezvous = _C.Rendezvous(len(calls), rendezvous.timeout_s + across.timeout.total_seconds())
@@ -106,9 +101,8 @@ def _describe(error: BaseException) -> str:
 
 
 class _SyncBatchNormMode(TorchFunctionMode):
-    """On one replica's thread, for its task: ``F.batch_norm`` with batch
-    statistics becomes the synchronized version; everything else, and every
-    other thread that inherits the mode, runs unchanged."""
+    """On one replica's thread, for its task: ``F.batch_norm`` with batch statistics becomes the synchronized version;
+    everything else, and every other thread that inherits the mode, runs unchanged."""
 
     def __init__(self, rendezvous: Any, rank: int, module: nn.Module | None, across: AcrossProcesses | None) -> None:
         super().__init__()
@@ -126,8 +120,8 @@ class _SyncBatchNormMode(TorchFunctionMode):
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _key(self, weight: torch.Tensor | None, running_mean: torch.Tensor | None) -> str:
-        """ "BatchNorm 'layer1.bn' (call 2)": the layer's name in the replica
-        and how many times this replica has called it."""
+        """ "BatchNorm 'layer1.bn' (call 2)": the layer's name in the replica and how many times this replica has called
+        it."""
         if self._names is None:
             self._names = {}
             if isinstance(self.module, nn.Module):
@@ -168,16 +162,15 @@ class _SyncBatchNormMode(TorchFunctionMode):
 
 
 def _tag(text: str) -> int:
-    """A 20-bit number naming a BatchNorm call and its phase: the sums of the tags
-    and of their squares over 8192 ranks stay exact in float64."""
+    """A 20-bit number naming a BatchNorm call and its phase: the sums of the tags and of their squares over 8192 ranks
+    stay exact in float64."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little") >> 4
 
 
 class AcrossProcesses:
-    """Synchronized BatchNorm across the processes of a ``torch.distributed``
-    `group` of its own (with its `timeout`), for one forward: the ``across``
-    callable that replica 0 calls at each BatchNorm call with its process's
-    statistics. `weight`: this process's gradient weight in this forward."""
+    """Synchronized BatchNorm across the processes of a ``torch.distributed`` `group` of its own (with its `timeout`),
+    for one forward: the ``across`` callable that replica 0 calls at each BatchNorm call with its process's statistics.
+    `weight`: this process's gradient weight in this forward."""
 
     def __init__(self, group: Any, timeout: datetime.timedelta, weight: float) -> None:
         self.group, self.timeout, self.weight = group, timeout, float(weight)
@@ -187,8 +180,8 @@ class AcrossProcesses:
     def __call__(
         self, key: str, mean: torch.Tensor, var: torch.Tensor, count: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(mean, biased variance, count) of every process's batch at the
-        BatchNorm call `key`, from this process's; differentiable."""
+        """(mean, biased variance, count) of every process's batch at the BatchNorm call `key`, from this process's;
+        differentiable."""
         self._agree(key, "forward", mean.device)
         channels = mean.numel()
         count_t = torch.tensor([float(count)], dtype=torch.float64, device=mean.device)
@@ -200,16 +193,16 @@ class AcrossProcesses:
         return g_mean, g_var, total
 
     def reduce_gradients(self, key: str, grads: torch.Tensor) -> torch.Tensor:
-        """Backward of the call `key`: the sum over the processes of each one's
-        gradient times its weight, divided by this process's weight (0 where it is 0)."""
+        """Backward of the call `key`: the sum over the processes of each one's gradient times its weight, divided by
+        this process's weight (0 where it is 0)."""
         self._agree(key, "backward", grads.device)
         payload = grads.to(torch.float64) * self.weight
         self._wait(key, "backward", dist.all_reduce(payload, group=self.group, async_op=True))
         return torch.zeros_like(grads) if self.weight == 0 else (payload / self.weight).to(grads.dtype)
 
     def _agree(self, key: str, phase: str, device: torch.device) -> None:
-        """Before each collective, one all-reduce of one size for every call: every
-        rank raises where ranks are at different calls (gloo aborts on collectives of different sizes)."""
+        """Before each collective, one all-reduce of one size for every call: every rank raises where ranks are at
+        different calls (gloo aborts on collectives of different sizes)."""
         tag = float(_tag(f"{phase} {key}"))
         header = torch.tensor([tag, tag * tag], dtype=torch.float64, device=device)
         self._wait(key, phase, dist.all_reduce(header, group=self.group, async_op=True))
@@ -237,9 +230,9 @@ class AcrossProcesses:
 
 
 class _GlobalStatistics(torch.autograd.Function):
-    """The global (mean, biased variance) from every process's gathered rows,
-    differentiable in this process's: d mean_p = s_p (G_mean + 2 (mean_p - mean)
-    G_var), d var_p = s_p G_var (s_p: its share of the count; G: the all-reduced gradients)."""
+    """The global (mean, biased variance) from every process's gathered rows, differentiable in this process's: d mean_p
+    = s_p (G_mean + 2 (mean_p - mean) G_var), d var_p = s_p G_var (s_p: its share of the count; G: the all-reduced
+    gradients)."""
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -5,8 +5,7 @@ from dpcore import comm
 from dpcore._loader import _C as _C
 from dpcore._version import __version__
 from dpcore._patch import TorchPatch, patch_torch, unpatch_torch
-from dpcore._dropin import functional_call
-from dpcore.data_parallel import DataParallel, data_parallel
+from dpcore.data_parallel import DataParallel, data_parallel, functional_call
 from dpcore.info import info
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import replicate

@@ -1,25 +1,18 @@
 """The shims that make dpcore's wrapper stand where torch.nn.DataParallel stood: the signed ``forward``, the bare-key
-state dict, DDP-only attribute errors, nominal ``isinstance``, an overridden ``scatter``'s pair read by torch's rules,
-and :func:`functional_call`."""
+state dict, DDP-only attribute errors, nominal ``isinstance``, and DCP's key hook."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from dpcore._pytree import flatten
-
-if TYPE_CHECKING:
-    from dpcore.data_parallel import DataParallel
 
 #: DistributedDataParallel's attributes that dpcore's wrapper lacks (an AttributeError names the wrapper).
 DDP_ONLY = frozenset(
@@ -140,63 +133,3 @@ class DCPNames(dict):  # type: ignore[type-arg]
 def dcp_names(module: nn.Module) -> DCPNames:
     """The DCPNames of a wrapper of `module`."""
     return DCPNames(dict.fromkeys([*module._modules, *module._parameters, *module._buffers], "module"))
-
-
-def split_of(result: Any, device_count: int, dim: int) -> tuple[list[Any], list[Any], list[int]]:
-    """(args, kwargs, rows) per replica from the pair an overridden ``scatter`` returned, read as torch reads
-    it: replicas on the first devices; rows: each one's first tensor's size along `dim` (0 where it has none)."""
-    if not isinstance(result, Sequence) or len(result) != 2:
-        raise TypeError(
-            f"scatter: expected the pair (inputs, kwargs) with one entry per replica in each, as torch's "
-            f"DataParallel.scatter returns, but got {type(result).__name__}"
-        )
-    inputs, kwargs = result
-    args = [a if isinstance(a, tuple) else tuple(a) if isinstance(a, list) else (a,) for a in inputs]
-    kws = [dict(k or {}) for k in kwargs] if kwargs is not None else [{} for _ in args]
-    if not args and not kws:  # no arguments at all: one replica, as torch
-        args, kws = [()], [{}]
-    if len(args) != len(kws):
-        raise ValueError(
-            f"scatter: expected as many kwargs entries as inputs entries (one per replica), but got "
-            f"{len(args)} inputs and {len(kws)} kwargs"
-        )
-    if len(args) > device_count:
-        raise ValueError(f"scatter: returned {len(args)} replicas' arguments for {device_count} device(s)")
-    firsts = [next(iter(flatten((a, k))[0]), None) for a, k in zip(args, kws)]
-    return args, kws, [int(t.size(dim)) if t is not None and -t.dim() <= dim < t.dim() else 0 for t in firsts]
-
-
-def functional_call(
-    dp: DataParallel,
-    parameter_and_buffer_dicts: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
-    args: Any = None,
-    kwargs: dict[str, Any] | None = None,
-    *,
-    tie_weights: bool = True,
-    strict: bool = False,
-) -> Any:
-    """``torch.func.functional_call`` over a dpcore wrapper, data parallel (torch refuses its DataParallel):
-    ``dp(*args, **kwargs)`` with the module's parameters and buffers replaced by the given tensors (keyed by
-    the module's names or torch's ``module.`` ones); their gradients are the whole batch's on one device."""
-    from dpcore.data_parallel import DataParallel as Wrapper  # the wrapper's module imports this one
-
-    if not isinstance(dp, Wrapper):
-        raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
-    if dp.process_group is not None:
-        raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
-    given = parameter_and_buffer_dicts
-    tensors: dict[str, torch.Tensor] = {}
-    for d in [given] if isinstance(given, Mapping) else given:
-        tensors.update(strip_module_prefix(dict(d), dp.module))
-    args = () if args is None else args if isinstance(args, tuple) else (args,)
-
-    def through(replica: nn.Module) -> Callable[..., Any]:
-        def call(*a: Any, **k: Any) -> Any:
-            first = next(itertools.chain(replica.parameters(), replica.buffers()), None)
-            moved = tensors if first is None else {n: t.to(first.device) for n, t in tensors.items()}
-            return torch.func.functional_call(replica, moved, a, k, tie_weights=tie_weights, strict=strict)
-
-        return call
-
-    with dp._calls:
-        return dp._forward(args, dict(kwargs or {}), through)[0]

@@ -276,3 +276,48 @@ def _describe(spec: pt.Spec, tensor: torch.Tensor | None = None) -> str:
     if issubclass(spec.type, (list, tuple)) and kind is not PACKED:
         return f"a {name} of length {len(spec.children)}"
     return f"a {name}"
+
+
+def pad_outputs(values: list[Any], dim: int, pad_value: float | None, label: str, path: str = "output") -> list[Any]:
+    """The replicas' outputs `values`, each tensor that differs from another replica's beyond `dim` padded at the end
+    to the largest with `pad_value` (ValueError naming the path where None); other differences are left."""
+    first = values[0]
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return _padded_tensors(values, dim, pad_value, label, path)
+    node = pt.node_of(first)
+    if node.kind not in (pt.NODE, pt.MAPPING, *pt.STATE) or any(type(v) is not type(first) for v in values):
+        return values
+    flat = [node.flatten(v) for v in values]
+    kids = [list(children) for children, _ in flat]
+    keys = node.keys(first, flat[0][1], len(kids[0]))
+    if any(node.keys(v, c, len(k)) != keys for v, (_, c), k in zip(values[1:], flat[1:], kids[1:])):
+        return values
+    columns = [pad_outputs([k[i] for k in kids], dim, pad_value, label, path + key) for i, key in enumerate(keys)]
+    if all(column[j] is kids[j][i] for i, column in enumerate(columns) for j in range(len(values))):
+        return values
+    return [node.unflatten([column[j] for column in columns], flat[j][1]) for j in range(len(values))]
+
+
+def _padded_tensors(values: list[torch.Tensor], dim: int, pad_value: float | None, label: str, path: str) -> list[Any]:
+    rank = values[0].dim()
+    if rank == 0 or any(v.dim() != rank for v in values) or not -rank <= dim < rank:
+        return values
+    batch = dim % rank
+    target = [max(v.size(i) for v in values) for i in range(rank)]
+    ragged = [j for j, v in enumerate(values) if any(v.size(i) != target[i] for i in range(rank) if i != batch)]
+    if not ragged:
+        return values
+    if pad_value is None:
+        j = next(j for j, v in enumerate(values) if v.shape != values[ragged[0]].shape)
+        raise ValueError(
+            f"{label}: {path} has shape {list(values[ragged[0]].shape)} on replica {ragged[0]} but "
+            f"{list(values[j].shape)} on replica {j}, beyond the batch dimension {dim}; pass pad_value= to pad "
+            f"them to the largest"
+        )
+    if not (values[0].is_floating_point() or values[0].is_complex()) and not float(pad_value).is_integer():
+        raise ValueError(f"{label}: pad_value={pad_value!r} cannot pad {path}, a {values[0].dtype} tensor")
+    out = list(values)
+    for j in ragged:
+        out[j] = values[j].new_full([values[j].size(i) if i == batch else target[i] for i in range(rank)], pad_value)
+        out[j][tuple(slice(0, n) for n in values[j].shape)] = values[j]
+    return out

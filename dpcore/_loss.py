@@ -12,26 +12,8 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from dpcore._options import Options
+from dpcore._pipeline import Call
 from dpcore._split import _as_weight
-
-
-@dataclasses.dataclass
-class Call:
-    """One call's record: each replica's arguments, rows and device (``used``: indices into the device
-    list), the gather's ``hints``, and a non-forward method's rule (a :class:`dpcore._methods.Method`)."""
-
-    args: list[Any]
-    kws: list[Any]
-    sizes: list[int]
-    used: list[int]
-    devices: list[torch.device]
-    hints: Any
-    method: Any = None
-
-    @property
-    def rows(self) -> int:
-        """The rows of this process in the call."""
-        return sum(self.sizes)
 
 
 class LossRule:
@@ -129,7 +111,7 @@ class LossRule:
     def _with_model_loss(self, outputs: list[Any], call: Call, gather: Callable[[list[Any]], Any]) -> Any:
         """The gathered `outputs` with the model's losses (or each entry of a
         loss dict) replaced by one scalar, combined as model_loss declares."""
-        if all(_is_loss_dict(o) for o in outputs):  # e.g. torchvision's detection models in training
+        if all(_is_loss_dict(o) for o in outputs):  # a dict of losses (detection models in training)
             gathered = gather(outputs)
             combine = self._combiner(call)
             for key in outputs[0]:
@@ -175,7 +157,7 @@ class LossRule:
 
 
 def _is_loss_dict(output: Any) -> bool:
-    """Whether `output` is a non-empty Mapping of one-element tensors without "loss" (torchvision's detection)."""
+    """Whether `output` is a non-empty Mapping of one-element tensors without "loss" (a dict of losses)."""
     return (
         isinstance(output, Mapping)
         and bool(output)

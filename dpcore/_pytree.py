@@ -20,6 +20,7 @@ import torch.utils.data as torch_data
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from dpcore._integrations import BY_ATTRIBUTES as INTEGRATIONS
 from dpcore._markers import Broadcast, Samples
 
 # The kinds of nodes; MAPPING, NODE, ITERABLE (torch DP's rebuild rule) and OBJECT (by attributes) are containers.
@@ -27,16 +28,6 @@ TENSOR, LEAF, BROADCAST, SAMPLES, PACKED = "tensor", "leaf", "broadcast", "sampl
 MAPPING, NODE, ITERABLE, OBJECT = "mapping", "node", "iterable", "object"
 # Kinds whose non-batched contents are one state of the whole batch (docs/design.md, "Scatter/gather walk pytrees").
 STATE = (ITERABLE, OBJECT)
-
-# Libraries' types that DataParallel takes apart by their attributes (``vars(obj)``), each its tensors batch-first:
-# (module, class name) of a class in the type's MRO, None for every class of that module. The one place that names
-# a library; the rule is :func:`_object_node`.
-INTEGRATIONS: frozenset[tuple[str, str | None]] = frozenset(
-    {
-        ("transformers.cache_utils", None),  # Cache, its layers (DynamicCache's iteration drops their state)
-        ("transformers.models.reformer.modeling_reformer", "ReformerDynamicCache"),
-    }
-)
 
 _NEVER_ITERATED = (str, bytes, bytearray, memoryview, range, AbstractSet, MappingView, nn.Module, enum.EnumMeta)
 _NEVER_ITERATED += (torch_data.Dataset, torch_data.DataLoader, torch_data.Sampler)
@@ -170,6 +161,7 @@ def _object_node(cls: type) -> Node:
 
 
 def _integrated(cls: type) -> bool:
+    """Whether `cls` is one of the libraries' types walked by their attributes (INTEGRATIONS)."""
     return any((c.__module__, None) in INTEGRATIONS or (c.__module__, c.__name__) in INTEGRATIONS for c in cls.__mro__)
 
 

@@ -14,24 +14,19 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from dpcore._devices import DeviceLike, as_devices, normalize_device
-from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, has_module_prefix, split_of
-from dpcore._dropin import dcp_names, strip_module_prefix
+from dpcore import _integrations
+from dpcore._devices import DeviceLike
+from dpcore._dropin import DDP_ONLY, BareStateDict, NominalMeta, SignedForward, dcp_names, has_module_prefix
+from dpcore._dropin import strip_module_prefix
 from dpcore._graphs import GraphRunner
-from dpcore._loss import Call, LossRule
-from dpcore._methods import PARALLEL_BY_NAME, Method, ParallelMethod
-from dpcore._options import ATTRIBUTES, Options, check_not_compiled, check_options, check_write, overrides
-from dpcore._pytree import without_markers
-from dpcore._split import check_first_device
+from dpcore._loss import LossRule
+from dpcore._options import ATTRIBUTES, Options, check_options, check_write
+from dpcore._pipeline import ParallelMethod, Pipeline, substituted
 from dpcore.distributed import DataParallelJoinHook, GradientSync
-from dpcore.parallel_apply import CallGuard, start_parallel_apply
-from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache, check_on_device
-from dpcore.replicate import replicate as replicate_module
-from dpcore.scatter_gather import NO_HINTS, Scattered, check_image_lists, gather_with_hints, image_list_model
-from dpcore.scatter_gather import scatter_with_hints
-from dpcore.sync_batchnorm import needs_sync, synchronized_apply
+from dpcore.parallel_apply import CallGuard
+from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache
 
-__all__ = ["DataParallel", "data_parallel"]
+__all__ = ["DataParallel", "data_parallel", "functional_call"]
 
 #: torch's own class, bound before dpcore.patch_torch can rebind torch's names.
 TorchDataParallel = nn.DataParallel
@@ -50,7 +45,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     """
 
     # Per-instance state a replica of this wrapper and a pickle never share (ReplicaSet reads this name).
-    _replica_private_attrs = ("_cache", "_calls", "_graphs")
+    _replica_private_attrs = ("_cache", "_calls", "_graphs", "_pipeline")
 
     def __init__(
         self,
@@ -104,7 +99,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         self._graphs = GraphRunner() if options.cuda_graphs else None
         if changed in ("module", "device_ids", "bucket_bytes", "replica_refresh"):
             self._cache = None
-        self._image_lists = image_list_model(self.module)
+        if changed == "module":
+            self._input_check = _integrations.input_check(self.module)
         self._modules.pop("criterion", None)
         if isinstance(options.criterion, nn.Module):
             self._modules["criterion"] = options.criterion
@@ -125,7 +121,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
                     f"{type(self.module).__name__}): it is an attribute of torch.nn.parallel.DistributedDataParallel "
                     f"that dpcore's hybrid mode (process_group=) does not provide"
                 ) from None
-            return self.parallel(name) if name in PARALLEL_BY_NAME else found
+            return self.parallel(name) if name in _integrations.PARALLEL_BY_NAME else found
 
     def parallel(self, name: str, *, pad_value: float | None = None) -> Callable[..., Any]:
         """The module's method `name`, run data parallel as forward (no loss rule); outputs whose sizes differ beyond
@@ -179,187 +175,29 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         return self.device_ids[0] if self.device_ids else None
 
     def scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]) -> Any:
-        """torch's ``scatter``: ``(inputs, kwargs)``, each replica's arguments
-        split along ``dim`` by dpcore's rules; ``.call`` is the call's record."""
-        scattered, hints = scatter_with_hints(
-            inputs, kwargs, device_ids, self.dim, self.chunk_sizes, self.weights, lone_as_is=True
-        )
-        devices, used = as_devices(device_ids, "device_ids"), scattered.device_indices
-        pair = _ScatteredPair((scattered.args, scattered.kwargs))
-        pair.call = Call(scattered.args, scattered.kwargs, scattered.sizes, used, [devices[i] for i in used], hints)
-        return pair
+        """torch's ``scatter``: the pair ``(inputs, kwargs)``, each replica's arguments split along ``dim`` by
+        dpcore's rules (docs/design.md)."""
+        return self._pipeline.scatter(self, inputs, kwargs, device_ids)
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
         """torch's ``replicate``: one module per device, the first ``module`` itself (cached and refreshed for this
         wrapper's module on a leading part of its devices)."""
-        devices = as_devices(device_ids, "device_ids")
-        if module is self.module and devices and devices == self.device_ids[: len(devices)]:
-            return self._replica_cache().replicas(len(devices))
-        return replicate_module(module, devices, detach=not torch.is_grad_enabled())
+        return self._pipeline.replicate(self, module, device_ids)
 
     def parallel_apply(self, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         """torch's ``parallel_apply``: ``replicas[i](*inputs[i], **kwargs[i])``
         for every i at once on the worker pool; one replica runs in this thread."""
-        if len(replicas) == 1:
-            first = inputs[0] if isinstance(inputs[0], (list, tuple)) else (inputs[0],)
-            return [replicas[0](*first, **((kwargs or [{}])[0] or {}))]
-        call = getattr(replicas, "call", None)
-        devices = call.devices if call is not None and len(call.devices) == len(replicas) else None
-        return self._parallel_apply(replicas, inputs, kwargs, devices or self.device_ids[: len(replicas)])
+        return self._pipeline.parallel_apply(self, replicas, inputs, kwargs)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike | None) -> Any:
         """torch's ``gather``: the outputs joined along ``dim`` on
         ``output_device`` (:func:`dpcore.gather`), by the hints of the call's inputs."""
-        call = getattr(outputs, "call", None)
-        return gather_with_hints(outputs, output_device, self.dim, call.hints if call is not None else NO_HINTS)
-
-    def _overrides(self, name: str) -> bool:
-        return overrides(type(self), DataParallel, name) or name in self.__dict__
+        return self._pipeline.gather(self, outputs, output_device)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with self._calls:
-            sync = self._sync
-            if sync is not None:
-                sync.before_forward(self)
-            output, rows = self._forward(inputs, kwargs)
-            return output if sync is None else sync.after_forward(output, rows, self._options)
+        return self._pipeline.run(self, inputs, kwargs)
 
     forward = SignedForward(forward)  # type: ignore[assignment]
-
-    def _forward(
-        self, inputs: tuple[Any, ...], kwargs: dict[str, Any], through: Any = None, method: Method | None = None
-    ) -> tuple[Any, int]:
-        """The call's result and this process's rows. `through(replica)` runs
-        in place of each replica, eagerly; a `method` call has no loss rule."""
-        criterion = self.criterion
-        if criterion is not None and getattr(criterion, "reduction", None) is not self._options.own_reduction:
-            self.criterion = criterion  # its .reduction changed in place: checked again, followed from this call on
-        if criterion is not None and not inputs and method is None:
-            raise TypeError("DataParallel with a criterion expects the target as the last positional argument")
-        if not self.device_ids:  # the module as is, on the values inside Broadcast and Samples markers
-            inputs, kwargs = without_markers((inputs, kwargs))
-            module = self.module if through is None else through(self.module)
-            return self._loss.make_call(module, method)(*inputs, **kwargs), 0
-        call = self._scatter(inputs, kwargs)
-        call.method = method
-        outputs = self._run(call, through)
-        return self._loss.combine(outputs, call, lambda outs: self._gather(outs, call)), call.rows
-
-    def _scatter(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-        if self._image_lists is not None:
-            check_image_lists(self._image_lists, inputs, kwargs)
-        lone = self._lone_call(inputs, kwargs)
-        if lone is not None:
-            return lone
-        result = self.scatter(inputs, kwargs, self.device_ids)
-        if isinstance(result, _ScatteredPair):
-            call = result.call
-        elif isinstance(result, Scattered):
-            devices = [self.device_ids[i] for i in result.device_indices]
-            call = Call(result.args, result.kwargs, result.sizes, result.device_indices, devices, NO_HINTS)
-        else:
-            args, kws, sizes = split_of(result, len(self.device_ids), self.dim)
-            used = list(range(len(args)))
-            call = Call(args, kws, sizes, used, self.device_ids[: len(args)], NO_HINTS)
-            if self.criterion is not None and len(sizes) > 1 and 0 in sizes:
-                raise ValueError(
-                    f"criterion: each replica's loss is weighted by its rows, but {type(self).__name__}.scatter gave "
-                    f"replica {sizes.index(0)} no tensor with a dimension {self.dim} to count them by"
-                )
-        check_first_device(call.sizes, call.used, len(self.device_ids), self.chunk_sizes, self.weights)
-        return call
-
-    def _lone_call(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
-        """The call of a lone device whose arguments are all plain tensors on it with one row count along
-        ``dim``: each passed as is, as ``scatter`` would pass it, with no tree walk. None for any other call."""
-        if len(self.device_ids) != 1 or self.chunk_sizes is not None or self.weights is not None:
-            return None
-        device, dim, rows = self.device_ids[0], self.dim, -1
-        for t in (*inputs, *kwargs.values()):
-            if type(t) is not torch.Tensor or t.device != device or not -t.dim() <= dim < t.dim():
-                return None
-            if rows != t.size(dim):
-                if rows != -1:
-                    return None
-                rows = t.size(dim)
-        if rows < 1 or self._overrides("scatter"):
-            return None
-        return Call([inputs], [kwargs], [rows], [0], [device], NO_HINTS)
-
-    def _run(self, call: Call, through: Callable[[Any], Any] | None = None) -> list[Any]:
-        """Each used replica's result on its chunk: replayed CUDA graphs, or
-        eagerly through ``replicate`` and ``parallel_apply``."""
-        make_call = self._loss.make_call
-        if through is not None:
-            make_call = lambda m: self._loss.make_call(through(m), call.method)  # noqa: E731
-        elif self._graphs is not None:  # combined: the outputs become new tensors (else the graphs clone them)
-            loss = self.criterion is not None or self.model_loss is not None
-            plain = not loss and self.gather_output and not call.hints.samples and not self._overrides("gather")
-            combined = plain or (len(call.used) > 1 and loss)
-            outputs = self._graphs.step(
-                self._replica_cache(), call.args, call.kws, call.used, make_call, combined=combined
-            )
-            if outputs is not None:
-                return outputs
-        custom = len(self.device_ids) > 1 and (self._overrides("replicate") or self._overrides("parallel_apply"))
-        count = call.used[-1] + 1
-        if len(self.device_ids) == 1:  # as torch's wrapper: no replicate (the cache still checks the module)
-            self._replica_cache()
-            replicas: Sequence[nn.Module] = [self.module]
-        else:
-            replicas = self.replicate(self.module, self.device_ids[:count])
-        if custom:
-            self._check_per("replicate", "replica per device", replicas, count)
-        modules = [replicas[i] for i in call.used]
-        calls = _PerCall([make_call(m) for m in modules], call)
-        across = None if self._sync is None else self._sync.batchnorm_across(call.rows, self._loss.summed)
-        if self.sync_batchnorm and (len(calls) > 1 or across is not None) and needs_sync(self.module):
-            return synchronized_apply(
-                modules, calls, call.args, call.kws, call.devices, run=self._parallel_apply, across=across
-            )
-        if not custom:
-            if len(calls) == 1:
-                return [calls[0](*call.args[0], **call.kws[0])]
-            return self._parallel_apply(calls, call.args, call.kws, call.devices)
-        outputs = self.parallel_apply(calls, call.args, call.kws)
-        self._check_per("parallel_apply", "output per replica", outputs, len(calls))
-        return list(outputs)
-
-    def _check_per(self, method: str, per: str, values: Any, count: int) -> None:
-        if not isinstance(values, Sequence) or len(values) != count:
-            got = len(values) if isinstance(values, Sequence) else type(values).__name__
-            raise ValueError(f"{type(self).__name__}.{method}: expected one {per} ({count}), but got {got}")
-
-    def _gather(self, outputs: list[Any], call: Call) -> Any:
-        if len(self.device_ids) == 1 and self._overrides("gather"):  # torch's wrapper does not gather then
-            return outputs[0]
-        out = outputs[0] if len(outputs) == 1 else None
-        if type(out) is torch.Tensor and out.dim() > 0 and self._graphs is None and not call.hints.rows:
-            if normalize_device(out.device) == self.output_device and not self._overrides("gather"):
-                return out  # a lone replica's tensor where it belongs: as is, as from the bare module
-        return self.gather(_PerCall(outputs, call), self.output_device)
-
-    def _parallel_apply(
-        self, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any, *, all_at_once: bool = False
-    ) -> list[Any]:
-        run = start_parallel_apply(fns, args, kws, devices, all_at_once=all_at_once)
-        try:
-            return run.result()
-        except BaseException:
-            if not run.done:  # interrupted: its running replicas finish in the background
-                self._calls.abandoned = run
-            raise
-
-    def _replica_cache(self) -> ReplicaCache:
-        """The replica cache, rebuilt first where the master's structure changed."""
-        if self._cache is None or not self._cache.valid():
-            check_on_device(self.module, self.device_ids[0], "device_ids[0]")
-            if self.cuda_graphs:
-                check_not_compiled(self.module)  # compiled after wrapping
-            self._cache = ReplicaCache(self.module, self.device_ids, self.bucket_bytes, refresh=self.replica_refresh)
-            if self._sync is not None:  # the gradient buckets follow a structural change (collective)
-                self._sync.check_structure()
-        return self._cache
 
     @property
     def replica_cache(self) -> ReplicaCache | None:
@@ -427,20 +265,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
             yield
 
 
-class _ScatteredPair(tuple):  # type: ignore[type-arg]
-    """torch's pair ``(inputs, kwargs)``, with the call's record as ``.call``."""
-
-    call: Call
-
-
-class _PerCall(list):  # type: ignore[type-arg]
-    """One entry per replica, with the call's record as ``.call`` (torch's signatures have no place for it)."""
-
-    def __init__(self, items: Sequence[Any], call: Call) -> None:
-        super().__init__(items)
-        self.call = call
-
-
 # Each option's attribute (``dp.criterion``, ...) reads the one checked value: device_ids and output_device as resolved.
 for _name, _field in {**ATTRIBUTES, "device_ids": "devices", "output_device": "out"}.items():
     if _name not in ("module", "forward_sync_buffers", "broadcast_buffers"):
@@ -449,7 +273,8 @@ for _name, _field in {**ATTRIBUTES, "device_ids": "devices", "output_device": "o
 
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
     """New values of DataParallel._replica_private_attrs."""
-    return {"_cache": None, "_calls": CallGuard(), "_graphs": GraphRunner() if cuda_graphs else None}
+    graphs = GraphRunner() if cuda_graphs else None
+    return {"_cache": None, "_calls": CallGuard(), "_graphs": graphs, "_pipeline": Pipeline(DataParallel)}
 
 
 def data_parallel(
@@ -470,3 +295,27 @@ def data_parallel(
             f"module_kwargs: expected a mapping of keyword arguments, but got {type(module_kwargs).__name__}"
         )
     return DataParallel(module, device_ids, output_device, dim, **options)(*inputs, **(module_kwargs or {}))
+
+
+def functional_call(
+    dp: DataParallel,
+    parameter_and_buffer_dicts: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+    args: Any = None,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    tie_weights: bool = True,
+    strict: bool = False,
+) -> Any:
+    """``torch.func.functional_call`` over a dpcore wrapper, data parallel (torch refuses its DataParallel):
+    ``dp(*args, **kwargs)`` with the module's parameters and buffers replaced by the given tensors (keyed by
+    the module's names or torch's ``module.`` ones); their gradients are the whole batch's on one device."""
+    if not isinstance(dp, DataParallel):
+        raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
+    if dp.process_group is not None:
+        raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
+    given = parameter_and_buffer_dicts
+    tensors: dict[str, torch.Tensor] = {}
+    for d in [given] if isinstance(given, Mapping) else given:
+        tensors.update(strip_module_prefix(dict(d), dp.module))
+    args = () if args is None else args if isinstance(args, tuple) else (args,)
+    return dp._pipeline.run(dp, args, dict(kwargs or {}), substituted(tensors, tie_weights, strict))

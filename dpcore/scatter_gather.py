@@ -256,30 +256,6 @@ def scatter_with_hints(
     return Scattered(args, kws, sizes, used), hints
 
 
-def image_list_model(module: torch.nn.Module) -> str | None:
-    """`module`'s class name where it holds torchvision's ``GeneralizedRCNNTransform``, else None."""
-    for m in module.modules():
-        t = type(m)
-        if t.__name__ == "GeneralizedRCNNTransform" and t.__module__.startswith("torchvision."):
-            return type(module).__name__
-    return None
-
-
-def check_image_lists(model: str, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-    """ValueError naming dpcore.Samples where the images or targets of the detection model
-    `model` are a plain list or tuple (torch's rule would split every image along its channels)."""
-    for index, name in enumerate(("images", "targets")):
-        given = len(inputs) > index
-        path, value = (f"inputs[{index}]", inputs[index]) if given else (f"kwargs[{name!r}]", kwargs.get(name))
-        if isinstance(value, (list, tuple)) and not is_namedtuple(value):
-            raise ValueError(
-                f"{path} is a plain {type(value).__name__} of {name} given to {model}, a torchvision detection model, "
-                f"which takes one [C, H, W] tensor (and one target dict) per image: wrap it in "
-                f"dpcore.Samples({name}) so that each replica gets whole images; a plain list is split inside every "
-                f"image, along its channels, as torch.nn.DataParallel splits it"
-            )
-
-
 def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> Any:
     """Splits `inputs` across `target_gpus` (torch.nn.parallel.scatter's arguments) as
     :func:`scatter_kwargs` does: a tuple of chunks for a tensor, else one value per device with

@@ -364,20 +364,23 @@ def test_one_device_calls_scatter_only_and_returns_the_output_as_is() -> None:
 
 
 def test_not_overridden_keeps_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No override (or only gather's): the cached replicas serve every call
-    and the overridden-path runner is never used."""
+    """No override (or only gather's): every call goes through the four methods, as torch's forward, and the
+    cached replicas serve every call (the defaults read the call's record: no second path)."""
+    calls: list[int] = []
+    default = dpcore.DataParallel.parallel_apply
 
-    def never(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the overridden path ran")
+    def counted(self: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        calls.append(len(replicas))
+        return default(self, replicas, inputs, kwargs)
 
-    monkeypatch.setattr(dpcore.DataParallel, "parallel_apply", never)
+    monkeypatch.setattr(dpcore.DataParallel, "parallel_apply", counted)
     dp = dpcore.DataParallel(_net(), ["cpu"] * 3)
     x, _ = _batch(0)
     dp(x).sum().backward()
     cache = dp._cache
     assert cache is not None
     dp(x).sum().backward()
-    assert dp._cache is cache
+    assert dp._cache is cache and calls == [3, 3]
 
     class OnlyGather(dpcore.DataParallel):
         def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:

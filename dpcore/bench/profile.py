@@ -39,14 +39,10 @@ from dpcore.bench._common import bench_command
 
 #: stage -> "module:Class.attribute" names (every one found is timed, into its stage).
 STAGES: dict[str, tuple[str, ...]] = {
-    "scatter": (
-        "dpcore._pipeline:Pipeline.scatter",
-        "dpcore.data_parallel:DataParallel.scatter",
-        "dpcore.data_parallel:DataParallel._lone_call",
-    ),
+    "scatter": ("dpcore.data_parallel:DataParallel.scatter", "dpcore.data_parallel:DataParallel._lone_call"),
     "refresh": ("dpcore.replicate:ReplicaCache.replicas",),
     "launch": ("dpcore._pipeline:start_parallel_apply", "dpcore.data_parallel:start_parallel_apply"),
-    "gather": ("dpcore._pipeline:Pipeline.gather", "dpcore.data_parallel:DataParallel.gather"),
+    "gather": ("dpcore.data_parallel:DataParallel.gather",),
     "combine": ("dpcore._loss:LossRule.combine", "dpcore.data_parallel:DataParallel._combine"),
     "hybrid_forward": (
         "dpcore.distributed:GradientSync.before_forward",

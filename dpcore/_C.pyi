@@ -54,6 +54,30 @@ def scatter_out(
 ) -> None: ...
 def gather(tensors: Sequence[torch.Tensor], dim: int, destination: torch.device | None) -> torch.Tensor: ...
 def gather_out(tensors: Sequence[torch.Tensor], out: torch.Tensor, dim: int) -> None: ...
+def reduce_scatter(
+    inputs: Sequence[torch.Tensor], devices: Sequence[torch.device], sizes: Sequence[int] | None
+) -> list[torch.Tensor]: ...
+def all_gather(shards: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[torch.Tensor]: ...
+def all_gather_out(shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None: ...
+def all_reduce(inputs: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> None: ...
+def reduce_scatter_coalesced(
+    tensors: Sequence[Sequence[torch.Tensor]], devices: Sequence[torch.device], owners: Sequence[int], bucket_bytes: int
+) -> list[torch.Tensor]:
+    """tensors[j][k]: tensor k on device j; result[k]: their sum on devices[owners[k]]."""
+
+def all_gather_coalesced(
+    tensors: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    devices: Sequence[torch.device],
+    outs: Sequence[Sequence[torch.Tensor]] | None,
+    bucket_bytes: int,
+) -> list[list[torch.Tensor]]:
+    """result[d][k]: tensors[k] (on devices[owners[k]]) on devices[d], or outs with the values written."""
+
+def traffic() -> dict[str, list[tuple[int, int]]]:
+    """{kind: [(bytes sent, bytes received) per slot]} of every collective since the last reset."""
+
+def reset_traffic() -> None: ...
 def balanced_chunk_sizes(total: int, parts: int) -> list[int]:
     """`total` split into `parts` sizes differing by at most one, the larger first."""
 

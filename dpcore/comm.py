@@ -3,7 +3,9 @@ lists (``["cpu"] * 4``), repeats allowed; an int device is a CUDA index. Calls r
 the GIL; results carry no autograd history. broadcast's result for the source's device is the
 source, scatter's chunks for it are views: every other result owns its memory (and version
 counter). Misuse raises RuntimeError (TypeError/ValueError for a wrong kind of argument) naming
-the argument, the index and what was expected."""
+the argument, the index and what was expected. The ring collectives (reduce_scatter, all_gather,
+all_reduce and their coalesced forms) spread the traffic evenly over the devices; traffic() counts
+the bytes every collective moved between the slots (positions) of its device list."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from dpcore._devices import DeviceLike, as_destination, as_devices, tensor_list
 from dpcore._split import as_int_list
 
 __all__ = ["broadcast", "broadcast_coalesced", "reduce_add", "reduce_add_coalesced", "scatter", "gather"]
+__all__ += ["reduce_scatter", "all_gather", "all_reduce", "reduce_scatter_coalesced", "all_gather_coalesced"]
+__all__ += ["traffic", "reset_traffic"]
 
 #: Bucket size of the coalesced collectives: torch.cuda.comm's default buffer_size.
 DEFAULT_BUFFER_SIZE: int = _C.default_bucket_bytes
@@ -116,3 +120,86 @@ def gather(
         _C.gather_out(tensors, out, dim)
         return out
     return _C.gather(tensors, dim, as_destination(destination))
+
+
+def reduce_scatter(
+    inputs: Sequence[torch.Tensor], devices: Sequence[DeviceLike], sizes: Sequence[int] | None = None
+) -> list[torch.Tensor]:
+    """Ring reduce-scatter: ``inputs[j]`` (on ``devices[j]``, one numel and dtype) summed; result[i], new
+    on devices[i], is segment i of the flattened sum (``sizes`` elements each; default balanced), summed
+    in ring order ``inputs[i+1] + ... + inputs[i]`` (indices mod N)."""
+    sizes = None if sizes is None else as_int_list(sizes, "sizes")
+    return _C.reduce_scatter(tensor_list(inputs, "inputs"), as_devices(devices, "devices"), sizes)
+
+
+def all_gather(
+    shards: Sequence[torch.Tensor],
+    devices: Sequence[DeviceLike] | None = None,
+    *,
+    out: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Ring all-gather: the 1-D ``shards`` (shards[i] on devices[i]) concatenated onto every device, as new
+    tensors, or into the flat ``out`` buffers (out[j] on shards[j]'s device; a shard that is already the
+    view of its place in its out is not copied)."""
+    shards = tensor_list(shards, "shards")
+    if (devices is None) == (out is None):
+        raise RuntimeError("all_gather: exactly one of 'devices' and 'out' must be specified")
+    if out is None:
+        return _C.all_gather(shards, as_devices(devices, "devices"))
+    outs = tensor_list(out, "out")
+    _C.all_gather_out(shards, outs)
+    return outs
+
+
+def all_reduce(inputs: Sequence[torch.Tensor], devices: Sequence[DeviceLike]) -> list[torch.Tensor]:
+    """Ring all-reduce in place: every ``inputs[j]`` becomes the elementwise sum (bit-identical on every
+    device; reduce_scatter's order); returns the inputs."""
+    inputs = tensor_list(inputs, "inputs")
+    _C.all_reduce(inputs, as_devices(devices, "devices"))
+    return inputs
+
+
+def reduce_scatter_coalesced(
+    tensors: Sequence[Sequence[torch.Tensor]],
+    devices: Sequence[DeviceLike],
+    owners: Sequence[int],
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> list[torch.Tensor]:
+    """``result[k] = sum_j tensors[j][k]`` on ``devices[owners[k]]``, where ``tensors[j]`` lists device j's
+    tensors; bucketed per dtype (about ``buffer_size`` bytes), each owner's tensors one ring segment."""
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError("tensors: expected a sequence of lists of tensors, but got a tensor")
+    lists = [tensor_list(group, f"tensors[{j}]") for j, group in enumerate(tensors)]
+    return _C.reduce_scatter_coalesced(
+        lists, as_devices(devices, "devices"), as_int_list(owners, "owners"), buffer_size
+    )
+
+
+def all_gather_coalesced(
+    tensors: Sequence[torch.Tensor],
+    owners: Sequence[int],
+    devices: Sequence[DeviceLike],
+    *,
+    out: Sequence[Sequence[torch.Tensor]] | None = None,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> list[list[torch.Tensor]]:
+    """``result[d][k]``: ``tensors[k]`` (on ``devices[owners[k]]``) on devices[d] (the owner's entry is
+    tensors[k] itself), or written into ``out[d][k]`` (e.g. every replica's parameters), bucketed as
+    reduce_scatter_coalesced."""
+    outs = None if out is None else [tensor_list(group, f"out[{d}]") for d, group in enumerate(out)]
+    owner_list = as_int_list(owners, "owners")
+    return _C.all_gather_coalesced(
+        tensor_list(tensors, "tensors"), owner_list, as_devices(devices, "devices"), outs, buffer_size
+    )
+
+
+def traffic() -> dict[str, list[tuple[int, int]]]:
+    """Bytes moved since the last reset_traffic(): {kind: [(sent, received) per slot]}, for the kinds
+    "broadcast" (the replica refresh included), "reduce_add", "scatter", "gather", "reduce_scatter" and
+    "all_gather". A slot is a position in the collective's device list (docs/reference.md)."""
+    return _C.traffic()
+
+
+def reset_traffic() -> None:
+    """Sets every traffic count to zero."""
+    _C.reset_traffic()

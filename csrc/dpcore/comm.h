@@ -15,6 +15,31 @@
 //    devices (or the given streams), without a device-wide synchronize.
 //  * Misuse raises c10::Error naming the argument, the index, and what was
 //    expected versus found.
+//  * Traffic (traffic.h): every collective counts the bytes it moves between
+//    the slots of its list (positions, so ["cpu"] * 4 has 4 slots). The
+//    ring collectives count each hop. Of the others, a collective whose
+//    source or destination is one tensor or device outside the list (the
+//    source of broadcast, broadcast_out, scatter, scatter_out; the
+//    destination of reduce_add, reduce_add_coalesced, gather, gather_out)
+//    puts that endpoint on the slot of the first entry on its device (on a
+//    CPU list: slot 0), or on slot N (one past the list) where no entry is;
+//    broadcast_coalesced's and broadcast_flat_into's source is slot 0, and
+//    broadcast_flat_into's flats[d] slot d + 1 (the replica refresh's flats
+//    are those of devices 1..N-1). A copy to the endpoint's own slot and a
+//    view (scatter's chunks on the source's device) count nothing. So
+//    DataParallel's gradient reduction, whose inputs are replicas 1..N-1
+//    (replica 0 accumulates into .grad itself), counts (N-2) * G into slot
+//    0 on a CPU list, and (N-1) * G into slot N-1 (outside) on distinct GPUs.
+//  * Ring collectives (reduce_scatter, all_gather, all_reduce and their
+//    coalesced forms): slot i sends to slot i + 1 (mod N) in N - 1 steps, so
+//    each slot moves about (N-1)/N of the bytes each way; with segments seg:
+//    a reduce-scatter's slot i sends total - seg[i] and receives total -
+//    seg[i-1], an all-gather's sends total - seg[i+1] and receives total -
+//    seg[i]. Partial sums travel in the tensors' dtype (half types round at
+//    each hop). Hops between CUDA devices are ATen copies and reduce_add_n
+//    reads on the current streams, ordered by events (a peer's memory is
+//    read in place where peer access is on). torch.cuda.nccl would serve
+//    distinct GPUs one day; it cannot run on a repeated GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -101,5 +126,83 @@ at::Tensor gather(
 // Concatenates `tensors` along `dim` into `out`, which must not share
 // memory with any of them (checked before anything is written).
 void gather_out(at::TensorList tensors, const at::Tensor& out, int64_t dim = 0);
+
+// ---- ring collectives (comm/ring.cpp) ----
+//
+// reduce_scatter: inputs[j] (dense, on devices[j], one numel and dtype for
+// all) are summed elementwise and split into N consecutive segments of the
+// flattened sum, of `sizes` elements (N non-negative counts summing to the
+// numel; default balanced_chunk_sizes): result[i], a new 1-D tensor on
+// devices[i], holds segment i. The sum is in ring order, left to right:
+// segment i = ((inputs[i+1] + inputs[i+2]) + ...) + inputs[i] (indices mod
+// N), the same on every device type. N = 1: a copy of inputs[0] flattened.
+std::vector<at::Tensor> reduce_scatter(
+    at::TensorList inputs, c10::ArrayRef<c10::Device> devices,
+    const std::optional<std::vector<int64_t>>& sizes = std::nullopt);
+
+// all_gather: shards[i] (1-D, on devices[i], one dtype) concatenated in
+// order: result[j], a new 1-D tensor on devices[j]. N = 1: a copy.
+std::vector<at::Tensor> all_gather(at::TensorList shards, c10::ArrayRef<c10::Device> devices);
+
+// all_gather into `outs` (1-D, contiguous, of the shards' total numel and
+// dtype; outs[j] on shards[j]'s device; the outs' devices are the list).
+// A shard that already sits at its place in its own out (a view of outs[j]
+// at shards[j]'s offset: ZeRO's flat buffers) is not copied. The outs must
+// not share memory with each other, nor with another shard (checked
+// before anything is written).
+void all_gather_out(at::TensorList shards, at::TensorList outs);
+
+// all_reduce: every inputs[j] (as reduce_scatter's, not sharing memory
+// with each other) becomes the elementwise sum, in place: reduce_scatter
+// with balanced segments, then all_gather back into the inputs (segment i
+// summed in reduce_scatter's order, every input bit-identical). N = 1:
+// nothing changes.
+void all_reduce(at::TensorList inputs, c10::ArrayRef<c10::Device> devices);
+
+// reduce_scatter of lists: tensors[j] lists device j's tensors (on
+// devices[j], dense; shapes and dtypes equal across j, several dtypes
+// allowed); result[k] = the sum over j of tensors[j][k], a new tensor on
+// devices[owners[k]] (owners[k] in [0, N)), summed in the ring order of
+// reduce_scatter with k's owner as the segment's. The tensors are packed
+// per dtype into buckets of about `bucket_bytes`, each taking about
+// bucket_bytes / N of every owner's tensors in order, laid out by owner so
+// that an owner's tensors are one segment; one ring per bucket. Results of
+// one bucket and owner are views of one buffer, each with its own version
+// counter.
+std::vector<at::Tensor> reduce_scatter_coalesced(
+    const TensorList2D& tensors, c10::ArrayRef<c10::Device> devices, c10::ArrayRef<int64_t> owners,
+    int64_t bucket_bytes = kDefaultBucketBytes);
+
+// all_gather of lists: tensors[k] (dense) sits on devices[owners[k]];
+// result[d][k] holds it on devices[d], bucketed as reduce_scatter_coalesced.
+// Without `outs`, result[owners[k]][k] is tensors[k] itself and the others
+// are views of one buffer per bucket and device (own version counters).
+// With `outs` (outs[d][k]: tensors[k]'s shape and dtype, on devices[d], e.g.
+// the replicas' parameters), the values are written into them and `outs`
+// is returned; an out that is tensors[k] itself is left as it is.
+TensorList2D all_gather_coalesced(
+    at::TensorList tensors, c10::ArrayRef<int64_t> owners, c10::ArrayRef<c10::Device> devices,
+    const std::optional<TensorList2D>& outs = std::nullopt, int64_t bucket_bytes = kDefaultBucketBytes);
+
+namespace detail {
+// Helpers the files of comm/ share.
+
+// A fresh copy of `tensor` on `device`, with tensor's strides where it is
+// dense (so channels_last stays channels_last). broadcast.cpp.
+at::Tensor copy_to(const at::Tensor& tensor, c10::Device device);
+
+// `tensor` where reduce_add_n on `device` can read it: itself when on
+// `device` or on a device whose memory `device` reads directly (peer access;
+// reduce_add_n orders the streams), else a copy on `device`. reduce_add.cpp.
+at::Tensor readable_on(const at::Tensor& tensor, c10::Device device);
+
+// The bytes a copy of `tensor` moves: its elements, or a sparse tensor's
+// indices and values. broadcast.cpp.
+int64_t wire_bytes(const at::Tensor& tensor);
+
+// The slot of an endpoint on `device` (the traffic rule above): the first i
+// with devices[i] == device, else devices.size(). broadcast.cpp.
+size_t slot_of(c10::Device device, c10::ArrayRef<c10::Device> devices);
+} // namespace detail
 
 } // namespace dpcore

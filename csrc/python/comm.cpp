@@ -1,9 +1,11 @@
-// Bindings of the collectives (csrc/dpcore/comm.h) and of the bucketing and
-// unflattening they build on (csrc/dpcore/flatten.h): dpcore._C.broadcast,
-// broadcast_out, broadcast_coalesced, reduce_add, reduce_add_coalesced,
-// scatter, scatter_out, gather, gather_out, balanced_chunk_sizes, make_buckets,
-// unflatten. Every
-// collective releases the GIL while it runs.
+// Bindings of the collectives (csrc/dpcore/comm.h), of the bucketing and
+// unflattening they build on (csrc/dpcore/flatten.h) and of their traffic
+// counters (csrc/dpcore/traffic.h): dpcore._C.broadcast, broadcast_out,
+// broadcast_coalesced, reduce_add, reduce_add_coalesced, scatter,
+// scatter_out, gather, gather_out, reduce_scatter, all_gather,
+// all_gather_out, all_reduce, reduce_scatter_coalesced, all_gather_coalesced,
+// balanced_chunk_sizes, make_buckets, unflatten, traffic, reset_traffic.
+// Every collective releases the GIL while it runs.
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
@@ -11,6 +13,7 @@
 
 #include "dpcore/comm.h"
 #include "dpcore/flatten.h"
+#include "dpcore/traffic.h"
 #include "python/bindings.h"
 #include "python/tensor_lists.h"
 
@@ -92,6 +95,64 @@ void bind_comm(py::module_& m) {
         dpcore::gather_out(tensors, out, dim);
       },
       py::arg("tensors"), py::arg("out"), py::arg("dim"), NoGil());
+  m.def(
+      "reduce_scatter",
+      [](const Tensors& inputs, const Devices& devices, const std::optional<std::vector<int64_t>>& sizes) {
+        return dpcore::reduce_scatter(inputs, devices, sizes);
+      },
+      py::arg("inputs"), py::arg("devices"), py::arg("sizes"), NoGil());
+  m.def(
+      "all_gather",
+      [](const Tensors& shards, const Devices& devices) { return dpcore::all_gather(shards, devices); },
+      py::arg("shards"), py::arg("devices"), NoGil());
+  m.def(
+      "all_gather_out",
+      [](const Tensors& shards, const Tensors& outs) { dpcore::all_gather_out(shards, outs); },
+      py::arg("shards"), py::arg("out"), NoGil());
+  m.def(
+      "all_reduce",
+      [](const Tensors& inputs, const Devices& devices) { dpcore::all_reduce(inputs, devices); },
+      py::arg("inputs"), py::arg("devices"), NoGil());
+  m.def(
+      "reduce_scatter_coalesced",
+      [](const dpcore::TensorList2D& tensors, const Devices& devices, const std::vector<int64_t>& owners,
+         int64_t bucket_bytes) {
+        Tensors result;
+        {
+          py::gil_scoped_release no_gil;
+          result = dpcore::reduce_scatter_coalesced(tensors, devices, owners, bucket_bytes);
+        }
+        return to_python_list(std::move(result));
+      },
+      py::arg("tensors"), py::arg("devices"), py::arg("owners"), py::arg("bucket_bytes"));
+  m.def(
+      "all_gather_coalesced",
+      [](const Tensors& tensors, const std::vector<int64_t>& owners, const Devices& devices,
+         const std::optional<dpcore::TensorList2D>& outs, int64_t bucket_bytes) {
+        dpcore::TensorList2D result;
+        {
+          py::gil_scoped_release no_gil;
+          result = dpcore::all_gather_coalesced(tensors, owners, devices, outs, bucket_bytes);
+        }
+        return to_python_lists(std::move(result));
+      },
+      py::arg("tensors"), py::arg("owners"), py::arg("devices"), py::arg("outs"), py::arg("bucket_bytes"));
+  m.def(
+      "traffic",
+      [] {
+        const auto table = dpcore::traffic_table();
+        py::dict result;
+        for (size_t kind = 0; kind < dpcore::kTrafficKinds; ++kind) {
+          py::list slots;
+          for (const dpcore::SlotTraffic& slot : table[kind]) {
+            slots.append(py::make_tuple(slot.sent, slot.received));
+          }
+          result[dpcore::traffic_kind_name(static_cast<dpcore::TrafficKind>(kind))] = slots;
+        }
+        return result;
+      },
+      "{kind: [(bytes sent, bytes received) per slot]} of every collective since the last reset.");
+  m.def("reset_traffic", &dpcore::reset_traffic, "Sets every traffic count to zero.");
   m.def(
       "balanced_chunk_sizes", &balanced_chunk_sizes, py::arg("total"), py::arg("parts"),
       "`total` split into `parts` sizes differing by at most one, the larger first: what scatter "

@@ -14,12 +14,11 @@
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
 #include "dpcore/kernels.h"
+#include "dpcore/traffic.h"
 
 namespace dpcore {
-namespace {
+namespace detail {
 
-// A fresh copy of `tensor` on `device`, with tensor's strides where it is
-// dense (so channels_last stays channels_last).
 at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
   c10::DeviceGuard guard(device);
   if (tensor.layout() != c10::kStrided) {
@@ -30,7 +29,26 @@ at::Tensor copy_to(const at::Tensor& tensor, c10::Device device) {
   return copy;
 }
 
-} // namespace
+int64_t wire_bytes(const at::Tensor& tensor) {
+  if (tensor.is_sparse()) {
+    return wire_bytes(tensor._indices()) + wire_bytes(tensor._values());
+  }
+  return static_cast<int64_t>(tensor.numel()) * static_cast<int64_t>(tensor.element_size());
+}
+
+size_t slot_of(c10::Device device, c10::ArrayRef<c10::Device> devices) {
+  const c10::Device normal = normalize_device(device);
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (normalize_device(devices[i]) == normal) {
+      return i;
+    }
+  }
+  return devices.size();
+}
+
+} // namespace detail
+
+using detail::copy_to;
 
 std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::Device> devices_in) {
   TORCH_CHECK(tensor.defined(), "broadcast: expected a defined 'tensor'");
@@ -38,6 +56,9 @@ std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::D
   c10::NoGradGuard no_grad;
   const c10::Device source = normalize_device(tensor.device());
   std::vector<at::Tensor> result(devices.size());
+  TrafficRecord traffic(TrafficKind::Broadcast);
+  const size_t source_slot = detail::slot_of(source, devices);
+  const int64_t nbytes = detail::wire_bytes(tensor);
   // The copies on the source device (after the first entry there, which is
   // the tensor itself) are written by one pack_multi: the tensor is read once.
   const bool dense = tensor.layout() == c10::kStrided;
@@ -70,6 +91,9 @@ std::vector<at::Tensor> broadcast(const at::Tensor& tensor, c10::ArrayRef<c10::D
     c10::DeviceGuard guard(source);
     pack_multi({tensor}, *layout, local_flats);
   }
+  for (size_t d = 0; d < devices.size(); ++d) {
+    traffic.copy(source_slot, d, nbytes);
+  }
   return result;
 }
 
@@ -92,12 +116,22 @@ void broadcast_out(const at::Tensor& tensor, at::TensorList outs) {
         tensor.scalar_type(), "), but output tensor at index ", i, " has dtype ", outs[i].scalar_type());
   }
   c10::NoGradGuard no_grad;
+  TrafficRecord traffic(TrafficKind::Broadcast);
+  std::vector<c10::Device> devices;
+  devices.reserve(outs.size());
   for (const at::Tensor& out : outs) {
+    devices.push_back(out.device());
+  }
+  const size_t source_slot = detail::slot_of(tensor.device(), devices);
+  const int64_t nbytes = detail::wire_bytes(tensor);
+  for (size_t d = 0; d < outs.size(); ++d) {
+    const at::Tensor& out = outs[d];
     if (out.is_same(tensor)) {
       continue;
     }
     c10::DeviceGuard guard(out.device());
     out.copy_(tensor, may_copy_async(out.device()));
+    traffic.copy(source_slot, d, nbytes);
   }
 }
 
@@ -114,6 +148,18 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
   for (size_t d = 0; d < flats.size(); ++d) {
     detail::check_flat(flats[d], layout, members.size(), "broadcast_flat_into", static_cast<int64_t>(d));
     (normalize_device(flats[d].device()) == source ? local : remote).push_back(flats[d]);
+  }
+  {
+    // The source is slot 0, flats[d] slot d + 1; a flat that is the members'
+    // own memory moves nothing.
+    TrafficRecord traffic(TrafficKind::Broadcast);
+    const at::Tensor own = flat_alias(members[0], layout);
+    const int64_t nbytes = layout.numel * static_cast<int64_t>(c10::elementSize(layout.dtype));
+    for (size_t d = 0; d < flats.size(); ++d) {
+      if (!(own.defined() && own.const_data_ptr() == flats[d].const_data_ptr())) {
+        traffic.copy(0, d + 1, nbytes);
+      }
+    }
   }
   if (!local.empty()) {
     c10::DeviceGuard guard(source);
@@ -148,6 +194,7 @@ TensorList2D broadcast_coalesced(
         "] is on ", tensors[i].device());
   }
   c10::NoGradGuard no_grad;
+  TrafficRecord traffic(TrafficKind::Broadcast); // sparse tensors; broadcast_flat_into counts the rest
   TensorList2D outputs(devices.size());
   outputs[0] = tensors.vec();
   for (size_t d = 1; d < devices.size(); ++d) {
@@ -158,6 +205,7 @@ TensorList2D broadcast_coalesced(
       const at::Tensor& t = tensors[bucket.indices[0]];
       for (size_t d = 1; d < devices.size(); ++d) {
         outputs[d][bucket.indices[0]] = copy_to(t, devices[d]);
+        traffic.copy(0, d, detail::wire_bytes(t));
       }
       continue;
     }

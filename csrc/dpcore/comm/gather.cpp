@@ -14,6 +14,7 @@
 #include "dpcore/comm/checks.h"
 #include "dpcore/common.h"
 #include "dpcore/device.h"
+#include "dpcore/traffic.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
 #endif
@@ -62,6 +63,20 @@ int64_t check_gather(at::TensorList tensors, int64_t dim, std::vector<int64_t>& 
 // the data has landed when this returns.
 void copy_slices(at::TensorList tensors, const at::Tensor& out, int64_t dim) {
   c10::NoGradGuard no_grad;
+  {
+    // Input i is slot i; `out` takes the slot of the first input on its
+    // device, else slot N.
+    TrafficRecord traffic(TrafficKind::Gather);
+    std::vector<c10::Device> devices;
+    devices.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) {
+      devices.push_back(t.device());
+    }
+    const size_t dest_slot = detail::slot_of(out.device(), devices);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      traffic.copy(i, dest_slot, detail::wire_bytes(tensors[i]));
+    }
+  }
   std::vector<at::Tensor> slices;
   slices.reserve(tensors.size());
   int64_t start = 0;

@@ -15,9 +15,23 @@
 #include "dpcore/device.h"
 #include "dpcore/flatten.h"
 #include "dpcore/kernels.h"
+#include "dpcore/traffic.h"
 
 namespace dpcore {
+namespace detail {
+
+at::Tensor readable_on(const at::Tensor& tensor, c10::Device device) {
+  if (can_access_directly(device, tensor.device())) {
+    return tensor;
+  }
+  return tensor.to(device, may_copy_async(device));
+}
+
+} // namespace detail
+
 namespace {
+
+using detail::readable_on;
 
 // Checks that `tensors` can be summed elementwise; returns their device type.
 // The messages name tensors[k] what[k], or what[k][column] when the tensors
@@ -59,16 +73,6 @@ c10::Device resolve_destination(std::optional<c10::Device> destination, c10::Dev
 // `tensor` on `device`: itself when already there, else a copy.
 at::Tensor on_device(const at::Tensor& tensor, c10::Device device) {
   if (normalize_device(tensor.device()) == device) {
-    return tensor;
-  }
-  return tensor.to(device, may_copy_async(device));
-}
-
-// `tensor` where reduce_add_n on `device` can read it: itself when on
-// `device` or on a device whose memory `device` reads directly (peer access;
-// reduce_add_n orders the streams), else a copy on `device`.
-at::Tensor readable_on(const at::Tensor& tensor, c10::Device device) {
-  if (can_access_directly(device, tensor.device())) {
     return tensor;
   }
   return tensor.to(device, may_copy_async(device));
@@ -179,6 +183,20 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
   check_devices({dest}, "reduce_add", "destination");
   c10::NoGradGuard no_grad;
   c10::DeviceGuard guard(dest);
+  {
+    // Input k is slot k; the destination is the slot of the first input on
+    // its device, else slot N.
+    TrafficRecord traffic(TrafficKind::ReduceAdd);
+    std::vector<c10::Device> devices;
+    devices.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) {
+      devices.push_back(t.device());
+    }
+    const size_t dest_slot = detail::slot_of(dest, devices);
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      traffic.copy(k, dest_slot, detail::wire_bytes(tensors[k]));
+    }
+  }
   if (tensors[0].is_sparse()) {
     return sum_sparse(tensors, dest);
   }
@@ -203,6 +221,19 @@ std::vector<at::Tensor> reduce_add_coalesced(
 
   c10::NoGradGuard no_grad;
   c10::DeviceGuard guard(dest);
+  {
+    // List k is slot k; the destination is the slot of the first list on its
+    // device (slot 0 on a CPU list), else slot N.
+    TrafficRecord traffic(TrafficKind::ReduceAdd);
+    const size_t dest_slot = detail::slot_of(dest, list_devices);
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      int64_t nbytes = 0;
+      for (const at::Tensor& t : inputs[k]) {
+        nbytes += detail::wire_bytes(t);
+      }
+      traffic.copy(k, dest_slot, nbytes);
+    }
+  }
   std::vector<at::Tensor> outputs(inputs[0].size());
   std::vector<at::Tensor> column;
   for (const Bucket& bucket : make_buckets(inputs[0], bucket_bytes)) {

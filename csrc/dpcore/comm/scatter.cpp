@@ -15,6 +15,7 @@
 #include "dpcore/comm.h"
 #include "dpcore/comm/checks.h"
 #include "dpcore/device.h"
+#include "dpcore/traffic.h"
 #ifdef DPCORE_WITH_CUDA
 #include "dpcore/cuda/host_staging.h"
 #endif
@@ -144,6 +145,17 @@ std::vector<at::Tensor> scatter(
   check_streams(streams, devices);
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> chunks = split(tensor, dim, sizes);
+  {
+    // Chunks bound for the tensor's own device are views: they move nothing.
+    TrafficRecord traffic(TrafficKind::Scatter);
+    const c10::Device source = normalize_device(tensor.device());
+    const size_t source_slot = detail::slot_of(source, devices);
+    for (size_t i = 0; i < devices.size(); ++i) {
+      if (devices[i] != source) {
+        traffic.copy(source_slot, i, detail::wire_bytes(chunks[i]));
+      }
+    }
+  }
 #ifdef DPCORE_WITH_CUDA
   if (tensor.is_cpu() && devices[0].is_cuda()) {
     return cuda::host_to_devices(chunks, devices, {}, streams); // copies only: nothing to separate
@@ -208,6 +220,13 @@ void scatter_out(
     sizes.push_back(out.size(dim));
   }
   const std::vector<at::Tensor> chunks = split(source, dim, sizes);
+  {
+    TrafficRecord traffic(TrafficKind::Scatter);
+    const size_t source_slot = detail::slot_of(tensor.device(), checked);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      traffic.copy(source_slot, i, detail::wire_bytes(chunks[i]));
+    }
+  }
 #ifdef DPCORE_WITH_CUDA
   if (tensor.is_cpu() && checked[0].is_cuda()) {
     cuda::host_to_devices(chunks, checked, outs, streams);

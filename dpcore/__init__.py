@@ -7,6 +7,7 @@ from dpcore._version import __version__
 from dpcore._patch import TorchPatch, patch_torch, unpatch_torch
 from dpcore.data_parallel import DataParallel, data_parallel, functional_call
 from dpcore.info import info
+from dpcore.memory import DeviceMemory, memory_report
 from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import replicate
 from dpcore.scatter_gather import Broadcast, Samples, gather, scatter
@@ -16,6 +17,7 @@ from dpcore.sync_batchnorm import SyncBatchNormError
 __all__ = [
     "Broadcast",
     "DataParallel",
+    "DeviceMemory",
     "Samples",
     "ShardedOptimizer",
     "SyncBatchNormError",
@@ -25,6 +27,7 @@ __all__ = [
     "functional_call",
     "gather",
     "info",
+    "memory_report",
     "parallel_apply",
     "patch_torch",
     "replicate",

@@ -118,6 +118,10 @@ class ReplicaCache:
             if (entry := entries.get(id(master))) is not None:
                 entry[0].write(position - 1, entry[1], value, master)
 
+    def replica_bytes(self) -> int:
+        """The bytes of the persistent copies of the master's parameters and buffers that each replica holds."""
+        return sum(t.numel() * t.element_size() for _, masters, _ in self._bucket_plan for t in masters)
+
     def buckets_of(self, tensors: Iterable[torch.Tensor]) -> list[Any]:
         """The buckets holding any of the master tensors `tensors`."""
         ids = {id(t) for t in tensors}

@@ -293,6 +293,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result[shard.position] = sum(t.numel() * t.element_size() for t in tensors.values())
         return result
 
+    def held_bytes(self) -> dict[int, dict[str, int]]:
+        """Per position of the device list, the bytes this optimizer holds there: ``optimizer_state`` (as
+        :meth:`state_bytes`), ``working_copies`` (the copies a shard steps in place of masters on another device) and
+        their ``gradients`` (present during a step only)."""
+        states = self.state_bytes()
+        held = {}
+        for shard in self._shards:
+            copies = [w for m, w in shard.pairs if w is not m] if shard.copies else []
+            grads = [w.grad for w in copies if w.grad is not None]
+            held[shard.position] = {
+                "optimizer_state": states[shard.position],
+                "working_copies": sum(w.numel() * w.element_size() for w in copies),
+                "gradients": sum(g.numel() * g.element_size() for g in grads),
+            }
+        return held
+
     def shard_of(self, param: torch.Tensor) -> int:
         """The position in the device list whose shard steps `param`."""
         shard = self._shard_of.get(id(param)) if isinstance(param, torch.Tensor) else None

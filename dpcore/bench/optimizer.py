@@ -13,7 +13,10 @@ median of the rounds' ratios, with the lowest and highest round's. The
 model is an MLP of equal Linear layers (bench/step.py's), in float32. On a
 CUDA list, each training-step row also gives, per GPU of the list, the
 peak of ``torch.cuda.max_memory_allocated`` over one training step with
-either optimizer, above what was allocated before it (``peak_mib``).
+either optimizer, above what was allocated before it (``peak_mib``). Every
+training-step row gives, after a step (before ``zero_grad``), the bytes dpcore holds at each
+position (``dpcore.memory_report``: module, replicas, gradients, optimizer
+state, working copies) and position 0's over the others' mean.
 
     python bench/bench_optimizer.py --devices cpu:2 --json bench-results/optimizer.json
 """
@@ -30,6 +33,10 @@ import torch
 import dpcore
 from dpcore.bench._common import bench_command, environment, measure_rounds, ratio_spread
 from dpcore.bench.step import mlp
+from dpcore.memory import memory_report
+
+#: The two optimizers' names in the memory figures.
+MODES = ("sharded", "plain")
 
 #: (row name, optimizer class, its arguments).
 OPTIMIZERS: list[tuple[str, type[torch.optim.Optimizer], dict[str, Any]]] = [
@@ -69,6 +76,7 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
             train(wrappers[0], sharded), train(wrappers[1], plain), devices, rounds=rounds, repeats=per_round
         )
         peaks = [_peak_mib(train(dp, opt), devices) for dp, opt in zip(wrappers, (sharded, plain))]
+        held = {mode: _held_after_step(dp, opt, x) for mode, dp, opt in zip(MODES, wrappers, (sharded, plain))}
         label = f"MLP {depth}x{width}, batch {batch}"
         for what, (ours, theirs) in (("step", steps), ("training step", trainings)):
             spread = ratio_spread(ours, theirs)
@@ -85,11 +93,31 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
                     "state_bytes": sharded.state_bytes(),
                 }
             )
+            if what == "training step":
+                rows[-1]["held_bytes"] = held
+                rows[-1]["device0_over_others"] = {mode: _first_over_rest(b) for mode, b in held.items()}
+                print(f"  {name}, device 0's held bytes over the others' mean: {rows[-1]['device0_over_others']}")
             if what == "training step" and peaks[0]:
                 rows[-1]["peak_mib"] = {"sharded": peaks[0], "plain": peaks[1]}
                 print(f"  {name}, peak MiB per GPU above the step's start: sharded {peaks[0]}, plain {peaks[1]}")
             print(f"  {name}, {what}: ratio {spread['ratio_median']:.2f}")
     return {"benchmark": "optimizer", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+
+
+def _held_after_step(dp: dpcore.DataParallel, opt: torch.optim.Optimizer, x: torch.Tensor) -> list[int]:
+    """The bytes dpcore holds at each position after a backward and a step, before ``zero_grad`` (gradients, state
+    and copies all present)."""
+    dp(x).square().mean().backward()
+    opt.step()
+    held = [r.total for r in memory_report(dp, opt)]
+    opt.zero_grad()
+    return held
+
+
+def _first_over_rest(held: list[int]) -> float | None:
+    """Position 0's bytes over the mean of the other positions' (None for one position)."""
+    rest = held[1:]
+    return round(held[0] / (sum(rest) / len(rest)), 3) if rest and sum(rest) else None
 
 
 def _peak_mib(step: Callable[[], None], devices: Sequence[torch.device]) -> dict[str, float]:

@@ -263,3 +263,25 @@ def sync_batch_norm(
 ) -> torch.Tensor:
     """One replica's training-mode BatchNorm with the statistics of every replica's input; with
     `across`, rank 0 turns this process's statistics into those of every process through it."""
+
+# -- PackedSequence index arithmetic (csrc/python/packed.cpp) -------------------
+
+_Fields = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+_Layout = tuple[torch.Tensor, torch.Tensor, bool]
+
+def packed_split(
+    batch_sizes: torch.Tensor, sorted_indices: torch.Tensor | None, sizes: Sequence[int]
+) -> tuple[_Layout, torch.Tensor, torch.Tensor | None, list[int], list[_Fields]]:
+    """(layout (lengths, sorted_indices, given_sorted), order, back, rows, parts) of the split of a PackedSequence into
+    its next sizes[j] sequences (csrc/dpcore/packed.h)."""
+
+def packed_join(
+    batch_sizes: Sequence[torch.Tensor], sorted_indices: Sequence[torch.Tensor | None], layouts: Sequence[_Layout]
+) -> tuple[_Fields, torch.Tensor]:
+    """((batch_sizes, sorted_indices, unsorted_indices), source) of the PackedSequences with these fields joined."""
+
+def packed_output(
+    parts: Sequence[torch.Tensor], dim: int, splits: Sequence[tuple[Any, ...]]
+) -> tuple[str, int, int, int]:
+    """(kind, split, field, other): the rule of one output of a call with PackedSequence inputs split as `splits`
+    (dpcore._packed.Rows); kind: as_any, field, fields_differ, data, length_one or unfit."""

@@ -128,6 +128,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   dpcore::python::bind_comm(m);
   dpcore::python::bind_grad_ready(m);
+  dpcore::python::bind_packed(m);
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);
   dpcore::python::bind_sync_batchnorm(m);

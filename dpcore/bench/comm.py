@@ -11,6 +11,12 @@ ratio to torch's own path for the same
 work (``torch.cuda.comm`` on CUDA; on CPU, torch's flatten/clone/unflatten,
 add, split+copy_ and cat).
 
+Under "all_reduce" (devices > 1): the ring all_reduce against the star
+DataParallel's default path forms (reduce_add_coalesced onto devices[0],
+broadcast_coalesced back) on one tensor per device: time ratio star/ring from
+alternating rounds of the same run, and each one's busiest slot in bytes (the
+traffic counters: most sent or received by one slot).
+
     python bench/bench_comm.py --devices cpu:4 --json bench-results/comm.json
 """
 
@@ -165,6 +171,42 @@ def _row(op: str, payload: str, nbytes: int, traffic: int, seconds: float, copy:
     }
 
 
+def _busiest_slot(fn: Callable[[], Any]) -> int:
+    """The most bytes one slot sent or received in one call of `fn`, all kinds together."""
+    comm.reset_traffic()
+    fn()
+    per_slot: dict[int, list[int]] = {}
+    for counts in comm.traffic().values():
+        for i, (sent, received) in enumerate(counts):
+            per_slot.setdefault(i, [0, 0])
+            per_slot[i][0] += sent
+            per_slot[i][1] += received
+    return max((max(pair) for pair in per_slot.values()), default=0)
+
+
+def all_reduce_row(devices: Sequence[torch.device], numel: int, repeats: int) -> dict[str, Any]:
+    """The ring all_reduce against reduce_add_coalesced + broadcast_coalesced on `numel` floats per device."""
+    tensors = [torch.zeros(numel, device=d) for d in devices]  # zeros: repeated in-place sums stay finite
+    lists = [[t] for t in tensors]
+
+    def ring() -> None:
+        comm.all_reduce(tensors, devices)
+
+    def star() -> None:
+        comm.broadcast_coalesced(comm.reduce_add_coalesced(lists, devices[0]), devices)
+
+    ring_s, star_s = measure_against(ring, star, devices, rounds=5, repeats=max(2, repeats // 2))
+    return {
+        "devices": len(devices),
+        "payload_bytes": numel * 4,
+        "ring_ms": ring_s * 1e3,
+        "star_ms": star_s * 1e3,
+        "star_over_ring": star_s / ring_s,
+        "ring_busiest_slot_bytes": _busiest_slot(ring),
+        "star_busiest_slot_bytes": _busiest_slot(star),
+    }
+
+
 def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
     """Measures every collective on `devices`; returns the JSON-ready result."""
     repeats = repeats or (3 if quick else 10)
@@ -192,7 +234,15 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
             rows[-1]["torch_ms"] = None if torch_seconds is None else torch_seconds * 1e3
             rows[-1]["speedup_vs_torch"] = None if torch_seconds is None else torch_seconds / seconds
             print(f"  {op:22s} {name:24s} {rows[-1]['gbps']:7.2f} GB/s  {rows[-1]['ratio_to_copy']:.2f} of copy_")
-    return {"benchmark": "comm", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+    result = {"benchmark": "comm", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
+    if len(devices) > 1:
+        row = all_reduce_row(devices, payloads(quick)[0][1][0], repeats)
+        print(
+            f"  all_reduce ring vs reduce_add+broadcast: {row['star_over_ring']:.2f}x (star/ring time); busiest "
+            f"slot {size_label(row['ring_busiest_slot_bytes'])} vs {size_label(row['star_busiest_slot_bytes'])}"
+        )
+        result["all_reduce"] = row
+    return result
 
 
 def size_label(nbytes: int) -> str:

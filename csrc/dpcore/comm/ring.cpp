@@ -61,12 +61,19 @@ int64_t item_bytes(const at::Tensor& t) {
 // The ring reduce-scatter of `flats` (1-D, one numel and dtype, flats[j] on
 // devices[j]): result[i], new on devices[i], the sum of segment i. At step
 // s slot j receives segment j - s - 2 from slot j - 1 and adds its own, so
-// segment i's sum starts at slot i + 1 and ends at slot i.
+// segment i's sum starts at slot i + 1 and ends at slot i. `in_place`
+// (all_reduce): each slot sums into its own flat, where the next step reads
+// it, so that segment i's sum ends in flats[i]; nothing is allocated or
+// returned. A slot never writes the segment its successor reads in the same
+// step.
 std::vector<at::Tensor> ring_reduce_scatter(
     const std::vector<at::Tensor>& flats, c10::ArrayRef<c10::Device> devices, const Segments& seg,
-    TrafficRecord& traffic) {
+    TrafficRecord& traffic, bool in_place = false) {
   const size_t n = flats.size();
   if (n == 1) {
+    if (in_place) {
+      return {};
+    }
     c10::DeviceGuard guard(devices[0]);
     at::Tensor out = empty_flat(flats[0], devices[0], seg.total);
     out.copy_(flats[0]);
@@ -80,18 +87,21 @@ std::vector<at::Tensor> ring_reduce_scatter(
       const size_t from = ring_index(static_cast<int64_t>(j) - 1, n);
       const size_t c = ring_index(static_cast<int64_t>(j) - static_cast<int64_t>(s) - 2, n);
       c10::DeviceGuard guard(devices[j]);
-      next[j] = empty_flat(flats[j], devices[j], seg.sizes[c]);
+      const at::Tensor own = seg.of(flats[j], c);
+      next[j] = in_place ? own : empty_flat(flats[j], devices[j], seg.sizes[c]);
       if (seg.sizes[c] == 0) {
         continue;
       }
-      const at::Tensor sent = s == 0 ? seg.of(flats[from], c) : partial[from];
-      const std::vector<at::Tensor> sources{detail::readable_on(sent, devices[j]), seg.of(flats[j], c)};
+      const at::Tensor sent = s == 0 || in_place ? seg.of(flats[from], c) : partial[from];
+      // `own` first: where the sum goes into it, every backend reads it
+      // before writing (ATen's path copies sources[0] into out first).
+      const std::vector<at::Tensor> sources{own, detail::readable_on(sent, devices[j])};
       reduce_add_n(sources, next[j], /*accumulate=*/false);
       traffic.copy(from, j, seg.sizes[c] * item);
     }
     partial = std::move(next);
   }
-  return partial;
+  return in_place ? std::vector<at::Tensor>{} : partial;
 }
 
 // The ring all-gather in place: flats[j] (1-D, on devices[j]) holds segment
@@ -167,14 +177,14 @@ Segments checked_segments(const std::optional<std::vector<int64_t>>& sizes, int6
   return Segments(*sizes);
 }
 
-// Each input as a 1-D tensor of its elements in order: a view where it is
-// contiguous, else a copy on its device.
+// Each input as a contiguous 1-D tensor of its elements in order: a view
+// where it is contiguous, else a copy on its device.
 std::vector<at::Tensor> flat_inputs(at::TensorList inputs) {
   std::vector<at::Tensor> flats;
   flats.reserve(inputs.size());
   for (const at::Tensor& t : inputs) {
     c10::DeviceGuard guard(t.device());
-    flats.push_back(t.reshape({-1}));
+    flats.push_back(t.contiguous().view({-1}));
   }
   return flats;
 }
@@ -388,14 +398,9 @@ void all_reduce(at::TensorList inputs, c10::ArrayRef<c10::Device> devices_in) {
   // A contiguous input is summed into in place; any other through a
   // contiguous copy, written back at the end.
   std::vector<at::Tensor> flats = flat_inputs(inputs);
-  std::vector<at::Tensor> sums;
   {
     TrafficRecord traffic(TrafficKind::ReduceScatter);
-    sums = ring_reduce_scatter(flats, devices, seg, traffic);
-  }
-  for (size_t j = 0; j < n; ++j) {
-    c10::DeviceGuard guard(devices[j]);
-    seg.of(flats[j], j).copy_(sums[j]);
+    ring_reduce_scatter(flats, devices, seg, traffic, /*in_place=*/true);
   }
   {
     TrafficRecord traffic(TrafficKind::AllGather);

@@ -4,6 +4,7 @@
 // The core's headers include only those of the layers below them:
 //   common.h  device.h  env.h  host_allocator.h  worker_pool.h  rendezvous.h
 //   comm/checks.h  cuda/device_table.h  replica_rng.h  grad_ready.h
+//   traffic.h  packed.h
 //                                 (no dpcore header; comm/checks.h and
 //                                 cuda/device_table.h are used only inside
 //                                 their folders)

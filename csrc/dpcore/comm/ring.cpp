@@ -8,6 +8,7 @@
 // type.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/GradMode.h>
@@ -58,6 +59,26 @@ int64_t item_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.element_size());
 }
 
+// fn(j) for every slot j of one ring step (no two touch the same memory).
+// On a CPU list the slots run at once on the intra-op threads (each slot's
+// work then runs on one thread): one join per step rather than one per
+// slot. On CUDA the host only queues the work, slot by slot.
+template <typename F>
+void for_each_slot(c10::ArrayRef<c10::Device> devices, const F& fn) {
+  const auto n = static_cast<int64_t>(devices.size());
+  if (devices[0].is_cpu()) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        fn(static_cast<size_t>(j));
+      }
+    });
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    fn(static_cast<size_t>(j));
+  }
+}
+
 // The ring reduce-scatter of `flats` (1-D, one numel and dtype, flats[j] on
 // devices[j]): result[i], new on devices[i], the sum of segment i. At step
 // s slot j receives segment j - s - 2 from slot j - 1 and adds its own, so
@@ -80,24 +101,32 @@ std::vector<at::Tensor> ring_reduce_scatter(
     return {out};
   }
   const int64_t item = item_bytes(flats[0]);
+  const auto from_of = [n](size_t j) { return ring_index(static_cast<int64_t>(j) - 1, n); };
   std::vector<at::Tensor> partial(n); // partial[j]: what slot j summed in the last step
   for (size_t s = 0; s + 1 < n; ++s) {
+    const auto segment_of = [n, s](size_t j) {
+      return ring_index(static_cast<int64_t>(j) - static_cast<int64_t>(s) - 2, n);
+    };
     std::vector<at::Tensor> next(n);
     for (size_t j = 0; j < n; ++j) {
-      const size_t from = ring_index(static_cast<int64_t>(j) - 1, n);
-      const size_t c = ring_index(static_cast<int64_t>(j) - static_cast<int64_t>(s) - 2, n);
       c10::DeviceGuard guard(devices[j]);
-      const at::Tensor own = seg.of(flats[j], c);
-      next[j] = in_place ? own : empty_flat(flats[j], devices[j], seg.sizes[c]);
+      const size_t c = segment_of(j);
+      next[j] = in_place ? seg.of(flats[j], c) : empty_flat(flats[j], devices[j], seg.sizes[c]);
+    }
+    for_each_slot(devices, [&](size_t j) {
+      const size_t c = segment_of(j);
       if (seg.sizes[c] == 0) {
-        continue;
+        return;
       }
-      const at::Tensor sent = s == 0 || in_place ? seg.of(flats[from], c) : partial[from];
-      // `own` first: where the sum goes into it, every backend reads it
-      // before writing (ATen's path copies sources[0] into out first).
-      const std::vector<at::Tensor> sources{own, detail::readable_on(sent, devices[j])};
+      c10::DeviceGuard guard(devices[j]);
+      const at::Tensor sent = s == 0 || in_place ? seg.of(flats[from_of(j)], c) : partial[from_of(j)];
+      // The own segment first: where the sum goes into it, every backend
+      // reads it before writing (ATen's path copies sources[0] into out).
+      const std::vector<at::Tensor> sources{seg.of(flats[j], c), detail::readable_on(sent, devices[j])};
       reduce_add_n(sources, next[j], /*accumulate=*/false);
-      traffic.copy(from, j, seg.sizes[c] * item);
+    });
+    for (size_t j = 0; j < n; ++j) {
+      traffic.copy(from_of(j), j, seg.sizes[segment_of(j)] * item);
     }
     partial = std::move(next);
   }
@@ -116,15 +145,20 @@ void ring_all_gather(
   }
   const int64_t item = item_bytes(flats[0]);
   for (size_t s = 0; s + 1 < n; ++s) {
-    for (size_t j = 0; j < n; ++j) {
-      const size_t from = ring_index(static_cast<int64_t>(j) - 1, n);
-      const size_t c = ring_index(static_cast<int64_t>(j) - 1 - static_cast<int64_t>(s), n);
+    const auto from_of = [n](size_t j) { return ring_index(static_cast<int64_t>(j) - 1, n); };
+    const auto segment_of = [n, s](size_t j) {
+      return ring_index(static_cast<int64_t>(j) - 1 - static_cast<int64_t>(s), n);
+    };
+    for_each_slot(devices, [&](size_t j) {
+      const size_t c = segment_of(j);
       if (seg.sizes[c] == 0) {
-        continue;
+        return;
       }
       c10::DeviceGuard guard(devices[j]);
-      seg.of(flats[j], c).copy_(seg.of(flats[from], c), may_copy_async(devices[j]));
-      traffic.copy(from, j, seg.sizes[c] * item);
+      seg.of(flats[j], c).copy_(seg.of(flats[from_of(j)], c), may_copy_async(devices[j]));
+    });
+    for (size_t j = 0; j < n; ++j) {
+      traffic.copy(from_of(j), j, seg.sizes[segment_of(j)] * item);
     }
   }
 }

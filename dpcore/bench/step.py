@@ -255,7 +255,7 @@ def _check_cost(
     try:
         with torch.no_grad():
             t_infer = measure_step(lambda: dp(x))
-            cache = dp._replica_cache()
+            cache = dp._pipeline.cache(dp)
             t_check = measure_step(cache.check_now)
     finally:
         dp.module.train()
@@ -545,7 +545,7 @@ def run(
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.0)  # a parameter update: every bucket must be copied again
-            dp._replica_cache().replicas(k)
+            dp._pipeline.cache(dp).replicas(k)
 
         t_replicate = measure_step(refresh)
         t_infer, t_check = _check_cost(dp, x, measure_step)

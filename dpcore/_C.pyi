@@ -186,6 +186,12 @@ class ReplicaBuffers:
     def write(self, target: int, entry: int, value: torch.Tensor, master: torch.Tensor) -> None:
         """Writes `value` into targets[target]'s copy of entry `entry`, which `master` now equals."""
 
+    def views(self, target: int) -> list[torch.Tensor]:
+        """Tensors viewing targets[target]'s copy of each entry, for a collective that writes them in place."""
+
+    def mark_current(self, target: int, entries: Sequence[int], masters: Sequence[torch.Tensor]) -> None:
+        """Marks targets[target]'s copies of `entries` equal to `masters` now: the next refresh leaves them."""
+
     @property
     def last_refresh_copied(self) -> bool: ...
     @property

@@ -14,6 +14,7 @@ from dpcore._loader import _C
 from dpcore._split import as_int_list
 
 __all__ = ["Scatter", "Gather", "BroadcastTensor", "BroadcastCoalesced", "ReduceAddCoalesced", "BroadcastBucket"]
+__all__ += ["ShardedBucket"]
 __all__ += ["reduce_present"]
 
 
@@ -195,6 +196,53 @@ class BroadcastBucket(torch.autograd.Function):
         return copies, (None,) * len(copies)
 
 
+class ShardedBucket(torch.autograd.Function):
+    """BroadcastBucket for ``shard_gradients=True``: ``apply(replicas, sink, *params)`` returns, for position 0, an
+    alias of each master (its storage: no memory), then the replicas' copies as BroadcastBucket does. Backward
+    reduce-scatters every position's gradients of the bucket at once to their owners (``sink.owners``: positions of
+    ``sink.devices``), missing ones as zeros, and adds the sums into `sink` (``sink.add``); the masters get None.
+    `sink` None (no ShardedOptimizer attached) is an error there."""
+
+    @staticmethod
+    def forward(replicas: Any, sink: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(p.detach() for p in params) + tuple(replicas.refresh(list(params)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.sink, ctx.masters = inputs[1], inputs[2:]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        sink, n = ctx.sink, len(ctx.masters)
+        if sink is None:
+            raise RuntimeError(
+                "shard_gradients=True: this backward sums the gradients into the shards of a dpcore.ShardedOptimizer, "
+                "but none is attached to the wrapper: build dpcore.ShardedOptimizer(model.parameters(), ..., "
+                "devices=dp) before the backward (a plain optimizer would see no .grad)"
+            )
+        used, rows = _filled(_split_lists(grads, n), sink.devices)
+        if used:
+            masters = [ctx.masters[j] for j in used]
+            sink.add(masters, comm.reduce_scatter_coalesced(rows, sink.devices, sink.owners(masters)))
+        return (None,) * (n + 2)
+
+
+def _filled(
+    lists: list[list[torch.Tensor | None]], devices: Sequence[torch.device] | None = None
+) -> tuple[list[int], list[list[torch.Tensor]]]:
+    """(the inputs j with a gradient in some list, per list its gradients of them with zeros where missing); a list
+    with none of them takes no part, or with `devices` (one per list) takes part with zeros on its device."""
+    like = {j: next((group[j] for group in lists if group[j] is not None), None) for j in range(len(lists[0]))}
+    used = [j for j, t in like.items() if t is not None]
+    rows = []
+    for k, group in enumerate(lists):
+        device = next((g.device for g in group if g is not None), None if devices is None else devices[k])
+        if used and device is not None:
+            rows.append([torch.zeros_like(like[j], device=device) if group[j] is None else group[j] for j in used])
+    return used, rows
+
+
 def reduce_present(
     destination: torch.device, num_inputs: int, grads: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor | None, ...]:
@@ -203,15 +251,9 @@ def reduce_present(
     ones as zeros), or None when none is present."""
     if all(g is not None for g in grads):
         return apply(ReduceAddCoalesced, destination, num_inputs, *grads)
-    lists = _split_lists(grads, num_inputs)
-    like = {j: next((group[j] for group in lists if group[j] is not None), None) for j in range(num_inputs)}
-    used = [j for j in range(num_inputs) if like[j] is not None]
+    used, rows = _filled(_split_lists(grads, num_inputs))
     if not used:
         return (None,) * num_inputs
-    flat: list[torch.Tensor] = []
-    for group in lists:
-        device = next((g.device for g in group if g is not None), None)
-        if device is not None:  # else this device used none of the inputs: it takes no part
-            flat += [torch.zeros_like(like[j], device=device) if group[j] is None else group[j] for j in used]
+    flat = [g for row in rows for g in row]
     sums = dict(zip(used, apply(ReduceAddCoalesced, destination, len(used), *flat)))
     return tuple(sums.get(j) for j in range(num_inputs))

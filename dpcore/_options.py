@@ -68,6 +68,7 @@ class Options:
     broadcast_buffers: bool | None
     cuda_graphs: bool
     replica_refresh: str
+    shard_gradients: bool
     devices: Sequence[torch.device] = ()
     out: torch.device | None = None
     reduction: str | None = None
@@ -84,7 +85,7 @@ def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
     criterion, loss_items = o.criterion, o.loss_items
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
-    for name in ("sync_batchnorm", "cuda_graphs", "gather"):
+    for name in ("sync_batchnorm", "cuda_graphs", "gather", "shard_gradients"):
         if not isinstance(getattr(o, name), bool):
             raise TypeError(f"{name}: expected True or False, but got {getattr(o, name)!r}")
     if o.cuda_graphs and o.sync_batchnorm:
@@ -94,6 +95,13 @@ def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
         )
     if o.cuda_graphs:
         check_not_compiled(module)
+    if o.shard_gradients and (o.process_group is not None or o.cuda_graphs):
+        other = "process_group=" if o.process_group is not None else "cuda_graphs=True"
+        raise ValueError(
+            f"shard_gradients=True cannot be combined with {other}: the gradients go, by the replicas' eager "
+            f"backward, into the shards of a dpcore.ShardedOptimizer, never into .grad (which the hybrid mode "
+            f"all-reduces and CUDA graph replays fill); drop one of them"
+        )
     _check_overrides(cls, base, o)
     model_loss = _check_model_loss(o.model_loss, loss_items, criterion, o.gather, o.process_group)
     reduction = _criterion_reduction(criterion, o.criterion_reduction) or ("sum" if model_loss == "sum" else None)

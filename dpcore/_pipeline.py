@@ -173,14 +173,31 @@ class Pipeline:
             self._modules = [dp.module]
             return self._run(dp, [runs(dp.module)], call.args, call.kws, call.devices)
         count = call.used[-1] + 1
+        cache = self._sharded(dp)
         replicas = _checked(
             dp, "replicate", "replica per device", dp.replicate(dp.module, dp.device_ids[:count]), count
         )
         self._modules = [replicas[i] for i in call.used]
         fns = [runs(m) for m in self._modules]
+        if cache is not None and cache.aliases:  # shard_gradients: replica 0 runs on the masters' aliases
+            fns[0] = _on_aliases(fns[0], dp.module, cache.aliases)
+            cache.aliases = {}
         return list(
             _checked(dp, "parallel_apply", "output per replica", dp.parallel_apply(fns, call.args, call.kws), len(fns))
         )
+
+    def _sharded(self, dp: Any) -> ReplicaCache | None:
+        """With ``shard_gradients=True``, the replica cache, told which ShardedOptimizer sums the gradients."""
+        if not dp.shard_gradients:
+            return None
+        cache = self.cache(dp)
+        cache.sharded, cache.sink = True, None if dp._sink is None else dp._sink()
+        if cache.sink is not None and list(cache.sink.devices) != list(dp.device_ids):
+            raise ValueError(
+                f"shard_gradients=True: the attached ShardedOptimizer shards over {cache.sink.devices}, but the "
+                f"wrapper's device_ids are now {list(dp.device_ids)}: build a new ShardedOptimizer with devices=dp"
+            )
+        return cache
 
     def _run(self, dp: Any, fns: Sequence[Callable[..., Any]], args: Any, kws: Any, devices: Any) -> list[Any]:
         """``fns[j](*args[j], **kws[j])`` on ``devices[j]``: synchronized BatchNorm where the call's replicas
@@ -336,6 +353,16 @@ def substituted(tensors: Mapping[str, torch.Tensor], tie_weights: bool, strict: 
         return call
 
     return through
+
+
+def _on_aliases(fn: Callable[..., Any], module: nn.Module, aliases: dict[str, torch.Tensor]) -> Callable[..., Any]:
+    """`fn` run with `module`'s parameters named in `aliases` replaced by them (only replica 0 runs on the module)."""
+
+    def call(*a: Any, **k: Any) -> Any:
+        with torch.nn.utils.stateless._reparametrize_module(module, aliases):
+            return fn(*a, **k)
+
+    return call
 
 
 def _checked(dp: Any, method: str, per: str, values: Any, count: int) -> Any:

@@ -45,7 +45,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     """
 
     # Per-instance state a replica of this wrapper and a pickle never share (ReplicaSet reads this name).
-    _replica_private_attrs = ("_cache", "_calls", "_graphs", "_pipeline")
+    _replica_private_attrs = ("_cache", "_calls", "_graphs", "_pipeline", "_sink")
 
     def __init__(
         self,
@@ -68,6 +68,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         broadcast_buffers: bool | None = None,
         cuda_graphs: bool = False,
         replica_refresh: str = "auto",
+        shard_gradients: bool = False,
     ) -> None:
         nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
         Joinable.__init__(self)
@@ -97,7 +98,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         graphs, the replica cache where `changed` shapes it; a Module criterion is a child, as torch would have it."""
         self._options, self._loss = options, LossRule(options)
         self._graphs = GraphRunner() if options.cuda_graphs else None
-        if changed in ("module", "device_ids", "bucket_bytes", "replica_refresh"):
+        if changed in ("module", "device_ids", "bucket_bytes", "replica_refresh", "shard_gradients"):
             self._cache = None
         if changed == "module":
             self._input_check = _integrations.input_check(self.module)
@@ -274,7 +275,8 @@ for _name, _field in {**ATTRIBUTES, "device_ids": "devices", "output_device": "o
 def _fresh_private_state(cuda_graphs: bool) -> dict[str, Any]:
     """New values of DataParallel._replica_private_attrs."""
     graphs = GraphRunner() if cuda_graphs else None
-    return {"_cache": None, "_calls": CallGuard(), "_graphs": graphs, "_pipeline": Pipeline(DataParallel)}
+    state = {"_cache": None, "_calls": CallGuard(), "_graphs": graphs, "_pipeline": Pipeline(DataParallel)}
+    return {**state, "_sink": None}  # shard_gradients=True: a weak reference to the ShardedOptimizer that sums them
 
 
 def data_parallel(

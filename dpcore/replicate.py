@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 from dpcore._compiled import CompiledReplicas, has_compiled, replicate_module
 from dpcore._loader import _C
 from dpcore._devices import DeviceLike, as_devices, normalize_device
-from dpcore._functions import BroadcastBucket, apply
+from dpcore._functions import BroadcastBucket, ShardedBucket, apply
 from dpcore._step_hook import track
 
 __all__ = ["replicate", "check_on_device", "check_replica_refresh", "ReplicaCache", "DEFAULT_BUCKET_BYTES"]
@@ -104,6 +104,14 @@ class ReplicaCache:
         self._norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
         self._norm_buckets = self.buckets_of(t for m in self._norms for t in (m.running_mean, m.running_var))
         self._norms_trained = False
+        # shard_gradients=True: the ShardedOptimizer that sums the gradients (None: none attached), set by the pipeline
+        # before each call, and position 0's aliases of the masters that the last replicas() made (by name).
+        self.sink: Any = None
+        self.sharded = False
+        self.aliases: dict[str, torch.Tensor] = {}
+        self._names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(p), []).append(name)
 
     @property
     def buckets(self) -> list[Any]:
@@ -117,6 +125,35 @@ class ReplicaCache:
         for master, value in updates:
             if (entry := entries.get(id(master))) is not None:
                 entry[0].write(position - 1, entry[1], value, master)
+
+    def copies_of(self, masters: Sequence[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+        """Per replica (devices[1:]), a tensor viewing its persistent copy of each of `masters`, for a collective that
+        writes them in place (then :meth:`mark_current`); None once invalid or where a master has no copy."""
+        entries = [self._entries.get(id(m)) for m in masters] if self.valid() else [None]
+        if any(e is None for e in entries):
+            return None
+        views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        rows = []
+        for d in range(len(self.devices) - 1):
+            rows.append([])
+            for bucket, i in entries:  # type: ignore[misc]
+                if (id(bucket), d) not in views:
+                    views[id(bucket), d] = bucket.views(d)
+                rows[-1].append(views[id(bucket), d][i])
+        return rows
+
+    def mark_current(self, masters: Sequence[torch.Tensor]) -> None:
+        """Every replica's copy of each of `masters` (written by the caller) holds its bytes as they are now: the next
+        refresh leaves them as they are unless a master changes again."""
+        by_bucket: dict[int, tuple[Any, list[int], list[torch.Tensor]]] = {}
+        for m in masters:
+            bucket, i = self._entries[id(m)]
+            _, entries, tensors = by_bucket.setdefault(id(bucket), (bucket, [], []))
+            entries.append(i)
+            tensors.append(m)
+        for bucket, entries, tensors in by_bucket.values():
+            for d in range(len(self.devices) - 1):
+                bucket.mark_current(d, entries, tensors)
 
     def replica_bytes(self) -> int:
         """The bytes of the persistent copies of the master's parameters and buffers that each replica holds."""
@@ -147,22 +184,36 @@ class ReplicaCache:
         with self._lock:
             self._check_n(n)
             self._before_refresh()  # on a lone master too: it may train a norm layer
-            if n == 1:
-                return [self.module]
+            self.aliases = {}
             grad_enabled = torch.is_grad_enabled()
+            if n == 1 and not (self.sharded and grad_enabled):
+                return [self.module]
             with _normal_mode():
-                return [self.module, *self._synced(n - 1, self._copies(grad_enabled))]
+                copies = self._copies(grad_enabled)
+                return [self.module, *(self._synced(n - 1, copies) if n > 1 else [])]
 
     def _check_n(self, n: int) -> None:
         if n < 1 or n > len(self.devices):
             raise ValueError(f"replicas: expected 1 <= n <= {len(self.devices)}, but got {n}")
 
     def _copies(self, grad_enabled: bool) -> list[tuple[torch.Tensor, ...] | None]:
-        """Per bucket, its copies through a BroadcastBucket node where it needs autograd, else None."""
-        return [
-            apply(BroadcastBucket, bucket, *masters) if grad_enabled and requires_grad else None
-            for bucket, masters, requires_grad in self._bucket_plan
-        ]
+        """Per bucket, its copies through a BroadcastBucket node where it needs autograd, else None; with ``sharded``,
+        through a ShardedBucket node, whose aliases of the masters go to ``aliases``."""
+        if not (self.sharded and grad_enabled):
+            return [
+                apply(BroadcastBucket, bucket, *masters) if grad_enabled and requires_grad else None
+                for bucket, masters, requires_grad in self._bucket_plan
+            ]
+        out: list[tuple[torch.Tensor, ...] | None] = []
+        for bucket, masters, requires_grad in self._bucket_plan:
+            if not requires_grad:
+                out.append(None)
+                continue
+            outputs = apply(ShardedBucket, bucket, self.sink, *masters)
+            for master, alias in zip(masters, outputs):
+                self.aliases.update(dict.fromkeys(self._names.get(id(master), ()), alias))
+            out.append(outputs[len(masters) :])
+        return out
 
     def check_now(self) -> None:
         """Runs the check for writes no version counter saw now (what bench_step times)."""

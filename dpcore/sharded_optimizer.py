@@ -3,6 +3,7 @@ the mechanism is in docs/design.md."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from copy import deepcopy
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from dpcore import comm
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
 from dpcore._step_hook import exempt
@@ -64,27 +66,37 @@ class _Shard:
             self.pairs.append((master, work))
         return work
 
-    def step(self, cache: ReplicaCache | None, kwargs: dict[str, Any]) -> None:
+    def step(
+        self, cache: ReplicaCache | None, kwargs: dict[str, Any], store: dict[int, torch.Tensor] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to the
-        masters, and written into this position's replicas in `cache` (ReplicaCache.write)."""
+        masters, and written into this position's replicas in `cache` (ReplicaCache.write). With `store`
+        (shard_gradients: id(master) -> its gradient here) the gradients come from it, ``.grad`` holds them for the
+        step only, and nothing is copied back. Returns the (master, tensor stepped) pairs that had a gradient."""
         stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if self.copies:
-            with torch.no_grad():
-                for master, work in self.pairs:
+        with torch.no_grad():
+            for master, work in self.pairs:
+                if store is not None:
+                    work.grad = store.get(id(master))
+                elif self.copies:
                     work.grad = None if master.grad is None else master.grad.to(self.device)
-                    if work.grad is not None:
-                        if self.seen[id(master)] != (master.data_ptr(), master._version):
-                            work.copy_(master)
-                        stepped.append((master, work))
+                if work.grad is not None and (self.copies or store is not None):
+                    if self.copies and self.seen[id(master)] != (master.data_ptr(), master._version):
+                        work.copy_(master)
+                    stepped.append((master, work))
         self.optimizer.step(**kwargs)
-        if stepped:
-            with torch.no_grad():
-                for master, work in stepped:
-                    master.copy_(work)
-                    work.grad = None
-                    self.seen[id(master)] = (master.data_ptr(), master._version)
-                if cache is not None:
-                    cache.write(self.position, stepped)
+        if store is not None or not self.copies:
+            for _, work in stepped:
+                work.grad = None
+            return stepped
+        with torch.no_grad():
+            for master, work in stepped:
+                master.copy_(work)
+                work.grad = None
+                self.seen[id(master)] = (master.data_ptr(), master._version)
+            if cache is not None:
+                cache.write(self.position, stepped)
+        return stepped
 
     def view_as_buckets(self) -> None:
         """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its strides
@@ -184,7 +196,74 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.parameters_as_bucket_view:
                 shard.view_as_buckets()
         self.state = _ShardStates(self)  # type: ignore[assignment]
+        # shard_gradients=True: id(master) -> its gradient summed over the replicas, on its owner's device.
+        self._store: dict[int, torch.Tensor] | None = None
+        if isinstance(devices, DataParallel) and devices.shard_gradients and len(self.devices) > 1:
+            self._attach(devices)
         exempt(self)  # from dpcore._step_hook: each shard's step marks or writes what it changed
+
+    def _attach(self, dp: DataParallel) -> None:
+        """Becomes the sink of `dp`'s sharded gradients (its backward adds them here); ValueError naming both unless
+        every trainable parameter of its module is this optimizer's."""
+        missing = [n for n, p in dp.module.named_parameters() if p.requires_grad and id(p) not in self._shard_of]
+        if missing:
+            raise ValueError(
+                f"params: with shard_gradients=True every gradient goes into this ShardedOptimizer's shards, but it "
+                f"does not step the module's trainable {', '.join(map(repr, missing[:3]))}"
+                f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}: give it all of model.parameters()"
+            )
+        self._store, self._lock = {}, threading.Lock()
+        dp._sink = weakref.ref(self)
+        for shard in self._shards:  # the all-gather marks what they step; the step hook would mark all they hold
+            exempt(shard.optimizer)
+
+    def owners(self, masters: Sequence[torch.Tensor]) -> list[int]:
+        """The shard position of each of `masters` (:meth:`shard_of`)."""
+        return [self._shard_of[id(p)].position for p in masters]
+
+    def add(self, masters: Sequence[torch.Tensor], sums: Sequence[torch.Tensor]) -> None:
+        """Adds each gradient of `sums` (on its master's owner's device) to the one held for it (shard_gradients)."""
+        with self._lock:
+            for p, g in zip(masters, sums):
+                held = self._store.get(id(p))  # type: ignore[union-attr]
+                self._store[id(p)] = g if held is None else held.add_(g)  # type: ignore[index]
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """`param`'s gradient as this optimizer steps it: with shard_gradients=True the sum over the replicas held at
+        its owner (``shard_of(param)``'s device; ``param.grad`` stays None), else ``param.grad``."""
+        self.shard_of(param)
+        return param.grad if self._store is None else self._store.get(id(param))
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """Every gradient held, in the order of ``param_groups``."""
+        grads = (self.gradient(p) for group in self.param_groups for p in group["params"])
+        return [g for g in grads if g is not None]
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None
+    ) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the gradients this optimizer steps (:meth:`gradient`, where they are
+        held); returns the total norm, on the first device."""
+        grads = self._gradients()
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's clip_grads_with_norm_
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return total.to(self.devices[0])
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """torch.nn.utils.clip_grad_value_ over the gradients this optimizer steps, where they are held."""
+        clip_value = float(clip_value)
+        with torch.no_grad():
+            for g in self._gradients():
+                g.clamp_(min=-clip_value, max=clip_value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with shard_gradients=True the held gradients are dropped (set_to_none's rule)."""
+        super().zero_grad(set_to_none)
+        if self._store is not None:
+            self._store.clear()
 
     def _check_params(self, params: list[torch.Tensor], arg: str) -> None:
         """ValueError naming `arg` unless every parameter is dense, on the first device, the module's, and listed once
@@ -259,7 +338,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self._shards:
             for local, settings in zip(shard.optimizer.param_groups, pushed):
                 local.update(settings)
-        return [shard for shard in self._shards if any(m.grad is not None for m, _ in shard.pairs)], pushed
+        if self._store is not None:
+            written = [i for i, p in enumerate(_masters(self)) if p.grad is not None]
+            if written:
+                raise RuntimeError(
+                    f"shard_gradients=True: the gradients live in the ShardedOptimizer's shards (gradient(p)), but "
+                    f"parameter {written[0]} of param_groups has a .grad (written by hand, or by a backward outside "
+                    f"the wrapper): p.grad of the module's parameters must stay None; set it to None, or clip and "
+                    f"edit through the optimizer (clip_grad_norm_, clip_grad_value_, gradient(p))"
+                )
+        has = (lambda m: m.grad is not None) if self._store is None else (lambda m: id(m) in self._store)  # type: ignore[operator]
+        return [shard for shard in self._shards if any(has(m) for m, _ in shard.pairs)], pushed
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called with
@@ -270,15 +359,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with torch.enable_grad():
             loss = None if closure is None else closure()
         busy, pushed = self._sync_groups()
-        cache = self._replica_cache() if any(s.copies for s in busy) else None
+        store = self._store
+        cache = self._replica_cache() if store is None and any(s.copies for s in busy) else None
+        results = []
         if len(busy) == 1:
-            busy[0].step(cache, kwargs)
+            results = [busy[0].step(cache, kwargs, store)]
         elif busy:
             steps = [s.step for s in busy]
-            start_parallel_apply(steps, [(cache, kwargs)] * len(busy), None, [s.device for s in busy]).result()
+            args = [(cache, kwargs, store)] * len(busy)
+            results = start_parallel_apply(steps, args, None, [s.device for s in busy]).result()
+        if store is not None:
+            self._publish([pair for result in results for pair in result])
+            store.clear()
         for j, (group, before) in enumerate(zip(self.param_groups, pushed)):
             group.update(_changed_settings(j, before, [s.optimizer.param_groups[j] for s in busy]))
         return loss
+
+    def _publish(self, stepped: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """shard_gradients: the parameters updated at their owners reach the masters and every replica's copies by one
+        all-gather (the next refresh copies none of them); without a valid replica cache, the masters only."""
+        masters = [m for m, _ in stepped]
+        cache = self._replica_cache() if stepped else None
+        outs = None if cache is None else cache.copies_of(masters)
+        copied = [(m, w) for m, w in stepped if w is not m]
+        with torch.no_grad():
+            if outs is None:
+                for m, w in copied:
+                    m.copy_(w)
+            else:
+                works = [w for _, w in stepped]
+                comm.all_gather_coalesced(works, self.owners(masters), self.devices, out=[masters, *outs])
+                torch.autograd.graph.increment_version(masters)  # written by the all-gather (or a fused step) unseen
+            for m, _ in copied:
+                self._shard_of[id(m)].seen[id(m)] = (m.data_ptr(), m._version)
+        if outs is not None:
+            cache.mark_current(masters)  # type: ignore[union-attr]
 
     def _replica_cache(self) -> ReplicaCache | None:
         """The wrapper's replica cache where it replicates over this optimizer's device list, else None."""
@@ -296,16 +411,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def held_bytes(self) -> dict[int, dict[str, int]]:
         """Per position of the device list, the bytes this optimizer holds there: ``optimizer_state`` (as
         :meth:`state_bytes`), ``working_copies`` (the copies a shard steps in place of masters on another device) and
-        their ``gradients`` (present during a step only)."""
+        ``gradients`` (the working copies' during a step; with shard_gradients=True those held at their owners)."""
         states = self.state_bytes()
         held = {}
         for shard in self._shards:
             copies = [w for m, w in shard.pairs if w is not m] if shard.copies else []
-            grads = [w.grad for w in copies if w.grad is not None]
+            stored = [] if self._store is None else [self._store.get(id(m)) for m, _ in shard.pairs]
+            grads = {id(g): g for g in [w.grad for w in copies] + stored if g is not None}
             held[shard.position] = {
                 "optimizer_state": states[shard.position],
                 "working_copies": sum(w.numel() * w.element_size() for w in copies),
-                "gradients": sum(g.numel() * g.element_size() for g in grads),
+                "gradients": sum(g.numel() * g.element_size() for g in grads.values()),
             }
         return held
 
@@ -367,6 +483,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer cannot be pickled or deep-copied (its shards live on several devices): save "
             "state_dict() instead, and load it into a new one"
         )
+
+
+def _masters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _check_class(optimizer_class: Any) -> type[torch.optim.Optimizer]:

@@ -143,7 +143,9 @@ TensorList2D ReplicaBuffers::refresh(at::TensorList tensors) {
         any_kept = any_kept || kept[d][i];
       }
       if (any_kept) {
-        partial.push_back(d);
+        if (!std::all_of(kept[d].begin(), kept[d].end(), [](char k) { return k != 0; })) {
+          partial.push_back(d); // else every entry is current there: nothing to copy
+        }
       } else {
         whole.push_back(flats_[d]);
         copied_bytes_[d] = layout_.numel * item;
@@ -225,26 +227,33 @@ std::vector<int64_t> ReplicaBuffers::last_copied_bytes() const {
   return copied_bytes_;
 }
 
+void ReplicaBuffers::check_entry(
+    int64_t target, int64_t entry, const at::Tensor& master, const char* fn) const {
+  TORCH_CHECK(
+      target >= 0 && target < static_cast<int64_t>(targets_.size()), fn, ": expected a target in [0, ",
+      targets_.size(), "), but got ", target);
+  TORCH_CHECK(
+      entry >= 0 && entry < static_cast<int64_t>(layout_.size()), fn, ": expected an entry in [0, ",
+      layout_.size(), "), but got ", entry);
+  const c10::IntArrayRef shape(layout_.sizes[static_cast<size_t>(entry)]);
+  TORCH_CHECK(
+      master.sizes().equals(shape) && master.scalar_type() == layout_.dtype &&
+          normalize_device(master.device()) == source_,
+      fn, ": expected the master of entry ", entry, " (", layout_.dtype, shape, " on ", source_,
+      "), but got ", master.scalar_type(), master.sizes(), " on ", master.device());
+}
+
 void ReplicaBuffers::write(int64_t target, int64_t entry, const at::Tensor& value, const at::Tensor& master) {
-  TORCH_CHECK(
-      target >= 0 && target < static_cast<int64_t>(targets_.size()),
-      "ReplicaBuffers.write: expected a target in [0, ", targets_.size(), "), but got ", target);
-  TORCH_CHECK(
-      entry >= 0 && entry < static_cast<int64_t>(layout_.size()),
-      "ReplicaBuffers.write: expected an entry in [0, ", layout_.size(), "), but got ", entry);
+  const char* fn = "ReplicaBuffers.write";
+  check_entry(target, entry, master, fn);
   const auto d = static_cast<size_t>(target);
   const auto i = static_cast<size_t>(entry);
   const c10::IntArrayRef shape(layout_.sizes[i]);
   TORCH_CHECK(
       value.sizes().equals(shape) && value.scalar_type() == layout_.dtype &&
           normalize_device(value.device()) == targets_[d],
-      "ReplicaBuffers.write: expected a value of ", layout_.dtype, shape, " on ", targets_[d], ", but got ",
+      fn, ": expected a value of ", layout_.dtype, shape, " on ", targets_[d], ", but got ",
       value.scalar_type(), value.sizes(), " on ", value.device());
-  TORCH_CHECK(
-      master.sizes().equals(shape) && master.scalar_type() == layout_.dtype &&
-          normalize_device(master.device()) == source_,
-      "ReplicaBuffers.write: expected the master of entry ", entry, " (", layout_.dtype, shape, " on ",
-      source_, "), but got ", master.scalar_type(), master.sizes(), " on ", master.device());
   std::lock_guard<std::mutex> lock(mutex_);
   c10::InferenceMode normal_mode(false);
   c10::NoGradGuard no_grad;
@@ -253,6 +262,40 @@ void ReplicaBuffers::write(int64_t target, int64_t entry, const at::Tensor& valu
   anchor.copy_(value); // an in-place write: bumps the entry's version on this target
   anchor_versions_[d][i] = anchor._version();
   written_[d][i] = {master.data_ptr(), master._version()};
+}
+
+std::vector<at::Tensor> ReplicaBuffers::views(int64_t target) {
+  TORCH_CHECK(
+      target >= 0 && target < static_cast<int64_t>(targets_.size()),
+      "ReplicaBuffers.views: expected a target in [0, ", targets_.size(), "), but got ", target);
+  const auto d = static_cast<size_t>(target);
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::InferenceMode normal_mode(false);
+  std::vector<at::Tensor> result = layout_.unflatten(flats_[d]);
+  for (size_t i = 0; i < result.size(); ++i) {
+    result[i].unsafeGetTensorImpl()->set_version_counter(
+        anchors_[d][i].unsafeGetTensorImpl()->version_counter());
+  }
+  return result;
+}
+
+void ReplicaBuffers::mark_current(int64_t target, c10::ArrayRef<int64_t> entries, at::TensorList masters) {
+  const char* fn = "ReplicaBuffers.mark_current";
+  TORCH_CHECK(
+      entries.size() == masters.size(), fn, ": expected one master per entry, but got ", entries.size(),
+      " entries and ", masters.size(), " masters");
+  for (size_t k = 0; k < entries.size(); ++k) {
+    check_entry(target, entries[k], masters[k], fn);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto d = static_cast<size_t>(target);
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const auto i = static_cast<size_t>(entries[k]);
+    at::Tensor& anchor = anchors_[d][i];
+    anchor.unsafeGetTensorImpl()->bump_version(); // a graph that saved the old copy is refused
+    anchor_versions_[d][i] = anchor._version();
+    written_[d][i] = {masters[k].data_ptr(), masters[k]._version()};
+  }
 }
 
 void ReplicaBuffers::invalidate() {

@@ -61,6 +61,19 @@ class ReplicaBuffers {
   // updated bytes do not go back to the target they came from.
   void write(int64_t target, int64_t entry, const at::Tensor& value, const at::Tensor& master);
 
+  // One tensor per entry viewing targets[target]'s buffer, sharing the
+  // version counter of refresh's copies of that entry: for a collective
+  // that writes the copies in place (the all-gather of sharded gradients),
+  // followed by mark_current. Copies nothing.
+  std::vector<at::Tensor> views(int64_t target);
+
+  // Marks each entries[k] on targets[target] as holding the bytes of
+  // masters[k] (its master tensor, as refresh takes it) as it is now, as
+  // write() does once it has copied: bumps the entry's version there, and
+  // the next refresh leaves that copy as it is unless the master changes
+  // again (storage or version).
+  void mark_current(int64_t target, c10::ArrayRef<int64_t> entries, at::TensorList masters);
+
   // Finds writes that no version counter saw. Where the next refresh would
   // skip the copy (no master tensor and no copy changed since the last
   // one), compares every target's buffer with `tensors` (as refresh takes
@@ -84,6 +97,9 @@ class ReplicaBuffers {
   // entries kept there (kept[d][i]), in runs; records the bytes copied.
   void copy_entries(
       at::TensorList tensors, const std::vector<std::vector<char>>& kept, const std::vector<size_t>& targets);
+  // Raises unless `target` and `entry` are in range and `master` is entry's
+  // master (shape, dtype, device); `fn` names the caller.
+  void check_entry(int64_t target, int64_t entry, const at::Tensor& master, const char* fn) const;
 
   FlatLayout layout_;
   c10::Device source_;

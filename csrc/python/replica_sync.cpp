@@ -471,6 +471,27 @@ void bind_replica_sync(py::module_& m) {
           py::arg("master"), py::call_guard<py::gil_scoped_release>(),
           "Writes `value` into targets[target]'s copy of entry `entry`, which `master` now equals: the next "
           "refresh leaves that copy as it is unless `master` changes again.")
+      .def(
+          "views",
+          [](ReplicaBuffers& self, int64_t target) {
+            std::vector<at::Tensor> views;
+            {
+              py::gil_scoped_release no_gil;
+              views = self.views(target);
+            }
+            return to_python_list(std::move(views));
+          },
+          py::arg("target"),
+          "Tensors viewing targets[target]'s copy of each entry (refresh's version counters), for a "
+          "collective that writes them in place; mark_current afterwards.")
+      .def(
+          "mark_current",
+          [](ReplicaBuffers& self, int64_t target, const std::vector<int64_t>& entries,
+             const std::vector<at::Tensor>& masters) { self.mark_current(target, entries, masters); },
+          py::arg("target"), py::arg("entries"), py::arg("masters"), py::call_guard<py::gil_scoped_release>(),
+          "Marks targets[target]'s copies of `entries` as equal to `masters` now (as write() leaves them): "
+          "the "
+          "next refresh leaves them as they are unless a master changes again.")
       .def_property_readonly("last_refresh_copied", &ReplicaBuffers::last_refresh_copied)
       .def_property_readonly(
           "last_copied_bytes", &ReplicaBuffers::last_copied_bytes,

@@ -115,3 +115,39 @@ TEST(ReplicaBuffers, WriteChecksItsArguments) {
         std::string(e.what_without_backtrace()).find("expected the master of entry 0"), std::string::npos);
   }
 }
+
+TEST(ReplicaBuffers, ViewsWrittenThenMarkedCurrentAreNotCopied) {
+  std::vector<at::Tensor> m = masters();
+  dpcore::ReplicaBuffers buffers(m, cpus(3));
+  auto before = buffers.refresh(m);
+  // Every entry updated in place on the master and, by a collective, in every target's views (an all-gather).
+  for (at::Tensor& t : m) {
+    t.mul_(2.0);
+  }
+  const int64_t version = before[0][1]._version();
+  for (int64_t d = 0; d < 3; ++d) {
+    std::vector<at::Tensor> views = buffers.views(d);
+    ASSERT_EQ(views.size(), m.size());
+    for (size_t i = 0; i < m.size(); ++i) {
+      EXPECT_EQ(views[i].data_ptr(), before[d][i].data_ptr()); // the persistent buffer, no copy
+      views[i].copy_(m[i]);
+    }
+    if (d < 2) {
+      buffers.mark_current(d, {0, 1, 2}, m);
+    } else {
+      buffers.mark_current(d, {1}, {m[1]}); // target 2: only entry 1 marked
+    }
+  }
+  EXPECT_GT(before[0][1]._version(), version + 1); // the view's write and the mark: old graphs refused
+  auto after = buffers.refresh(m);
+  EXPECT_EQ(buffers.last_copied_bytes(), (std::vector<int64_t>{0, 0, 88})); // target 2: entries 0 and 2
+  for (size_t d = 0; d < 3; ++d) {
+    for (size_t i = 0; i < m.size(); ++i) {
+      EXPECT_TRUE(same_values(after[d][i], m[i])) << d << ", " << i;
+    }
+  }
+  EXPECT_THROW(buffers.mark_current(3, {0}, {m[0]}), c10::Error);    // no target 3
+  EXPECT_THROW(buffers.mark_current(0, {0}, {m[1]}), c10::Error);    // not entry 0's master
+  EXPECT_THROW(buffers.mark_current(0, {0, 1}, {m[0]}), c10::Error); // one master per entry
+  EXPECT_THROW(buffers.views(-1), c10::Error);
+}

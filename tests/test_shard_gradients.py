@@ -1,0 +1,290 @@
+"""DataParallel(shard_gradients=True) with dpcore.ShardedOptimizer (ZeRO-2 in one process): the backward
+reduce-scatters each bucket's gradients to the positions that own them (p.grad stays None), the shards step
+there and an all-gather brings the updated parameters to the module and every replica. Compared in float64,
+after 20 steps, with the plain optimizer on one device; traffic and memory per position counted."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpcore
+from dpcore import sharded_optimizer
+
+STEPS = 20
+TOL = {"atol": 1e-10, "rtol": 0.0}
+COUNTS = [2, 3, 4]
+
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "weight_decay": 0.01}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 5e-2, "weight_decay": 0.01}),
+}
+
+
+def _model() -> nn.Module:
+    """Parameters of very different sizes (uneven shards), one frozen bias."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 40), nn.Tanh(), nn.Linear(40, 9), nn.Tanh(), nn.Linear(9, 3))
+    model[2].bias.requires_grad_(False)
+    return model.double()
+
+
+def _even(width: int = 32, layers: int = 12) -> nn.Module:
+    """Equal parameters that split evenly over 2, 3 and 4 positions."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).double()
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    named = dict(model.named_parameters())
+    return [
+        {"params": [p for n, p in named.items() if n.endswith("weight")]},
+        {"params": [p for n, p in named.items() if n.endswith("bias")], "weight_decay": 0.0},
+    ]
+
+
+def _batch(step: int, rows: int = 12) -> torch.Tensor:
+    return torch.randn(rows, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def _sharded(n: int, name: str, **options: Any) -> tuple[nn.Module, dpcore.DataParallel, dpcore.ShardedOptimizer]:
+    model = _model()
+    dp = dpcore.DataParallel(model, ["cpu"] * n, shard_gradients=True, **options)
+    cls, kwargs = OPTIMIZERS[name]
+    return model, dp, dpcore.ShardedOptimizer(_groups(model), cls, devices=dp, **kwargs)
+
+
+@pytest.fixture(params=[False, True], ids=["in_place", "copies"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Shards that step the masters themselves (CPU lists) or working copies (distinct GPUs), forced here."""
+    if request.param:
+        monkeypatch.setattr(sharded_optimizer, "_holds_copies", lambda device, master: True)
+    return request.param
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("n", COUNTS)
+def test_steps_equal_the_plain_optimizer(n: int, name: str, copies: bool) -> None:
+    """20 steps of two backwards each, norm clipping and a scheduler: the parameters equal the plain run's, every
+    p.grad stays None and gradient(p) is the whole gradient, at its owner; the frozen bias has none."""
+    model, dp, optimizer = _sharded(n, name)
+    plain_model = _model()
+    cls, kwargs = OPTIMIZERS[name]
+    plain = cls(_groups(plain_model), **kwargs)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (optimizer, plain)]
+    for step in range(STEPS):
+        for half in (0, 1):
+            x = _batch(2 * step + half)
+            dp(x).square().mean().backward()
+            plain_model(x).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        for p, q in zip(model.parameters(), plain_model.parameters()):
+            got = optimizer.gradient(p)
+            assert (got is None) == (q.grad is None)
+            if got is not None:
+                torch.testing.assert_close(got, q.grad, **TOL)
+        total = optimizer.clip_grad_norm_(0.5)
+        torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.5), **TOL)
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+        assert all(optimizer.gradient(p) is None for p in model.parameters())
+        for s in schedulers:
+            s.step()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    # the replicas are current: the next refresh copies nothing
+    dpcore.comm.reset_traffic()
+    dp(_batch(99)).sum().backward()
+    assert dpcore.comm.traffic()["broadcast"] == []
+    for replica in dp.replica_cache.replica_modules:
+        for p, q in zip(replica[0].parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_clip_grad_value_and_checkpoints_both_ways(n: int) -> None:
+    model, dp, optimizer = _sharded(n, "adamw")
+    plain_model = _model()
+    plain = torch.optim.AdamW(_groups(plain_model), **OPTIMIZERS["adamw"][1])
+    for step in range(STEPS):
+        x = _batch(step)
+        dp(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        optimizer.clip_grad_value_(0.01)
+        torch.nn.utils.clip_grad_value_(plain_model.parameters(), 0.01)
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+        if step == 9:  # the sharded state into a plain optimizer, and back into a new sharded one (own tensors each)
+            plain = torch.optim.AdamW(_groups(plain_model), lr=1.0)
+            plain.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            optimizer = dpcore.ShardedOptimizer(_groups(model), torch.optim.AdamW, devices=dp, lr=1.0)
+            optimizer.load_state_dict(copy.deepcopy(plain.state_dict()))
+            assert optimizer.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 1e-2
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_a_parameter_no_replica_used_gets_no_gradient() -> None:
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Branch()
+    dp = dpcore.DataParallel(model, ["cpu"] * 3, shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1)
+    dp(torch.randn(6, 4, dtype=torch.float64)).sum().backward()
+    assert optimizer.gradient(model.unused.weight) is None and optimizer.gradient(model.used.weight) is not None
+    before = model.unused.weight.clone()
+    optimizer.step()
+    assert torch.equal(model.unused.weight, before)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_batch_on_fewer_devices_than_the_list(rows: int) -> None:
+    """One row: only the module runs (replicas(1)), its gradients still go to the shards."""
+    model, dp, optimizer = _sharded(4, "sgd_momentum")
+    plain_model = _model()
+    plain = torch.optim.SGD(_groups(plain_model), **OPTIMIZERS["sgd_momentum"][1])
+    for step in range(3):
+        x = _batch(step, rows)
+        dp(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def _slot_totals(traffic: dict[str, list[tuple[int, int]]], n: int) -> list[tuple[int, int]]:
+    totals = [[0, 0] for _ in range(n)]
+    for slots in traffic.values():
+        for i, (sent, received) in enumerate(slots):
+            totals[i][0] += sent
+            totals[i][1] += received
+    return [(s, r) for s, r in totals]
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_traffic_is_even_over_the_slots(n: int) -> None:
+    """One training step after a first one: every slot sends and receives within 1.1x the mean, and device 0
+    receives about 2(N-1)/N P (a reduce-scatter and an all-gather), not (N-1) P."""
+    model = _even()
+    dp = dpcore.DataParallel(model, ["cpu"] * n, shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, lr=1e-3)
+    x = torch.randn(2 * n, 32, dtype=torch.float64)
+
+    def step() -> None:
+        dp(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    dpcore.comm.reset_traffic()
+    step()
+    traffic = dpcore.comm.traffic()
+    assert traffic["broadcast"] == [] and traffic["reduce_add"] == []
+    totals = _slot_totals(traffic, n)
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for k in (0, 1):
+        mean = sum(t[k] for t in totals) / n
+        assert all(t[k] <= 1.1 * mean and t[k] >= mean / 1.1 for t in totals), totals
+    expected = 2 * (n - 1) / n * p_bytes
+    assert expected <= totals[0][1] <= 1.05 * expected, (totals[0], expected)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_memory_is_even_over_the_positions(n: int) -> None:
+    """After a backward (the gradients held) following a step (AdamW's state made): position 0's total within 1.05x
+    the others' mean; the gradients are counted at their owners, P/N each."""
+    model = _even()
+    dp = dpcore.DataParallel(model, ["cpu"] * n, shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, lr=1e-3)
+    x = torch.randn(2 * n, 32, dtype=torch.float64)
+    dp(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    dp(x).sum().backward()
+    report = dpcore.memory_report(dp, optimizer)
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert [r.gradients for r in report] == [p_bytes // n] * n
+    others = sum(r.total for r in report[1:]) / (n - 1)
+    assert others / 1.05 <= report[0].total <= 1.05 * others, [r.total for r in report]
+
+
+def test_sync_batchnorm_composes() -> None:
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+    model, plain_model = net(), net()
+    dp = dpcore.DataParallel(model, ["cpu"] * 3, shard_gradients=True, sync_batchnorm=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    for step in range(5):
+        x = _batch(step)
+        dp(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    for a, b in zip(model.state_dict().values(), plain_model.state_dict().values()):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_one_device_keeps_p_grad() -> None:
+    """Nothing to shard: p.grad as usual, and the optimizer steps it."""
+    model, dp, optimizer = _sharded(1, "adamw")
+    dp(_batch(0)).sum().backward()
+    assert model[0].weight.grad is not None
+    assert optimizer.gradient(model[0].weight) is model[0].weight.grad
+    optimizer.step()
+
+
+def test_errors_name_both() -> None:
+    with pytest.raises(TypeError, match="shard_gradients: expected True or False"):
+        dpcore.DataParallel(_model(), ["cpu"] * 2, shard_gradients=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shard_gradients=True cannot be combined with cuda_graphs=True"):
+        dpcore.DataParallel(_model(), ["cpu"] * 2, shard_gradients=True, cuda_graphs=True)
+    # no ShardedOptimizer attached (none, a plain one, one over a device list): the backward says so
+    model = _model()
+    dp = dpcore.DataParallel(model, ["cpu"] * 2, shard_gradients=True)
+    torch.optim.SGD(model.parameters(), lr=0.1)
+    dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=["cpu"] * 2, lr=0.1)
+    with pytest.raises(RuntimeError, match="shard_gradients=True.*dpcore.ShardedOptimizer.*devices=dp"):
+        dp(_batch(0)).sum().backward()
+    # one that does not cover every trainable parameter
+    with pytest.raises(ValueError, match=r"shard_gradients=True.*'2.weight'"):
+        dpcore.ShardedOptimizer([model[0].weight, model[0].bias], torch.optim.SGD, devices=dp, lr=0.1)
+    # a write to p.grad, found at the step
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1)
+    dp(_batch(0)).sum().backward()
+    model[0].weight.grad = torch.zeros_like(model[0].weight)
+    with pytest.raises(RuntimeError, match="shard_gradients=True.*ShardedOptimizer.*must stay None"):
+        optimizer.step()
+    # the wrapper's devices changed under the optimizer
+    dp.device_ids = ["cpu"] * 3
+    dp.shard_gradients = True
+    with pytest.raises(ValueError, match="shard_gradients=True: the attached ShardedOptimizer shards over"):
+        dp(_batch(0))
+
+
+def test_process_group_is_refused(world_of_one: Any) -> None:
+    with pytest.raises(ValueError, match="shard_gradients=True cannot be combined with process_group="):
+        dpcore.DataParallel(_model(), ["cpu"] * 2, shard_gradients=True, process_group=world_of_one)

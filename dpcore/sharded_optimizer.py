@@ -350,12 +350,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         has = (lambda m: m.grad is not None) if self._store is None else (lambda m: id(m) in self._store)  # type: ignore[operator]
         return [shard for shard in self._shards if any(has(m) for m, _ in shard.pairs)], pushed
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """GradScaler's protocol: with shard_gradients=True it hands the step its scale (refused there), else it
+        unscales and checks the masters' .grad itself."""
+        return self._store is not None
+
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called with
         `kwargs`; `closure` is called once, first. Entries the shards' optimizers add to or change in their param groups
         during the step reach ``param_groups`` (ZeroRedundancyOptimizer's sync after its step)."""
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable that returns the loss, or None, but got {closure!r}")
+        if self._store is not None and "grad_scale" in self.__dict__:
+            del self.grad_scale, self.found_inf  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "GradScaler cannot step a ShardedOptimizer with shard_gradients=True: it unscales and checks "
+                "p.grad, which stays None there (the gradients live in the shards); drop GradScaler (bfloat16 "
+                "autocast needs none) or shard_gradients=True"
+            )
         with torch.enable_grad():
             loss = None if closure is None else closure()
         busy, pushed = self._sync_groups()

@@ -288,3 +288,15 @@ def test_errors_name_both() -> None:
 def test_process_group_is_refused(world_of_one: Any) -> None:
     with pytest.raises(ValueError, match="shard_gradients=True cannot be combined with process_group="):
         dpcore.DataParallel(_model(), ["cpu"] * 2, shard_gradients=True, process_group=world_of_one)
+
+
+def test_grad_scaler_is_refused_naming_both() -> None:
+    """GradScaler reads p.grad, None here: its step is an error (and the optimizer still steps without it)."""
+    model, dp, optimizer = _sharded(2, "adamw")
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(dp(_batch(0)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot step a ShardedOptimizer with shard_gradients=True"):
+        scaler.step(optimizer)
+    before = model[0].weight.clone()
+    optimizer.step()
+    assert not torch.equal(model[0].weight, before)

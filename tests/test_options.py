@@ -99,6 +99,7 @@ WRITES: list[tuple[str, dict[str, Any], Any, dict[str, Any]]] = [
     ("sync_batchnorm", {}, True, {"bn": True}),
     ("cuda_graphs", {}, False, {}),  # True needs CUDA devices: refused below
     ("replica_refresh", {}, "always", {}),
+    ("shard_gradients", {"shard_gradients": True}, False, {}),
     ("module", {}, "Net(seed=1)", {}),
 ]
 #: (attribute, options built with, a value the constructor refuses with them).
@@ -131,6 +132,7 @@ REFUSED: list[tuple[str, dict[str, Any], Any]] = [
     ("sync_batchnorm", {}, 1),
     ("cuda_graphs", {}, True),
     ("replica_refresh", {}, "never"),
+    ("shard_gradients", {}, 1),
     ("module", {}, 3),
     ("module", {}, "Net(seed=1).to('meta')"),
 ]

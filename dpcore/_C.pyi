@@ -34,9 +34,13 @@ def broadcast_coalesced(
 
 def reduce_add(inputs: Sequence[torch.Tensor], destination: torch.device | None) -> torch.Tensor: ...
 def reduce_add_coalesced(
-    inputs: Sequence[Sequence[torch.Tensor]], destination: torch.device | None, bucket_bytes: int
+    inputs: Sequence[Sequence[torch.Tensor]],
+    destination: torch.device | None,
+    bucket_bytes: int,
+    slots: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """inputs[d][i]: tensor i on device d; result[i]: their sum on `destination`."""
+    """inputs[d][i]: tensor i on device d; result[i]: their sum on `destination`; `slots`: each list's position
+    for the traffic counts (the destination's is 0)."""
 
 def scatter(
     tensor: torch.Tensor,

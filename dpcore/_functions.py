@@ -131,20 +131,23 @@ def _split_lists(flat: Sequence[torch.Tensor], size: int) -> list[list[torch.Ten
 
 
 class ReduceAddCoalesced(torch.autograd.Function):
-    """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination, num_inputs, *grads)`` sums K flattened lists
-    of ``num_inputs`` tensors onto ``destination``. Backward is :class:`BroadcastCoalesced`."""
+    """Differentiable ``comm.reduce_add_coalesced``: ``apply(destination, slots, num_inputs, *grads)`` sums K flattened
+    lists of ``num_inputs`` tensors onto ``destination`` (``slots``: the lists' positions, the destination's 0, for the
+    traffic counts). Backward is :class:`BroadcastCoalesced`."""
 
     @staticmethod
-    def forward(destination: torch.device, num_inputs: int, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(comm.reduce_add_coalesced(_split_lists(grads, num_inputs), destination))
+    def forward(
+        destination: torch.device, slots: Sequence[int], num_inputs: int, *grads: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(comm.reduce_add_coalesced(_split_lists(grads, num_inputs), destination, slots=slots))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.source_devices = [group[0].device for group in _split_lists(inputs[2:], inputs[1])]
+        ctx.source_devices = [group[0].device for group in _split_lists(inputs[3:], inputs[2])]
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None) + apply(BroadcastCoalesced, ctx.source_devices, *grad_outputs)
+        return (None, None, None) + apply(BroadcastCoalesced, ctx.source_devices, *grad_outputs)
 
 
 class BroadcastCoalesced(torch.autograd.Function):
@@ -221,7 +224,7 @@ class ShardedBucket(torch.autograd.Function):
                 "but none is attached to the wrapper: build dpcore.ShardedOptimizer(model.parameters(), ..., "
                 "devices=dp) before the backward (a plain optimizer would see no .grad)"
             )
-        used, rows = _filled(_split_lists(grads, n), sink.devices)
+        used, rows, _ = _filled(_split_lists(grads, n), sink.devices)
         if used:
             masters = [ctx.masters[j] for j in used]
             sink.add(masters, comm.reduce_scatter_coalesced(rows, sink.devices, sink.owners(masters)))
@@ -230,17 +233,19 @@ class ShardedBucket(torch.autograd.Function):
 
 def _filled(
     lists: list[list[torch.Tensor | None]], devices: Sequence[torch.device] | None = None
-) -> tuple[list[int], list[list[torch.Tensor]]]:
-    """(the inputs j with a gradient in some list, per list its gradients of them with zeros where missing); a list
-    with none of them takes no part, or with `devices` (one per list) takes part with zeros on its device."""
+) -> tuple[list[int], list[list[torch.Tensor]], list[int]]:
+    """(the inputs j with a gradient in some list, per list its gradients of them with zeros where missing, the lists
+    taking part); a list with none of them takes no part, or with `devices` (one per list) takes part with zeros on
+    its device."""
     like = {j: next((group[j] for group in lists if group[j] is not None), None) for j in range(len(lists[0]))}
     used = [j for j, t in like.items() if t is not None]
-    rows = []
+    rows, taking = [], []
     for k, group in enumerate(lists):
         device = next((g.device for g in group if g is not None), None if devices is None else devices[k])
         if used and device is not None:
             rows.append([torch.zeros_like(like[j], device=device) if group[j] is None else group[j] for j in used])
-    return used, rows
+            taking.append(k)
+    return used, rows, taking
 
 
 def reduce_present(
@@ -248,12 +253,13 @@ def reduce_present(
 ) -> tuple[torch.Tensor | None, ...]:
     """The backward of a coalesced broadcast: `grads` holds K flattened lists of ``num_inputs`` gradients, None where
     missing. Input j gets the sum of its present gradients on `destination` (one :class:`ReduceAddCoalesced`, missing
-    ones as zeros), or None when none is present."""
+    ones as zeros), or None when none is present. List k is the copy at position k + 1 (the source's is 0)."""
     if all(g is not None for g in grads):
-        return apply(ReduceAddCoalesced, destination, num_inputs, *grads)
-    used, rows = _filled(_split_lists(grads, num_inputs))
+        slots = list(range(1, len(grads) // num_inputs + 1))
+        return apply(ReduceAddCoalesced, destination, slots, num_inputs, *grads)
+    used, rows, taking = _filled(_split_lists(grads, num_inputs))
     if not used:
         return (None,) * num_inputs
     flat = [g for row in rows for g in row]
-    sums = dict(zip(used, apply(ReduceAddCoalesced, destination, len(used), *flat)))
+    sums = dict(zip(used, apply(ReduceAddCoalesced, destination, [k + 1 for k in taking], len(used), *flat)))
     return tuple(sums.get(j) for j in range(num_inputs))

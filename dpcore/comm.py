@@ -65,13 +65,17 @@ def reduce_add_coalesced(
     inputs: Sequence[Sequence[torch.Tensor]],
     destination: DeviceLike | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
+    *,
+    slots: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """``result[i] = sum_k inputs[k][i]``, where ``inputs[k]`` holds device k's tensors (same
-    shapes and dtypes in every list); dense tensors travel in buckets of about ``buffer_size``."""
+    shapes and dtypes in every list); dense tensors travel in buckets of about ``buffer_size``.
+    ``slots``: each list's position in the caller's device list, for traffic(), the destination's 0."""
     if isinstance(inputs, torch.Tensor):
         raise TypeError("inputs: expected a sequence of lists of tensors, but got a tensor")
     lists = [tensor_list(group, f"inputs[{k}]") for k, group in enumerate(inputs)]
-    return _C.reduce_add_coalesced(lists, as_destination(destination), buffer_size)
+    positions = None if slots is None else as_int_list(slots, "slots")
+    return _C.reduce_add_coalesced(lists, as_destination(destination), buffer_size, positions)
 
 
 def scatter(

@@ -270,14 +270,13 @@ def data_parallel_traffic(devices: list[DeviceLike]) -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     assert grad_bytes == (16 * 8 + 16 * 4 + 4) * 4  # a.weight, b.weight, b.bias: not the frozen, not the unused
     # Replica 0 runs on the masters (autograd accumulates its gradients into .grad directly), so
-    # reduce_add_coalesced sums replicas 1..N-1: list k is slot k, and the destination (device 0) takes
-    # the slot of the first list on its device, slot 0 on a CPU list or a repeated GPU. So (N-2) * G
-    # arrive at slot 0, not (N-1) * G: replica 1's list counts as already there (comm.h's rule).
+    # reduce_add_coalesced sums replicas 1..N-1, each list counted at its replica's position (slots=):
+    # (N-1) * G arrive at slot 0, G leave every other slot.
     assert {k for k, v in backward.items() if v} <= {"reduce_add"}
     received = [r for _, r in slots("reduce_add", n)]
     sent = [s for s, _ in slots("reduce_add", n)]
-    assert received == [(n - 2) * grad_bytes] + [0] * (n - 1)
-    assert sent == [0] + [grad_bytes] * (n - 2) + [0]
+    assert received == [(n - 1) * grad_bytes] + [0] * (n - 1)
+    assert sent == [0] + [grad_bytes] * (n - 1)
     optimizer.step()
     optimizer.zero_grad()
     # The next forward refreshes every replica's buckets that hold a stepped parameter: all the
@@ -312,3 +311,16 @@ def test_ring_traffic_cuda_repeated() -> None:
     assert all(torch.equal(t.cpu(), torch.full((3000,), 2.0)) for t in inputs)
     assert slots("reduce_scatter", 2) == [(6000, 6000), (6000, 6000)]
     assert slots("all_gather", 2) == [(6000, 6000), (6000, 6000)]
+
+
+def test_reduce_add_coalesced_counts_each_list_at_its_given_slot() -> None:
+    """slots=: each list's position in the caller's list (the destination's 0), as DataParallel's backward passes."""
+    lists = [[torch.ones(4, dtype=torch.float64)], [torch.ones(4, dtype=torch.float64)]]
+    comm.reset_traffic()
+    (total,) = comm.reduce_add_coalesced(lists, "cpu", slots=[1, 3])
+    assert torch.equal(total, torch.full((4,), 2.0, dtype=torch.float64))
+    assert slots("reduce_add", 4) == [(0, 64), (32, 0), (0, 0), (32, 0)]
+    with pytest.raises(RuntimeError, match=r"slots: expected one slot per list \(2\), but got 1"):
+        comm.reduce_add_coalesced(lists, "cpu", slots=[1])
+    with pytest.raises(RuntimeError, match=r"slots\[0\]: expected a position >= 0, but got -1"):
+        comm.reduce_add_coalesced(lists, "cpu", slots=[-1, 1])

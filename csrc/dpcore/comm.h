@@ -86,10 +86,14 @@ void broadcast_flat_into(at::TensorList members, const FlatLayout& layout, at::T
 // result[i] = reduce_add({inputs[0][i], inputs[1][i], ...}) for every i, in
 // buckets as broadcast_coalesced. inputs[k] lists device k's tensors, all on
 // one device. Dense results are views of one buffer per bucket, each with its
-// own version counter.
+// own version counter. `slots` (one per list, for the traffic counts):
+// each list's position in the caller's device list, whose position 0 is the
+// destination (DataParallel's replicas 1..N-1 summed into device 0); by
+// default list k is slot k and the destination as said above.
 std::vector<at::Tensor> reduce_add_coalesced(
     const TensorList2D& inputs, std::optional<c10::Device> destination,
-    int64_t bucket_bytes = kDefaultBucketBytes);
+    int64_t bucket_bytes = kDefaultBucketBytes,
+    const std::optional<std::vector<int64_t>>& slots = std::nullopt);
 
 // Sizes that split `total` into `parts` chunks differing by at most one, the
 // larger first (10 into 4: 3, 3, 2, 2).

@@ -59,15 +59,16 @@ void bind_comm(py::module_& m) {
       py::arg("inputs"), py::arg("destination"), NoGil());
   m.def(
       "reduce_add_coalesced",
-      [](const dpcore::TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes) {
+      [](const dpcore::TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes,
+         const std::optional<std::vector<int64_t>>& slots) {
         Tensors result;
         {
           py::gil_scoped_release no_gil;
-          result = dpcore::reduce_add_coalesced(inputs, destination, bucket_bytes);
+          result = dpcore::reduce_add_coalesced(inputs, destination, bucket_bytes, slots);
         }
         return to_python_list(std::move(result));
       },
-      py::arg("inputs"), py::arg("destination"), py::arg("bucket_bytes"));
+      py::arg("inputs"), py::arg("destination"), py::arg("bucket_bytes"), py::arg("slots") = py::none());
   m.def(
       "scatter",
       [](const at::Tensor& tensor, const Devices& devices,

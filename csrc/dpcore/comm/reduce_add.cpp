@@ -211,8 +211,19 @@ at::Tensor reduce_add(at::TensorList tensors, std::optional<c10::Device> destina
 }
 
 std::vector<at::Tensor> reduce_add_coalesced(
-    const TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes) {
+    const TensorList2D& inputs, std::optional<c10::Device> destination, int64_t bucket_bytes,
+    const std::optional<std::vector<int64_t>>& slots) {
   const std::vector<c10::Device> list_devices = check_coalesced_inputs(inputs, bucket_bytes);
+  if (slots) {
+    TORCH_CHECK(
+        slots->size() == inputs.size(), "reduce_add_coalesced: slots: expected one slot per list (",
+        inputs.size(), "), but got ", slots->size());
+    for (size_t k = 0; k < slots->size(); ++k) {
+      TORCH_CHECK(
+          (*slots)[k] >= 0, "reduce_add_coalesced: slots[", k, "]: expected a position >= 0, but got ",
+          (*slots)[k]);
+    }
+  }
   if (list_devices.empty()) {
     return {};
   }
@@ -222,16 +233,17 @@ std::vector<at::Tensor> reduce_add_coalesced(
   c10::NoGradGuard no_grad;
   c10::DeviceGuard guard(dest);
   {
-    // List k is slot k; the destination is the slot of the first list on its
-    // device (slot 0 on a CPU list), else slot N.
+    // List k is slot k (or slots[k], the destination then slot 0); else the
+    // destination is the slot of the first list on its device (slot 0 on a
+    // CPU list), else slot N.
     TrafficRecord traffic(TrafficKind::ReduceAdd);
-    const size_t dest_slot = detail::slot_of(dest, list_devices);
+    const size_t dest_slot = slots ? 0 : detail::slot_of(dest, list_devices);
     for (size_t k = 0; k < inputs.size(); ++k) {
       int64_t nbytes = 0;
       for (const at::Tensor& t : inputs[k]) {
         nbytes += detail::wire_bytes(t);
       }
-      traffic.copy(k, dest_slot, nbytes);
+      traffic.copy(slots ? static_cast<size_t>((*slots)[k]) : k, dest_slot, nbytes);
     }
   }
   std::vector<at::Tensor> outputs(inputs[0].size());

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dpcore import _integrations
-from dpcore._devices import DeviceLike, as_devices, normalize_device
+from dpcore._devices import DeviceLike, as_devices
 from dpcore._gather import _WRAPPABLE, NO_HINTS, GatherHints, _reraise, pad_outputs
 from dpcore._options import check_not_compiled, overrides
 from dpcore._pytree import flatten, without_markers
@@ -53,8 +53,7 @@ class Method:
             _reraise(e, f"{self.label}: the replicas' results cannot be gathered: ")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Call:
+class Call(NamedTuple):
     """One call's record: replica j runs on ``devices[j]`` (``used[j]``: its index in the device list) as
     ``f(*args[j], **kws[j])`` with ``sizes[j]`` rows; the gather's `hints`; a non-forward `method` and what each
     replica runs in place of itself (`through`), None for a plain forward."""
@@ -93,6 +92,7 @@ class Pipeline:
         self._thread = 0
         self._split: _Split | None = None
         self._modules: list[nn.Module] = []
+        self._overridden: dict[tuple[type, str], bool] = {}
 
     def run(
         self,
@@ -234,7 +234,11 @@ class Pipeline:
 
     def overrides(self, dp: Any, name: str) -> bool:
         """Whether ``dp`` replaces the method `name` (in its class or on itself)."""
-        return overrides(type(dp), self.base, name) or name in dp.__dict__
+        key = (type(dp), name)
+        found = self._overridden.get(key)
+        if found is None:
+            found = self._overridden[key] = overrides(type(dp), self.base, name)
+        return found or name in dp.__dict__
 
     def current(self, count: int) -> Call | None:
         """The call in progress where it is this thread's and has `count` replicas."""
@@ -286,7 +290,7 @@ class Pipeline:
         lone = call is not None and len(outputs) == 1 and dp._graphs is None and not call.hints.rows
         if lone and not self.overrides(dp, "gather"):
             out = outputs[0]
-            here = type(out) is torch.Tensor and out.dim() > 0 and normalize_device(out.device) == dp.output_device
+            here = type(out) is torch.Tensor and out.dim() > 0 and out.device == dp.output_device
             if here and output_device == dp.output_device:
                 return out
         return gather_with_hints(outputs, output_device, dp.dim, call.hints if call is not None else NO_HINTS)

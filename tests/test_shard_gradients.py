@@ -300,3 +300,32 @@ def test_grad_scaler_is_refused_naming_both() -> None:
     before = model[0].weight.clone()
     optimizer.step()
     assert not torch.equal(model[0].weight, before)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (CPU counterpart: test_steps_equal_the_plain_optimizer)"
+)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_steps_equal_the_plain_optimizer_on_a_repeated_gpu(name: str) -> None:
+    """[0, 0]: the ring, the shards and the all-gather on one GPU's streams equal the plain optimizer after 20 steps,
+    with norm clipping; every p.grad stays None."""
+    cls, kwargs = OPTIMIZERS[name]
+    model = _model().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(_groups(model), cls, devices=dp, **kwargs)
+    plain_model = _model().cuda()
+    plain = cls(_groups(plain_model), **kwargs)
+    for step in range(STEPS):
+        x = _batch(step).cuda()
+        dp(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        torch.testing.assert_close(
+            optimizer.clip_grad_norm_(0.5), torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.5), **TOL
+        )
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)

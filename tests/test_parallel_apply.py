@@ -418,3 +418,24 @@ def test_calls_narrower_than_the_pool_do_not_crash() -> None:
     assert result.returncode == 0 and "survived" in result.stdout, (
         f"exit status {result.returncode} (-11 is a segmentation fault); stderr tail: {result.stderr[-1500:]}"
     )
+
+
+_TRACED = """
+import sys, torch, dpcore
+dp = dpcore.DataParallel(torch.nn.Linear(8, 8), ["cpu"] * 2)
+x = torch.randn(4, 8)
+dp(x)
+sys.{hook}(lambda *args: None)
+assert dp(x).shape == (4, 8)
+assert dpcore.parallel_apply([lambda: 1, lambda: 2], [(), ()]) == [1, 2]
+print("done")
+"""
+
+
+@pytest.mark.parametrize("hook", ["settrace", "setprofile"])
+def test_calls_return_under_a_trace_or_profile_function(hook: str) -> None:
+    """Debuggers, coverage.py and cProfile set one: a worker's finished call must leave the interpreter's eval
+    breaker as it found it (clearing a pending interrupt that is not there once signalled it for good, and the
+    traced thread spun on it)."""
+    run = subprocess.run([sys.executable, "-c", _TRACED.format(hook=hook)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr

@@ -59,6 +59,27 @@ bool interpreter_finalizing() {
 #endif
 }
 
+// Drops an interrupt (ApplyCall::interrupt_running) that reached this worker
+// after its call returned, so that it never reaches the thread's next task;
+// GIL held. Only where one is pending: PyThreadState_SetAsyncExc(thread,
+// nullptr) would signal the interpreter's eval breaker with nothing to
+// deliver, and the signal would stay set for good (every Python instruction
+// of every thread then takes the slow path; with a trace or profile function
+// set, CPython 3.11's loop spins on it). The interrupt is delivered to a
+// one-expression evaluation, which consumes the signal, and discarded.
+void drop_late_interrupt() {
+  if (PyThreadState_Get()->async_exc == nullptr) {
+    return;
+  }
+  PyObject* globals = PyDict_New();
+  if (globals != nullptr) {
+    PyObject* result = PyRun_String("None", Py_eval_input, globals, globals);
+    Py_XDECREF(result);
+    Py_DECREF(globals);
+  }
+  PyErr_Clear();
+}
+
 // The Python objects of one call, shared by the caller and the tasks: a call
 // abandoned by a signal outlives its caller's frame. The workers let go of a
 // run before it counts as done, and an unfinished run whose handle is
@@ -388,12 +409,11 @@ std::unique_ptr<ParallelRun> start_parallel_apply(
                            struct Finished {
                              ApplyCall& call;
                              size_t i;
-                             unsigned long thread;
                              ~Finished() {
                                call.running[i] = 0;
-                               PyThreadState_SetAsyncExc(thread, nullptr);
+                               drop_late_interrupt();
                              }
-                           } finished{*call, i, thread};
+                           } finished{*call, i};
                            call->results[i] = call->fns[i](*call->positional[i], **call->named[i]);
                          }});
   }

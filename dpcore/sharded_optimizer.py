@@ -184,7 +184,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         probe = self._class([_probe_tensor(params)], **defaults)  # checks the arguments, gives every default
         super().__init__(params, dict(probe.defaults))
         del probe
-        masters = [p for group in self.param_groups for p in group["params"]]
+        masters = _masters(self)
         self._check_params(masters, "params")
         if not self.devices:  # a wrapper that runs its module as is: one shard where the module is
             self.devices = [normalize_device(masters[0].device)]
@@ -236,7 +236,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _gradients(self) -> list[torch.Tensor]:
         """Every gradient held, in the order of ``param_groups``."""
-        grads = (self.gradient(p) for group in self.param_groups for p in group["params"])
+        grads = (self.gradient(p) for p in _masters(self))
         return [g for g in grads if g is not None]
 
     def clip_grad_norm_(
@@ -328,7 +328,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _sync_groups(self) -> tuple[list[_Shard], list[dict[str, Any]]]:
         """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient, and the
         hyperparameters copied (per group)."""
-        listed = {id(p) for group in self.param_groups for p in group["params"]}
+        listed = {id(p) for p in _masters(self)}
         if listed != self._shard_of.keys():
             raise ValueError(
                 "param_groups: a group's 'params' list was changed by hand since the shards were laid out; "
@@ -466,7 +466,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
             )
-        masters = [id(p) for g in self.param_groups for p in g["params"]]
+        masters = [id(p) for p in _masters(self)]
         index_of = dict(zip(masters, chain.from_iterable(s["params"] for s in saved_groups)))
         known = set(index_of.values())
         unknown = [k for k in state_dict["state"] if k not in known]
@@ -499,6 +499,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def _masters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of `optimizer`'s param_groups, in order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 

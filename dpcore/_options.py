@@ -15,6 +15,7 @@ from torch import nn
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._split import as_int, check_split
+from dpcore._units import check_policy
 from dpcore.parallel_apply import _module_device
 from dpcore.replicate import check_on_device, check_replica_refresh
 
@@ -26,6 +27,8 @@ MODEL_LOSSES = ("rows", "items", "sum", "num_items_in_batch")
 _HYBRID = ("process_group", "forward_sync_buffers", "broadcast_buffers")
 #: Fixed with a process group too: the ranks agreed on the module's layout and buckets on the first device.
 _LAYOUT = ("module", "device_ids", "bucket_bytes", "sync_batchnorm")
+#: Fixed once the parameters are sharded over the device list.
+_SHARDED = ("module", "device_ids", "shard_parameters", "shard_gradients")
 
 
 class FrozenList(list):  # type: ignore[type-arg]
@@ -69,6 +72,8 @@ class Options:
     cuda_graphs: bool
     replica_refresh: str
     shard_gradients: bool
+    shard_parameters: Any
+    reshard_after_forward: bool
     devices: Sequence[torch.device] = ()
     out: torch.device | None = None
     reduction: str | None = None
@@ -85,7 +90,8 @@ def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
     criterion, loss_items = o.criterion, o.loss_items
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, but got {type(module).__name__}")
-    for name in ("sync_batchnorm", "cuda_graphs", "gather", "shard_gradients"):
+    check_policy(o.shard_parameters)
+    for name in ("sync_batchnorm", "cuda_graphs", "gather", "shard_gradients", "reshard_after_forward"):
         if not isinstance(getattr(o, name), bool):
             raise TypeError(f"{name}: expected True or False, but got {getattr(o, name)!r}")
     if o.cuda_graphs and o.sync_batchnorm:
@@ -95,10 +101,11 @@ def check_options(cls: type, base: type, module: Any, o: Options) -> Options:
         )
     if o.cuda_graphs:
         check_not_compiled(module)
-    if o.shard_gradients and (o.process_group is not None or o.cuda_graphs):
+    sharded = "shard_parameters=" if o.shard_parameters is not False else "shard_gradients=True"
+    if (o.shard_gradients or o.shard_parameters is not False) and (o.process_group is not None or o.cuda_graphs):
         other = "process_group=" if o.process_group is not None else "cuda_graphs=True"
         raise ValueError(
-            f"shard_gradients=True cannot be combined with {other}: the gradients go, by the replicas' eager "
+            f"{sharded} cannot be combined with {other}: the gradients go, by the replicas' eager "
             f"backward, into the shards of a dpcore.ShardedOptimizer, never into .grad (which the hybrid mode "
             f"all-reduces and CUDA graph replays fill); drop one of them"
         )
@@ -143,6 +150,11 @@ def check_write(cls: type, base: type, module: Any, o: Options, field: str, valu
             f"{field}: cannot be changed after construction{' with process_group=' if field in _LAYOUT else ''}: the "
             f"processes of the hybrid mode agree on it (and on the module's layout) once, when the wrapper is built; "
             f"build a new DataParallel instead"
+        )
+    if o.shard_parameters is not False and len(o.devices) > 1 and field in _SHARDED:
+        raise AttributeError(
+            f"{field}: cannot be changed once the parameters are sharded (shard_parameters=): they live on their "
+            f"owners of this device list; save dp.state_dict() and build a new DataParallel instead"
         )
     if field == "module":
         return check_options(cls, base, value, o)

@@ -188,7 +188,7 @@ class Pipeline:
 
     def _sharded(self, dp: Any) -> ReplicaCache | None:
         """With ``shard_gradients=True``, the replica cache, told which ShardedOptimizer sums the gradients."""
-        if not dp.shard_gradients:
+        if not dp.shard_gradients and dp.shard_parameters is False:
             return None
         cache = self.cache(dp)
         cache.sharded, cache.sink = True, None if dp._sink is None else dp._sink()

@@ -22,6 +22,7 @@ from dpcore._graphs import GraphRunner
 from dpcore._loss import LossRule
 from dpcore._options import ATTRIBUTES, Options, check_options, check_write
 from dpcore._pipeline import ParallelMethod, Pipeline, substituted
+from dpcore._units import ShardedParameters
 from dpcore.distributed import DataParallelJoinHook, GradientSync
 from dpcore.parallel_apply import CallGuard
 from dpcore.replicate import DEFAULT_BUCKET_BYTES, ReplicaCache
@@ -69,6 +70,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         cuda_graphs: bool = False,
         replica_refresh: str = "auto",
         shard_gradients: bool = False,
+        shard_parameters: Any = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         nn.Module.__init__(self)  # not torch's DataParallel.__init__ (it resolves CUDA indices, moves the module)
         Joinable.__init__(self)
@@ -98,8 +101,21 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         graphs, the replica cache where `changed` shapes it; a Module criterion is a child, as torch would have it."""
         self._options, self._loss = options, LossRule(options)
         self._graphs = GraphRunner() if options.cuda_graphs else None
-        if changed in ("module", "device_ids", "bucket_bytes", "replica_refresh", "shard_gradients"):
+        if isinstance(self._cache, ShardedParameters):
+            self._cache.reshard_after_forward = options.reshard_after_forward
+        elif changed in (
+            "module",
+            "device_ids",
+            "bucket_bytes",
+            "replica_refresh",
+            "shard_gradients",
+            "shard_parameters",
+        ):
             self._cache = None
+        if options.shard_parameters is not False and len(options.devices) > 1 and self._cache is None:
+            self._cache = ShardedParameters(
+                self.module, options.devices, options.shard_parameters, options.reshard_after_forward
+            )
         if changed == "module":
             self._input_check = _integrations.input_check(self.module)
         self._modules.pop("criterion", None)
@@ -132,6 +148,8 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix; a read by torch's prefixed key is a KeyError that says
         so). With a ``destination``, the module's entries are written into it."""
+        if isinstance(self._cache, ShardedParameters):
+            return self._cache.state_dict(**kwargs)
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
         kwargs["destination"] = destination = BareStateDict()
@@ -140,7 +158,9 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict, or one with torch's ``module.``
-        keys; the next call copies every tensor to the replicas."""
+        keys; the next call copies every tensor to the replicas (sharded parameters: into their shards)."""
+        if isinstance(self._cache, ShardedParameters):
+            return self._cache.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict)
         result = self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
         if self._cache is not None:  # a module may load through .data
             self._cache.invalidate()
@@ -205,6 +225,12 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
         """The replicas' cache, as the last call left it (never built here): None before the first call that
         replicates, and after a write of an option it is built from (the next call builds a new one)."""
         return self._cache
+
+    @property
+    def sharded_parameters(self) -> ShardedParameters | None:
+        """With ``shard_parameters=`` over several devices, the parameters' placement, units and per-position bytes
+        (docs/sharded_parameters.md); else None."""
+        return self._cache if isinstance(self._cache, ShardedParameters) else None
 
     def mark_parameters_changed(self) -> None:
         """Makes the next forward copy every parameter and buffer to every replica: call it after writes that bypass
@@ -315,6 +341,10 @@ def functional_call(
         raise TypeError(f"dp: expected a dpcore.DataParallel, but got {type(dp).__name__}")
     if dp.process_group is not None:
         raise ValueError("functional_call: not supported with process_group= (gradients are not synchronized)")
+    if isinstance(dp._cache, ShardedParameters):
+        raise ValueError(
+            "functional_call: not supported with shard_parameters= (each unit gathers the module's own parameters)"
+        )
     given = parameter_and_buffer_dicts
     tensors: dict[str, torch.Tensor] = {}
     for d in [given] if isinstance(given, Mapping) else given:

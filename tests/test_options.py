@@ -100,6 +100,8 @@ WRITES: list[tuple[str, dict[str, Any], Any, dict[str, Any]]] = [
     ("cuda_graphs", {}, False, {}),  # True needs CUDA devices: refused below
     ("replica_refresh", {}, "always", {}),
     ("shard_gradients", {"shard_gradients": True}, False, {}),
+    ("shard_parameters", {}, False, {}),  # once sharded it is fixed: tests/test_shard_parameters.py
+    ("reshard_after_forward", {}, False, {}),
     ("module", {}, "Net(seed=1)", {}),
 ]
 #: (attribute, options built with, a value the constructor refuses with them).
@@ -133,6 +135,9 @@ REFUSED: list[tuple[str, dict[str, Any], Any]] = [
     ("cuda_graphs", {}, True),
     ("replica_refresh", {}, "never"),
     ("shard_gradients", {}, 1),
+    ("shard_parameters", {}, 0),
+    ("shard_parameters", {}, "yes"),
+    ("reshard_after_forward", {}, 1),
     ("module", {}, 3),
     ("module", {}, "Net(seed=1).to('meta')"),
 ]

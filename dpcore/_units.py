@@ -1,0 +1,534 @@
+"""``shard_parameters=``: the module's parameters sharded at rest over the device list, gathered unit by unit just
+in time (ZeRO-3 in one process). Each parameter lives whole on one owner; a unit's are all-gathered where a
+replica runs it and freed after it, gathered again for its backward, whose gradients are reduce-scattered into
+the attached ShardedOptimizer's shards. Rules: docs/sharded_parameters.md."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dpcore import comm
+from dpcore._functions import _filled, apply
+
+__all__ = ["ShardedParameters", "check_policy", "balance"]
+
+#: The default unit: a submodule holding at least this share of the module's parameters not in a smaller unit.
+DEFAULT_UNIT_SHARE = 1 / 16
+
+#: Tensor metadata an unloaded parameter still answers (everything else is an error naming it).
+_METADATA = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "nelement", "element_size", "requires_grad"}
+_METADATA |= {"is_leaf", "grad_fn", "grad", "is_cuda", "is_sparse", "is_meta", "layout", "is_floating_point"}
+_METADATA |= {"is_complex", "__format__", "names", "_version", "data_ptr_unavailable"}
+
+
+def balance(sizes: list[int], loads: list[int]) -> list[int]:
+    """The shard of each item: largest first, each to the least loaded shard (the first of equals); updates `loads`."""
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        k = min(range(len(loads)), key=lambda k: loads[k])
+        owners[i] = k
+        loads[k] += sizes[i]
+    return owners
+
+
+def check_policy(value: Any) -> Any:
+    """`value` if ``shard_parameters=`` takes it: False, True (the default units), an int (a unit's least number of
+    parameters), a tuple of module classes, or a callable ``(module) -> bool``; TypeError naming it otherwise."""
+    ok = isinstance(value, (bool, int)) or callable(value) and not isinstance(value, type)
+    ok = ok or isinstance(value, tuple) and bool(value) and all(isinstance(c, type) for c in value)
+    if not ok or (not isinstance(value, bool) and isinstance(value, int) and value <= 0):
+        raise TypeError(
+            f"shard_parameters: expected True or False, a positive int (the fewest parameters of a unit), a "
+            f"tuple of module classes (each instance one unit) or a callable (module) -> bool, but got {value!r}"
+        )
+    return value
+
+
+class _Unloaded(torch.Tensor):
+    """What a replica's parameter slot holds while its unit is not gathered: its metadata, no memory; any other
+    use is an error naming it."""
+
+    _label: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            name = getattr(func.__self__, "__name__", name)
+        if name in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        label = next((a._label for a in tree_leaves((args, kwargs)) if isinstance(a, _Unloaded)), "a parameter")
+        raise RuntimeError(
+            f"shard_parameters=True: the forward used {label} outside its unit ({name}): a unit's parameters are "
+            f"gathered only while that unit's forward runs; read a parameter in the forward of a module of its unit "
+            f"(or give shard_parameters= a policy whose units hold the modules that share it)"
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"<unloaded {self._label}: {self.dtype}{list(self.shape)} on {self.device}>"
+
+
+class Unit(NamedTuple):
+    """One unit: its root module's index in ``module.modules()``, its name, its parameters (unique) and the slots
+    ``(module index, name, parameter index)`` that hold them."""
+
+    root: int
+    name: str
+    params: list[nn.Parameter]
+    slots: list[tuple[int, str, int]]
+
+
+def plan_units(module: nn.Module, policy: Any) -> list[Unit]:
+    """The units of `module` by `policy` (:func:`check_policy`), post-order: a submodule is a unit where the policy
+    picks it, holding the parameters of its subtree not in a unit below; the root is the last unit, with the rest.
+    Containers without a forward (ModuleList, ModuleDict) are never units."""
+    modules = list(module.named_modules(remove_duplicate=True))
+    index = {id(m): i for i, (_, m) in enumerate(modules)}
+    direct = [[(n, p) for n, p in m._parameters.items() if p is not None] for _, m in modules]
+    total = sum(p.numel() for p in module.parameters())
+    least = max(1, int(total * DEFAULT_UNIT_SHARE)) if policy is True else policy if type(policy) is int else 0
+    claimed: set[int] = set()  # module indices inside a unit
+    units: list[Unit] = []
+
+    def free_params(i: int) -> int:
+        seen: set[int] = set()
+        count = 0
+        for j in _subtree(modules, i, index):
+            if j not in claimed:
+                for _, p in direct[j]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        count += p.numel()
+        return count
+
+    def picks(m: nn.Module, i: int) -> bool:
+        if getattr(type(m), "forward", None) is nn.Module.forward:
+            return False
+        if least:
+            return free_params(i) >= least
+        return isinstance(m, policy) if isinstance(policy, tuple) else bool(policy(m))
+
+    for i in _post_order(modules, index):
+        if i == 0 or i in claimed or not (picks(modules[i][1], i) and free_params(i)):
+            continue
+        members = [j for j in _subtree(modules, i, index) if j not in claimed]
+        units.append(_unit(i, modules[i][0], members, direct))
+        claimed.update(members)
+    units.append(_unit(0, "", [j for j in range(len(modules)) if j not in claimed], direct))
+    return units
+
+
+def _unit(root: int, name: str, members: list[int], direct: list[list[tuple[str, nn.Parameter]]]) -> Unit:
+    params: list[nn.Parameter] = []
+    where: dict[int, int] = {}
+    slots = []
+    for j in members:
+        for n, p in direct[j]:
+            if id(p) not in where:
+                where[id(p)] = len(params)
+                params.append(p)
+            slots.append((j, n, where[id(p)]))
+    return Unit(root, name, params, slots)
+
+
+def _children(modules: list[tuple[str, nn.Module]], i: int, index: dict[int, int]) -> list[int]:
+    return [index[id(c)] for c in modules[i][1]._modules.values() if c is not None and id(c) in index]
+
+
+def _subtree(modules: list[tuple[str, nn.Module]], i: int, index: dict[int, int]) -> list[int]:
+    out, stack = [], [i]
+    while stack:
+        j = stack.pop()
+        if j not in out:
+            out.append(j)
+            stack.extend(_children(modules, j, index))
+    return out
+
+
+def _post_order(modules: list[tuple[str, nn.Module]], index: dict[int, int]) -> list[int]:
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def visit(i: int) -> None:
+        seen.add(i)
+        for c in _children(modules, i, index):
+            if c not in seen:
+                visit(c)
+        order.append(i)
+
+    visit(0)
+    return order
+
+
+class _Replica(NamedTuple):
+    """A module's replica at one position: its parameter slots, children, and own attributes (a unit's forward)."""
+
+    module: nn.Module
+    params: dict[str, Any]
+    children: dict[str, Any]
+    own: dict[str, Any]
+
+
+class _GatherUnit(torch.autograd.Function):
+    """``apply(state, u, *shards)``: unit u's parameters on every position (position-major; a position's own shards
+    as aliases). Backward reduce-scatters every position's gradients into the attached optimizer's shards and
+    frees the copies."""
+
+    @staticmethod
+    def forward(state: ShardedParameters, u: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(t for row in state._gathered(u) for t in row)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.state, ctx.u = inputs[0], inputs[1]
+        n = len(inputs) - 2
+        frozen = [i for i, t in enumerate(inputs[2:]) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*[output[k] for k in range(len(output)) if k % n in frozen])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        state, u = ctx.state, ctx.u
+        n = len(state.units[u].params)
+        state._reduce(u, [list(grads[k : k + n]) for k in range(0, len(grads), n)])
+        return (None,) * (n + 2)
+
+
+class _Hold(torch.autograd.Function):
+    """``apply(state, u, d, *copies)``: position d's tensors of unit u (aliases); its backward, run once position d's
+    gradients of them are complete, frees d's copies before the unit's reduce-scatter waits for the others."""
+
+    @staticmethod
+    def forward(state: ShardedParameters, u: int, d: int, *copies: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(t.view_as(t) for t in copies)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.state, ctx.u, ctx.d = inputs[:3]
+        frozen = [output[i] for i, t in enumerate(inputs[3:]) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.state._unload(ctx.u, ctx.d)
+        return (None, None, None, *grads)
+
+
+class ShardedParameters:
+    """The parameters of `module` sharded over `devices`: each one whole at its owner (:meth:`owner_of`, bytes
+    balanced), the module's own tensor emptied (``numel() == 0``) where the owner is not position 0; replicas per
+    position (position 0 sharing the module's buffers) whose units gather their parameters just in time. A
+    structural change of the module after sharding is not followed (``valid()`` stays True)."""
+
+    def __init__(
+        self, module: nn.Module, devices: Sequence[torch.device], policy: Any, reshard_after_forward: bool
+    ) -> None:
+        self.module, self.devices = module, list(devices)
+        self.reshard_after_forward = reshard_after_forward
+        self.units = plan_units(module, policy)
+        self.sink: Any = None  # the ShardedOptimizer that sums the gradients, set by the pipeline before each call
+        self.sharded, self.aliases = True, {}  # the replica cache's interface (Pipeline._sharded)
+        #: The most bytes of parameters (shards and gathered copies) a position may hold; None: no limit.
+        self.budget: int | None = None
+        self._lock = threading.Lock()
+        self._modules = [m for _, m in module.named_modules(remove_duplicate=True)]
+        params = list(module.parameters())
+        loads = [0] * len(self.devices)
+        owners = balance([p.numel() * p.element_size() for p in params], loads)
+        self._owner = {id(p): k for p, k in zip(params, owners)}
+        self._rest = loads  # bytes of shards at rest per position
+        self._live = [0] * len(self.devices)
+        self._peak = list(loads)
+        self._shards: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for p, k in zip(params, owners):
+                shard = p.detach() if k == 0 else p.detach().to(self.devices[k], copy=True)
+                self._shards[id(p)] = shard.requires_grad_(p.requires_grad)
+                if k != 0:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._unloaded = [[self._sentinel(p, u, d) for u in self.units for p in u.params] for d in self.devices]
+        self._rows = [self._replicate(d) for d in range(len(self.devices))]
+        self._copies: dict[int, list[list[torch.Tensor]]] = {}  # unit -> per position its tensors, this call
+        self._filled: dict[int, list[bool]] = {}
+        self._held: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, position) -> what its slots hold
+
+    # -- placement --
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The position whose shard holds `param` whole."""
+        return self._owner[id(param)]
+
+    def shard(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s value at its owner (what the optimizer steps; an alias of the module's at position 0)."""
+        return self._shards[id(param)]
+
+    def held_bytes(self) -> dict[int, dict[str, int]]:
+        """Per position: ``parameters`` (its shards), ``gathered`` (copies alive now) and ``peak_parameters`` (the most
+        of both at once since the last :meth:`reset_peak`)."""
+        return {
+            k: {"parameters": self._rest[k], "gathered": self._live[k], "peak_parameters": self._peak[k]}
+            for k in range(len(self.devices))
+        }
+
+    def reset_peak(self) -> None:
+        self._peak = [r + live for r, live in zip(self._rest, self._live)]
+
+    def replica_bytes(self) -> int:
+        """Bytes of persistent parameter copies per replica: none (the replica cache's interface)."""
+        return 0
+
+    def valid(self) -> bool:
+        return True
+
+    def invalidate(self) -> None:
+        """Nothing to refresh: every call gathers from the shards."""
+
+    # -- checkpoints --
+
+    def full(self, param: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`param`'s whole value, copied to `device`."""
+        return self._shards[id(param)].detach().to(device, copy=True)
+
+    def state_dict(self, device: torch.device | str = "cpu", **kwargs: Any) -> dict[str, Any]:
+        """The bare module's state dict with every parameter whole, copied to `device` one at a time."""
+        sd = self.module.state_dict(**kwargs)
+        prefix = kwargs.get("prefix", "")
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if prefix + name in sd:
+                sd[prefix + name] = self.full(p, device)
+        return sd
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        """Loads a bare module's state dict: each parameter into its owner's shard, the rest into the module."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        rest = {k: v for k, v in state_dict.items() if k not in named}
+        result = self.module.load_state_dict(rest, strict=False)
+        missing = [k for k in result.missing_keys if k not in state_dict]
+        with torch.no_grad():
+            for name, p in named.items():
+                if name not in state_dict:
+                    continue
+                value, shard = state_dict[name], self._shards[id(p)]
+                if value.shape != shard.shape:
+                    raise RuntimeError(
+                        f"state_dict[{name!r}]: expected shape {list(shard.shape)} (the parameter's), but got "
+                        f"{list(value.shape)}"
+                    )
+                shard.copy_(value)
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys {missing}, "
+                f"unexpected keys {result.unexpected_keys}"
+            )
+        return torch.nn.modules.module._IncompatibleKeys(missing, result.unexpected_keys)
+
+    # -- the replicas --
+
+    def _sentinel(self, p: nn.Parameter, unit: Unit, device: torch.device) -> torch.Tensor:
+        empty = torch.empty((), dtype=p.dtype, device=device).expand(p.shape)
+        t = torch.Tensor._make_subclass(_Unloaded, empty, False)
+        t._label = f"a parameter of unit {unit.name or '(the root)'!r} ({p.dtype}{list(p.shape)})"
+        return t
+
+    def _replicate(self, d: int) -> list[_Replica]:
+        """Position d's replica of each module, with its own parameter slots (unloaded) and children, and each
+        unit root's forward."""
+        row = [m._replicate_for_data_parallel() for m in self._modules]
+        index = {id(m): i for i, m in enumerate(self._modules)}
+        out = []
+        for m, r in zip(self._modules, row):
+            children = {n: None if c is None else row[index[id(c)]] for n, c in m._modules.items()}
+            out.append(_Replica(r, dict(m._parameters), children, {}))
+        flat = 0
+        for u, unit in enumerate(self.units):
+            for j, name, k in unit.slots:
+                out[j].params[name] = self._unloaded[d][flat + k]
+            flat += len(unit.params)
+            if unit.params:
+                out[unit.root].own["forward"] = self._runner(u, d, out[unit.root].module)
+        return out
+
+    def _runner(self, u: int, d: int, replica: nn.Module) -> Callable[..., Any]:
+        """Unit u's forward on position d: gathered, run, freed (reshard_after_forward), refilled before its
+        backward."""
+        unit, original = self.units[u], type(replica).forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._load(u, d)
+            try:
+                out = replica.__dict__.get("_dp_forward", original.__get__(replica))(*args, **kwargs)
+            finally:
+                if self.reshard_after_forward or not torch.is_grad_enabled():
+                    self._unload(u, d)
+            needing = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing and u in self._copies:
+                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(u, d), mode="any")
+            return out
+
+        forward.__name__ = f"forward of unit {unit.name or '(root)'}"
+        return forward
+
+    def replicas(self, n: int) -> list[nn.Module]:
+        """Position 0..n-1's replicas, synced with the module (its attributes and training state; position 0 shares
+        its buffers, the others get copies); every unit unloaded."""
+        with self._lock:
+            self._drop_all()
+            roots = []
+            for d in range(n):
+                for m, rep in zip(self._modules, self._rows[d]):
+                    state = dict(m.__dict__)
+                    if "forward" in rep.own and "forward" in state:  # an instance's own forward, run by its unit's
+                        state["_dp_forward"] = state.pop("forward")
+                    state.update(rep.own, _parameters=rep.params, _modules=rep.children, _is_replica=True)
+                    state["_buffers"] = m._buffers if d == 0 else self._buffers(m, d)
+                    rep.module.__dict__ = state
+                roots.append(self._rows[d][0].module)
+            return roots
+
+    def _buffers(self, m: nn.Module, d: int) -> dict[str, Any]:
+        device = self.devices[d]
+        with torch.no_grad():
+            return {k: None if b is None else b.to(device, copy=True) for k, b in m._buffers.items()}
+
+    # -- gathering --
+
+    def _gathered(self, u: int) -> list[list[torch.Tensor]]:
+        """Unit u's tensors for every position, unfilled (no memory) but an owner's (its shard)."""
+        params = self.units[u].params
+        rows = []
+        for d, device in enumerate(self.devices):
+            row = []
+            for p in params:
+                shard = self._shards[id(p)]
+                if self._owner[id(p)] == d:
+                    row.append(shard.detach())
+                else:
+                    t = torch.empty_like(shard, device=device)
+                    t.untyped_storage().resize_(0)
+                    row.append(t)
+            rows.append(row)
+        return rows
+
+    def _load(self, u: int, d: int) -> None:
+        """Puts unit u's parameters into position d's slots, gathered there (this call's tensors made once, for
+        every position, with the autograd node whose backward reduce-scatters their gradients)."""
+        with self._lock:
+            copies = self._copies.get(u)
+            if copies is None:
+                shards = [self._shards[id(p)] for p in self.units[u].params]
+                if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
+                    flat = apply(_GatherUnit, self, u, *shards)
+                else:
+                    flat = [t for row in self._gathered(u) for t in row]
+                k = len(shards)
+                copies = self._copies[u] = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
+                self._filled[u] = [False] * len(self.devices)
+            if not self._filled[u][d]:
+                self._fill(u, d)
+            held = self._held.get((u, d))
+            if held is None:
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in copies[d])
+                held = self._held[u, d] = list(apply(_Hold, self, u, d, *copies[d])) if grad else copies[d]
+            self._slots(u, d, held)
+
+    def _unload(self, u: int, d: int) -> None:
+        """Frees position d's copies of unit u (not its own shards) and unloads its slots."""
+        with self._lock:
+            if u in self._copies and self._filled[u][d]:
+                self._free(u, d)
+            self._slots(u, d, None)
+
+    def _refill(self, u: int, d: int) -> None:
+        """Before unit u's backward on position d: its copies gathered again where freed, and in the slots (a
+        recomputation inside the unit reads them)."""
+        with self._lock:
+            if u in self._copies:
+                if not self._filled[u][d]:
+                    self._fill(u, d)
+                self._slots(u, d, self._held.get((u, d), self._copies[u][d]))
+
+    def _reduce(self, u: int, grads: list[list[torch.Tensor | None]]) -> None:
+        """Unit u's backward: every position's gradients summed into the sink at the owners, then the copies freed."""
+        sink = self.sink
+        if sink is None:
+            raise RuntimeError(
+                "shard_parameters=True: this backward sums the gradients into the shards of a "
+                "dpcore.ShardedOptimizer, but none is attached to the wrapper: build dpcore.ShardedOptimizer("
+                "model.parameters(), ..., devices=dp) before the backward"
+            )
+        used, rows, _ = _filled(grads, self.devices)
+        params = self.units[u].params
+        if used:
+            masters = [params[j] for j in used]
+            sink.add(masters, comm.reduce_scatter_coalesced(rows, self.devices, [self._owner[id(p)] for p in masters]))
+        with self._lock:
+            if u in self._copies:
+                for d in range(len(self.devices)):
+                    if self._filled[u][d]:
+                        self._free(u, d)
+                    self._slots(u, d, None)
+                del self._copies[u], self._filled[u]
+                for d in range(len(self.devices)):
+                    self._held.pop((u, d), None)
+
+    def _fill(self, u: int, d: int) -> None:
+        """Position d's copies of unit u allocated and copied from their owners (unseen by version counters)."""
+        params, copies = self.units[u].params, self._copies[u][d]
+        pulled = [(t, self._shards[id(p)]) for p, t in zip(params, copies) if self._owner[id(p)] != d]
+        for t, shard in pulled:
+            self._count(d, _nbytes(shard))
+            t.untyped_storage().resize_(_nbytes(shard))
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(t for t, _ in pulled)):
+            for t, shard in pulled:
+                t.copy_(shard)
+        self._filled[u][d] = True
+
+    def _free(self, u: int, d: int) -> None:
+        params = self.units[u].params
+        for i, t in enumerate(self._copies[u][d]):
+            if self._owner[id(params[i])] != d:
+                self._count(d, -_nbytes(t))
+                t.untyped_storage().resize_(0)
+        self._filled[u][d] = False
+
+    def _slots(self, u: int, d: int, tensors: list[torch.Tensor] | None) -> None:
+        unit, row = self.units[u], self._rows[d]
+        base = sum(len(self.units[v].params) for v in range(u))
+        for j, name, k in unit.slots:
+            row[j].params[name] = self._unloaded[d][base + k] if tensors is None else tensors[k]
+
+    def _drop_all(self) -> None:
+        """A new call: the copies a previous call left (a forward without its backward) are dropped."""
+        for u in list(self._copies):
+            for d in range(len(self.devices)):
+                if self._filled[u][d]:
+                    self._free(u, d)
+                self._slots(u, d, None)
+        self._copies.clear()
+        self._filled.clear()
+        self._held.clear()
+
+    def _count(self, d: int, nbytes: int) -> None:
+        live = self._live[d] + nbytes
+        if nbytes > 0 and self.budget is not None and self._rest[d] + live > self.budget:
+            raise RuntimeError(
+                f"budget: position {d} ({self.devices[d]}) would hold {self._rest[d] + live} bytes of parameters "
+                f"({self._rest[d]} in its shards, {live} gathered), over its budget of {self.budget}; use smaller "
+                f"units (shard_parameters=) or more devices"
+            )
+        self._live[d] = live
+        self._peak[d] = max(self._peak[d], self._rest[d] + live)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -23,4 +23,4 @@ python -m pip install -q --no-build-isolation "$root[demo]"
 # Run outside the source folder so that the installed dpcore (with its
 # built extension) is imported, not the source tree.
 cd /
-python -m dpcore.demo "$@"
+python "$root/examples/digits.py" "$@"

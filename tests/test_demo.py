@@ -1,4 +1,4 @@
-"""Tests for the digits demo, ``python -m dpcore.demo`` (dpcore/demo.py).
+"""Tests for the digits demo, ``python examples/digits.py`` (an application of dpcore, not part of the package).
 
 The demo needs scikit-learn and tqdm (the demo extras); the
 test environment installs them, so nothing here skips for want of them.
@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from conftest import NO_GPU_REASON
-from dpcore import demo
+
+# The demo is a script beside the package: imported from its folder (tests/test_readme.py and
+# tests/test_distributed.py take it from here).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import digits as demo  # noqa: E402
 
 
 def _check_summary(summary: dict[str, Any], epochs: int, devices: int) -> None:
@@ -185,7 +190,7 @@ def test_cuda_graphs_on_a_cpu_list_is_an_option_error(devices: list[str], capsys
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     last = err.strip().splitlines()[-1]
-    assert last.startswith("python -m dpcore.demo: error: --cuda-graphs: needs CUDA devices")
+    assert last.startswith("python examples/digits.py: error: --cuda-graphs: needs CUDA devices")
     assert f"--devices {devices[1]} is cpu" in last and "CUDA graphs capture CUDA work only" in last
     assert out == ""  # nothing ran
 
@@ -297,7 +302,7 @@ def test_bad_options_exit_2_naming_the_option(argv: list[str], option: str, caps
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     last = err.strip().splitlines()[-1]
-    assert last.startswith("python -m dpcore.demo: error:") and option in last
+    assert last.startswith("python examples/digits.py: error:") and option in last
     assert out == ""  # nothing ran
 
 
@@ -362,7 +367,7 @@ def test_missing_dependency_names_the_extra(module: str, monkeypatch: pytest.Mon
     message = str(exc.value.code)
     missing = "scikit-learn" if module == "sklearn" else "tqdm"
     assert message == (
-        f"dpcore.demo needs scikit-learn and tqdm, but {missing} is missing: pip install scikit-learn tqdm "
+        f"examples/digits.py needs scikit-learn and tqdm, but {missing} is missing: pip install scikit-learn tqdm "
         '(or, in the dpcore source folder, pip install --no-build-isolation ".[demo]")'
     )
 

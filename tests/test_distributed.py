@@ -1129,11 +1129,12 @@ def test_reentrant_backward_is_a_clear_error(world_of_one: Any) -> None:
 
 
 def _torchrun_demo(*args: str) -> str:
-    """`torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices
+    """`torchrun --standalone --nproc-per-node 2 examples/digits.py --devices
     cpu:2 --epochs 1 --no-progress ARGS`; its output, after checking it
     exited 0 and its float64 agreement check passed once (rank 0 only)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "dpcore.demo", "--devices", "cpu:2", "--epochs", "1", "--no-progress", *args]
+    script = str(Path(TESTS_DIR).parent / "examples" / "digits.py")
+    cmd += [script, "--devices", "cpu:2", "--epochs", "1", "--no-progress", *args]
     done = subprocess.run(cmd, env=loopback_env(), cwd=TESTS_DIR, capture_output=True, text=True, timeout=240)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
@@ -1142,7 +1143,7 @@ def _torchrun_demo(*args: str) -> str:
 
 
 def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
-    """The main job: `torchrun --standalone --nproc-per-node 2 -m dpcore.demo
+    """The main job: `torchrun --standalone --nproc-per-node 2 examples/digits.py
     --devices cpu:2` (here shortened with --limit and one epoch)."""
     checkpoint = tmp_path / "digits.pt"
     out = _torchrun_demo("--limit", "300", "--checkpoint", str(checkpoint))
@@ -1154,7 +1155,7 @@ def test_torchrun_demo_logs_from_rank_zero_only(tmp_path: Path) -> None:
 
 
 def test_torchrun_demo_with_sync_batchnorm_passes_its_float64_check() -> None:
-    """`torchrun ... -m dpcore.demo --devices cpu:2 --sync-batchnorm`:
+    """`torchrun ... examples/digits.py --devices cpu:2 --sync-batchnorm`:
     BatchNorm synchronized across the 2 processes x 2 replicas, and the
     float64 check against one device on the global batch (running
     statistics included) passes."""
@@ -1181,7 +1182,9 @@ def test_bench_distributed_runs_hybrid_against_ddp() -> None:
 
 
 def test_sampler_batches_share_each_global_batch_equally() -> None:
-    from dpcore.demo import sampler_batches
+    from test_demo import demo  # examples/digits.py
+
+    sampler_batches = demo.sampler_batches
 
     for world in (1, 2, 3):
         epoch = sampler_batches(100, 12, seed=0, epoch=1, world=world)
@@ -1197,7 +1200,7 @@ def test_sampler_batches_share_each_global_batch_equally() -> None:
 def test_demo_under_torchrun_checks_batch_size_and_devices(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dpcore import demo
+    from test_demo import demo  # examples/digits.py
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")

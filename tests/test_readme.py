@@ -372,12 +372,12 @@ def _parser_of(main: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> arg
 
 
 def _commands() -> dict[str, Callable[..., Any]]:
-    from dpcore import demo
     from dpcore.bench import __main__ as bench_all
     from dpcore.bench import comm, distributed, generate, kernels, optimizer, soak, step, targets
+    from test_demo import demo  # examples/digits.py
 
     return {
-        "python -m dpcore.demo": demo.main,
+        "python examples/digits.py": demo.main,
         "python -m dpcore.bench": bench_all.main,
         "python bench/bench_comm.py": comm.main,
         "python bench/bench_kernels.py": kernels.main,

@@ -6,9 +6,9 @@ replica. First, a few steps run in float64 with DataParallel and on one device
 from the same weights: the run exits with status 1 if they disagree. Under
 torchrun it trains one model over the processes (docs/hybrid.md).
 
-    python -m dpcore.demo --devices cpu:2 --epochs 5
-    python -m dpcore.demo --devices 0,0 --cuda-graphs
-    torchrun --standalone --nproc-per-node 2 -m dpcore.demo --devices cpu:2
+    python examples/digits.py --devices cpu:2 --epochs 5
+    python examples/digits.py --devices 0,0 --cuda-graphs
+    torchrun --standalone --nproc-per-node 2 examples/digits.py --devices cpu:2
 
 Needs scikit-learn and tqdm (``pip install --no-build-isolation ".[demo]"``).
 """
@@ -38,7 +38,7 @@ CHECK_STEPS = 3  # float64 steps compared against one device
 CHECK_STEPS_GRAPHED = 8  # with --cuda-graphs: the warm-up and capture, then replays
 CHECK_ATOL = 1e-10  # on every parameter, buffer and loss after each step
 MISSING_DEPS = (
-    "dpcore.demo needs scikit-learn and tqdm, but {} missing: pip install scikit-learn tqdm "
+    "examples/digits.py needs scikit-learn and tqdm, but {} missing: pip install scikit-learn tqdm "
     '(or, in the dpcore source folder, pip install --no-build-isolation ".[demo]")'
 )
 SGD = functools.partial(torch.optim.SGD, momentum=0.9)  # the optimizer of the check and of the run
@@ -179,7 +179,7 @@ def _local_devices(devices: list[torch.device], local_rank: int) -> list[torch.d
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[torch.device], str]:
     """(options, this process's devices, the --devices spec); a bad option exits 2 naming it."""
     parser = argparse.ArgumentParser(
-        prog="python -m dpcore.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python examples/digits.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
     add("--devices", help="'cpu:N' or CUDA indices such as '0,1' or '0,0' (default: every GPU, else cpu:4)")
@@ -288,7 +288,7 @@ def _run(args: argparse.Namespace, devices: list[torch.device], spec: str, group
     extras = ", CUDA graphs" if args.cuda_graphs else ""
     extras += f", torch.compile (backend {args.compile})" if args.compile is not None else ""
     say(
-        f"dpcore.demo: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on {where} "
+        f"examples/digits.py: digits CNN{'' if batchnorm == 'none' else f' with {batchnorm} BatchNorm'} on {where} "
         f"[{', '.join(str(d) for d in devices)}] ({spec}{extras}); {len(y_train)} train / {len(y_test)} test "
         f"images, batch {args.batch_size}, {args.epochs} epoch(s), SGD lr {args.lr} (momentum 0.9, cosine decay), "
         f"seed {args.seed}"

@@ -66,7 +66,7 @@ class _Unloaded(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         label = next((a._label for a in tree_leaves((args, kwargs)) if isinstance(a, _Unloaded)), "a parameter")
         raise RuntimeError(
-            f"shard_parameters=True: the forward used {label} outside its unit ({name}): a unit's parameters are "
+            f"shard_parameters=True: the forward used {label} outside that unit (in {name}): a unit's parameters are "
             f"gathered only while that unit's forward runs; read a parameter in the forward of a module of its unit "
             f"(or give shard_parameters= a policy whose units hold the modules that share it)"
         )
@@ -261,6 +261,7 @@ class ShardedParameters:
         self._copies: dict[int, list[list[torch.Tensor]]] = {}  # unit -> per position its tensors, this call
         self._filled: dict[int, list[bool]] = {}
         self._held: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, position) -> what its slots hold
+        self._backward: set[tuple[int, int]] = set()  # (unit, position) refilled for its backward
 
     # -- placement --
 
@@ -368,8 +369,8 @@ class ShardedParameters:
             try:
                 out = replica.__dict__.get("_dp_forward", original.__get__(replica))(*args, **kwargs)
             finally:
-                if self.reshard_after_forward or not torch.is_grad_enabled():
-                    self._unload(u, d)
+                if (self.reshard_after_forward or not torch.is_grad_enabled()) and (u, d) not in self._backward:
+                    self._unload(u, d)  # (a recomputation inside its backward keeps them)
             needing = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if needing and u in self._copies:
                 torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(u, d), mode="any")
@@ -447,12 +448,14 @@ class ShardedParameters:
             if u in self._copies and self._filled[u][d]:
                 self._free(u, d)
             self._slots(u, d, None)
+            self._backward.discard((u, d))
 
     def _refill(self, u: int, d: int) -> None:
         """Before unit u's backward on position d: its copies gathered again where freed, and in the slots (a
         recomputation inside the unit reads them)."""
         with self._lock:
             if u in self._copies:
+                self._backward.add((u, d))
                 if not self._filled[u][d]:
                     self._fill(u, d)
                 self._slots(u, d, self._held.get((u, d), self._copies[u][d]))
@@ -480,6 +483,7 @@ class ShardedParameters:
                 del self._copies[u], self._filled[u]
                 for d in range(len(self.devices)):
                     self._held.pop((u, d), None)
+                    self._backward.discard((u, d))
 
     def _fill(self, u: int, d: int) -> None:
         """Position d's copies of unit u allocated and copied from their owners (unseen by version counters)."""
@@ -517,6 +521,7 @@ class ShardedParameters:
         self._copies.clear()
         self._filled.clear()
         self._held.clear()
+        self._backward.clear()
 
     def _count(self, d: int, nbytes: int) -> None:
         live = self._live[d] + nbytes

@@ -1,0 +1,340 @@
+"""DataParallel(shard_parameters=...) with dpcore.ShardedOptimizer (ZeRO-3 in one process): each parameter lives
+whole at one owner between calls (the module's own tensor emptied elsewhere), units gather theirs just in time on
+each position and free them, and the backward reduce-scatters into the optimizer's shards. Compared in float64
+after 20 AdamW steps with one device; bytes per position counted (dpcore/_units.py, docs/sharded_parameters.md)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dpcore
+
+STEPS = 20
+TOL = {"atol": 1e-10, "rtol": 0.0}
+COUNTS = [2, 3, 4]
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def _mlp() -> nn.Module:
+    """Parameters of very different sizes (uneven shards), one frozen bias."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 40), nn.Tanh(), nn.Linear(40, 9), nn.Tanh(), nn.Linear(9, 3))
+    model[2].bias.requires_grad_(False)
+    return model.double()
+
+
+class _Cnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 4, 3))
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _cnn() -> nn.Module:
+    return _Cnn().double()
+
+
+def _gpt2(**config: Any) -> nn.Module:
+    t = pytest.importorskip("transformers")
+    settings = {"vocab_size": 50, "n_positions": 64, "n_embd": 16, "n_layer": 2, "n_head": 2, **config}
+    dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    torch.manual_seed(0)
+    config_ = t.GPT2Config(**settings, **dropout, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return t.GPT2LMHeadModel(config_).double()
+
+
+def _batch(name: str, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    if name == "gpt2":
+        return {"input_ids": torch.randint(3, 50, (7, 9), generator=g)}
+    if name == "cnn":
+        return {"x": torch.randn(7, 2, 8, 8, generator=g, dtype=torch.float64)}
+    return {"x": torch.randn(7, 5, generator=g, dtype=torch.float64)}
+
+
+def _out(result: Any) -> torch.Tensor:
+    return result.logits if hasattr(result, "logits") else result
+
+
+MODELS = {"mlp": _mlp, "cnn": _cnn, "gpt2": _gpt2}
+
+
+def _sharded(model: nn.Module, n: int, **options: Any) -> tuple[dpcore.DataParallel, dpcore.ShardedOptimizer]:
+    dp = dpcore.DataParallel(model, ["cpu"] * n, **{"shard_parameters": True, **options})
+    return dp, dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, **ADAMW)
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("n", COUNTS)
+def test_steps_equal_one_device(n: int, name: str) -> None:
+    """20 steps of two backwards each with norm clipping (BatchNorm synchronized): outputs, gradients, the whole
+    state dict and the running statistics equal one device's; p.grad stays None; between steps each parameter is
+    held once, at its owner, and the module's own tensor is empty elsewhere."""
+    model, bare = MODELS[name](), MODELS[name]()
+    dp, optimizer = _sharded(model, n, sync_batchnorm=name == "cnn")
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    sharded = dp.sharded_parameters
+    for step in range(STEPS):
+        for half in (0, 1):
+            batch = _batch(name, 2 * step + half)
+            got, expected = _out(dp(*batch.values())), _out(bare(*batch.values()))
+            torch.testing.assert_close(got, expected, **TOL)
+            got.square().mean().backward()
+            expected.square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        for p, q in zip(model.parameters(), bare.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+        optimizer.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(bare.parameters(), 0.5)
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    state = dp.state_dict()
+    for key, value in bare.state_dict().items():
+        torch.testing.assert_close(state[key], value, **TOL)
+    held = sharded.held_bytes()
+    assert all(h["gathered"] == 0 for h in held.values())
+    params = list(model.parameters())
+    assert sum(h["parameters"] for h in held.values()) == _bytes(sharded.shard(p) for p in params)
+    for p in params:
+        k = sharded.owner_of(p)
+        assert (p.numel() == 0) == (k != 0) and sharded.shard(p).device == dp.device_ids[k]
+
+
+def test_tied_weights_in_two_units_get_both_gradients() -> None:
+    """GPT-2's embedding and head share one parameter in two units: each gathers it, both gradients are summed."""
+    model = _gpt2()
+    dp, optimizer = _sharded(model, 3)
+    names = {u.name for u in dp.sharded_parameters.units if any(p is model.lm_head.weight for p in u.params)}
+    assert names == {"transformer.wte", "lm_head"}
+    bare = _gpt2()
+    batch = _batch("gpt2", 0)
+    _out(dp(*batch.values())).sum().backward()
+    _out(bare(*batch.values())).sum().backward()
+    torch.testing.assert_close(optimizer.gradient(model.lm_head.weight), bare.lm_head.weight.grad, **TOL)
+
+
+class _Checkpointed(nn.Module):
+    """One unit whose inner blocks run under non-reentrant checkpointing (recomputed inside the unit's backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_checkpointing_inside_a_unit(reshard: bool) -> None:
+    model, bare = _Checkpointed().double(), _Checkpointed().double()
+    dp, optimizer = _sharded(model, 3, shard_parameters=(nn.Sequential,), reshard_after_forward=reshard)
+    assert [u.name for u in dp.sharded_parameters.units] == ["blocks.0", "blocks.1", "blocks.2", ""]
+    x = torch.randn(7, 6, dtype=torch.float64)
+    dp(x).square().sum().backward()
+    bare(x).square().sum().backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+
+
+def test_gpt2_gradient_checkpointing_with_the_whole_body_one_unit() -> None:
+    """transformers' gradient checkpointing (non-reentrant) inside one unit holding the whole transformer."""
+    t = pytest.importorskip("transformers")
+    model, bare = _gpt2(), _gpt2()
+    for m in (model, bare):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dp, optimizer = _sharded(model, 2, shard_parameters=(t.GPT2Model,))
+    batch = _batch("gpt2", 1)
+    _out(dp(*batch.values())).square().mean().backward()
+    _out(bare(*batch.values())).square().mean().backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_no_grad_and_eval_forwards_gather_and_free(name: str) -> None:
+    model, bare = MODELS[name](), MODELS[name]()
+    dp, _ = _sharded(model, 3, sync_batchnorm=True)
+    for mode in ("train", "eval"):
+        getattr(dp, mode)()
+        getattr(bare, mode)()
+        batch = _batch(name, 3)
+        with torch.no_grad():
+            torch.testing.assert_close(_out(dp(*batch.values())), _out(bare(*batch.values())), **TOL)
+        assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+
+
+def test_generate_equals_the_bare_model() -> None:
+    model, bare = _gpt2().eval(), _gpt2().eval()
+    dp, _ = _sharded(model, 3)
+    ids = torch.randint(3, 50, (7, 4), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    got = dp.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, bare.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False))
+
+
+def test_reshard_after_forward_false_keeps_the_units_until_backward() -> None:
+    model, bare = _mlp(), _mlp()
+    dp, optimizer = _sharded(model, 3, shard_parameters=1, reshard_after_forward=False)
+    x = _batch("mlp", 0)["x"]
+    out = dp(x)
+    assert sum(h["gathered"] for h in dp.sharded_parameters.held_bytes().values()) > 0
+    out.sum().backward()
+    bare(x).sum().backward()
+    assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+    for p, q in zip(model.parameters(), bare.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+    dp.reshard_after_forward = True  # followed at the next call
+    dp(x)
+    assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+
+
+def test_memory_per_position_is_a_share_plus_two_units() -> None:
+    """On cpu*4, each position's peak of parameter, gradient and optimizer bytes over a step is at most
+    (P + G + S) / 4 + 2 x the largest unit, plus what whole-parameter placement can leave uneven (the largest
+    parameter, once per kind)."""
+    model = _gpt2(n_layer=4, n_embd=32)
+    dp, optimizer = _sharded(model, 4)
+    sharded = dp.sharded_parameters
+    for step in range(2):
+        sharded.reset_peak()
+        _out(dp(*_batch("gpt2", step).values())).square().mean().backward()
+        grads = {k: h["gradients"] for k, h in optimizer.held_bytes().items()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = list(model.parameters())
+    whole = _bytes(sharded.shard(p) for p in params)
+    state = optimizer.held_bytes()
+    total = whole + sum(grads.values()) + sum(h["optimizer_state"] for h in state.values())
+    unit = max(_bytes(sharded.shard(p) for p in u.params) for u in sharded.units)
+    largest = max(_bytes([sharded.shard(p)]) for p in params)
+    for k, h in sharded.held_bytes().items():
+        peak = h["peak_parameters"] + grads[k] + state[k]["optimizer_state"]
+        assert peak <= total / 4 + 2 * unit + 4 * largest, (k, peak, total / 4, unit, largest)
+        assert h["parameters"] <= whole / 4 + largest
+    assert max(h["peak_parameters"] for h in sharded.held_bytes().values()) < whole  # no position held the model
+
+
+def test_a_model_larger_than_the_budget_trains() -> None:
+    """A per-position budget of parameter bytes below the whole model: training runs within it; a budget below a
+    position's shards plus one unit is an error naming it."""
+    model, bare = _gpt2(n_layer=4, n_embd=32), _gpt2(n_layer=4, n_embd=32)
+    dp, optimizer = _sharded(model, 4)
+    sharded = dp.sharded_parameters
+    whole = _bytes(sharded.shard(p) for p in model.parameters())
+    sharded.budget = int(0.6 * whole)
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    for step in range(3):
+        batch = _batch("gpt2", step)
+        _out(dp(*batch.values())).square().mean().backward()
+        _out(bare(*batch.values())).square().mean().backward()
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    assert max(h["peak_parameters"] for h in sharded.held_bytes().values()) <= sharded.budget
+    state = dp.state_dict()
+    for key, value in bare.state_dict().items():
+        torch.testing.assert_close(state[key], value, **TOL)
+    sharded.budget = max(h["parameters"] for h in sharded.held_bytes().values())
+    with pytest.raises(RuntimeError, match="budget: position"):
+        dp(*_batch("gpt2", 9).values())
+
+
+def test_state_dict_round_trip_reshards() -> None:
+    """state_dict() is the bare module's, whole, on the CPU; load_state_dict writes each parameter into its shard."""
+    model, bare = _mlp(), _mlp()
+    with torch.no_grad():
+        for p in bare.parameters():
+            p.add_(1.0)
+    dp, _ = _sharded(model, 3)
+    dp.load_state_dict(bare.state_dict())
+    x = _batch("mlp", 4)["x"]
+    with torch.no_grad():
+        torch.testing.assert_close(dp(x), bare(x), **TOL)
+    state = dp.state_dict()
+    assert list(state) == list(bare.state_dict()) and all(v.device.type == "cpu" for v in state.values())
+    with pytest.raises(RuntimeError, match="missing keys"):
+        dp.load_state_dict({k: v for k, v in bare.state_dict().items() if k != "0.weight"})
+    with pytest.raises(RuntimeError, match=r"state_dict\['0.weight'\]: expected shape"):
+        dp.load_state_dict({**bare.state_dict(), "0.weight": torch.zeros(3)})
+
+
+class _Reader(nn.Module):
+    """Reads its child's weight in its own forward: outside the child's unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale + x @ self.inner.weight
+
+
+def test_errors_name_what_cannot_compose() -> None:
+    with pytest.raises(RuntimeError, match="used a parameter of unit 'inner' .* outside that unit"):
+        dp = dpcore.DataParallel(_Reader(), ["cpu"] * 2, shard_parameters=(nn.Linear,))
+        dp(torch.randn(4, 4))
+    for options, other in (({"process_group": object()}, "process_group="),):
+        with pytest.raises(ValueError, match=f"shard_parameters= cannot be combined with {other}"):
+            dpcore.DataParallel(_mlp(), ["cpu"] * 2, shard_parameters=True, **options)
+    with pytest.raises(TypeError, match="shard_parameters: expected True or False"):
+        dpcore.DataParallel(_mlp(), ["cpu"] * 2, shard_parameters="blocks")
+    dp = dpcore.DataParallel(_mlp(), ["cpu"] * 2, shard_parameters=True)
+    for attribute, value in (("device_ids", ["cpu"] * 3), ("shard_parameters", False), ("module", _mlp())):
+        with pytest.raises(AttributeError, match=f"{attribute}: cannot be changed once the parameters are sharded"):
+            setattr(dp, attribute, value)
+    with pytest.raises(ValueError, match="functional_call: not supported with shard_parameters="):
+        dpcore.functional_call(dp, dict(dp.module.named_parameters()), (torch.randn(2, 5, dtype=torch.float64),))
+    with pytest.raises(RuntimeError, match="none is attached to the wrapper"):
+        dp(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
+
+
+def test_one_device_runs_the_module_as_is() -> None:
+    model = _mlp()
+    dp = dpcore.DataParallel(model, ["cpu"], shard_parameters=True)
+    assert dp.sharded_parameters is None
+    x = _batch("mlp", 0)["x"]
+    torch.testing.assert_close(dp(x), copy.deepcopy(model)(x), **TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_steps_equal_one_device_on_a_repeated_gpu() -> None:
+    """The CUDA counterpart of test_steps_equal_one_device on [0, 0]."""
+    model, bare = _mlp().cuda(), _mlp().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], shard_parameters=1)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, **ADAMW)
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    for step in range(STEPS):
+        x = _batch("mlp", step)["x"].cuda()
+        dp(x).square().mean().backward()
+        bare(x).square().mean().backward()
+        optimizer.step()
+        plain.step()
+        optimizer.zero_grad()
+        plain.zero_grad()
+    state = dp.state_dict()
+    for key, value in bare.state_dict().items():
+        torch.testing.assert_close(state[key], value.cpu(), **TOL)

@@ -12,6 +12,7 @@ from dpcore.parallel_apply import parallel_apply
 from dpcore.replicate import replicate
 from dpcore.scatter_gather import Broadcast, Samples, gather, scatter
 from dpcore.sharded_optimizer import ShardedOptimizer
+from dpcore._grad_scaler import ShardedGradScaler
 from dpcore.sync_batchnorm import SyncBatchNormError
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "DataParallel",
     "DeviceMemory",
     "Samples",
+    "ShardedGradScaler",
     "ShardedOptimizer",
     "SyncBatchNormError",
     "TorchPatch",

@@ -156,7 +156,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """``optimizer_class(params, **defaults)`` with its state split over `devices` (a ``dpcore.DataParallel`` over
     `params`' module, or a device list whose first device holds `params`). Each step equals the plain optimizer's;
     ``param_groups`` are the truth (schedulers and edits reach every shard at the next step); ``state_dict()`` is the
-    plain optimizer's format; GradScaler skips the whole step on inf."""
+    plain optimizer's format; GradScaler skips the whole step on inf (dpcore.ShardedGradScaler with shard_gradients)."""
 
     def __init__(
         self,
@@ -350,11 +350,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         has = (lambda m: m.grad is not None) if self._store is None else (lambda m: id(m) in self._store)  # type: ignore[operator]
         return [shard for shard in self._shards if any(has(m) for m, _ in shard.pairs)], pushed
 
+    _unscaled_by_scaler = False  # True while dpcore.ShardedGradScaler steps this optimizer
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        """GradScaler's protocol: with shard_gradients=True it hands the step its scale (refused there), else it
-        unscales and checks the masters' .grad itself."""
-        return self._store is not None
+        """GradScaler's protocol: True with shard_gradients=True (torch's GradScaler hands the step its scale: refused)
+        unless dpcore.ShardedGradScaler steps, which unscales and checks the shards' gradients itself; else False."""
+        return self._store is not None and not self._unscaled_by_scaler
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         """One step of every shard with a gradient, in parallel on the worker pool, each shard's optimizer called with
@@ -366,8 +368,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             del self.grad_scale, self.found_inf  # type: ignore[attr-defined]
             raise RuntimeError(
                 "GradScaler cannot step a ShardedOptimizer with shard_gradients=True: it unscales and checks "
-                "p.grad, which stays None there (the gradients live in the shards); drop GradScaler (bfloat16 "
-                "autocast needs none) or shard_gradients=True"
+                "p.grad, which stays None there (the gradients live in the shards); use dpcore.ShardedGradScaler, "
+                "which checks the shards' gradients (same arguments and calls as torch.amp.GradScaler)"
             )
         with torch.enable_grad():
             loss = None if closure is None else closure()

@@ -290,16 +290,163 @@ def test_process_group_is_refused(world_of_one: Any) -> None:
         dpcore.DataParallel(_model(), ["cpu"] * 2, shard_gradients=True, process_group=world_of_one)
 
 
-def test_grad_scaler_is_refused_naming_both() -> None:
-    """GradScaler reads p.grad, None here: its step is an error (and the optimizer still steps without it)."""
+def test_torch_grad_scaler_is_refused_naming_the_fix() -> None:
+    """torch's GradScaler reads p.grad, None here: its step is an error naming dpcore.ShardedGradScaler, with or
+    without unscale_ first (and the optimizer still steps without it)."""
     model, dp, optimizer = _sharded(2, "adamw")
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(dp(_batch(0)).square().mean()).backward()
-    with pytest.raises(RuntimeError, match="GradScaler cannot step a ShardedOptimizer with shard_gradients=True"):
-        scaler.step(optimizer)
+    assert optimizer._step_supports_amp_scaling
+    for unscale_first in (False, True):
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(dp(_batch(0)).square().mean()).backward()
+        if unscale_first:
+            scaler.unscale_(optimizer)
+        with pytest.raises(
+            RuntimeError, match="GradScaler cannot step .*shard_gradients=True.*dpcore.ShardedGradScaler"
+        ):
+            scaler.step(optimizer)
+        assert "grad_scale" not in optimizer.__dict__ and "found_inf" not in optimizer.__dict__
     before = model[0].weight.clone()
     optimizer.step()
     assert not torch.equal(model[0].weight, before)
+
+
+SCALER = {"init_scale": 2.0**10, "growth_interval": 3}
+SKIPPED = {4: float("inf"), 5: float("nan"), 11: float("inf"), 17: float("-inf")}  # step -> what one input row holds
+
+
+def _state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state, cloned ({} for one without)."""
+    return [
+        {k: torch.as_tensor(v).clone() for k, v in optimizer.state[p].items()} if p in optimizer.state else {}
+        for p in params
+    ]
+
+
+def _assert_states_equal(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert [sorted(s) for s in a] == [sorted(s) for s in b]
+    for s, t in zip(a, b):
+        for key in s:
+            torch.testing.assert_close(s[key], t[key], **TOL)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("n", COUNTS)
+def test_sharded_grad_scaler_equals_torch_grad_scaler(n: int, name: str, copies: bool) -> None:
+    """dpcore.ShardedGradScaler on the shards against torch's GradScaler on the plain optimizer, 20 steps of two
+    backwards each with unscale_ and norm clipping: an inf or NaN in one input row skips the step (parameters and
+    state untouched, the gradients kept until zero_grad), the scale sequence is torch's (backoffs and growths),
+    and the final parameters and state equal the plain run's."""
+    model, dp, optimizer = _sharded(n, name)
+    plain_model = _model()
+    cls, kwargs = OPTIMIZERS[name]
+    plain = cls(_groups(plain_model), **kwargs)
+    scaler, reference = dpcore.ShardedGradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    params = list(model.parameters())
+    scales, reference_scales = [], []
+    for step in range(STEPS):
+        params_before, state_before = [p.clone() for p in params], _state(optimizer, params)
+        for half in (0, 1):
+            x = _batch(2 * step + half)
+            if half == 1 and step in SKIPPED:
+                x[3, 1] = SKIPPED[step]
+            scaler.scale(dp(x).square().mean()).backward()
+            reference.scale(plain_model(x).square().mean()).backward()
+        assert all(p.grad is None for p in params)
+        scaler.unscale_(optimizer)
+        reference.unscale_(plain)
+        if step not in SKIPPED:  # unscaled where they are held
+            for p, q in zip(params, plain_model.parameters()):
+                got = optimizer.gradient(p)
+                assert (got is None) == (q.grad is None)
+                if got is not None:
+                    torch.testing.assert_close(got, q.grad, **TOL)
+        total = optimizer.clip_grad_norm_(0.5)
+        reference_total = torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.5)
+        assert total.isfinite().item() == (step not in SKIPPED) == reference_total.isfinite().item()
+        if step not in SKIPPED:
+            torch.testing.assert_close(total, reference_total, **TOL)
+        scaler.step(optimizer)
+        reference.step(plain)
+        if step in SKIPPED:
+            assert all(torch.equal(p, q) for p, q in zip(params, params_before))
+            _assert_states_equal(_state(optimizer, params), state_before)
+            assert optimizer.gradient(model[0].weight) is not None  # not stepped: kept until zero_grad
+        else:
+            assert not torch.equal(model[0].weight, params_before[0])
+        scaler.update()
+        reference.update()
+        scales.append(scaler.get_scale())
+        reference_scales.append(reference.get_scale())
+        optimizer.zero_grad()
+        plain.zero_grad()
+    assert scales == reference_scales
+    assert min(scales) < SCALER["init_scale"] < max(scales)  # both backed off and grew
+    assert optimizer._step_supports_amp_scaling  # torch's GradScaler is still refused
+    for p, q in zip(params, plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    _assert_states_equal(_state(optimizer, params), _state(plain, list(plain_model.parameters())))
+    if name != "sgd_momentum":
+        assert optimizer.state[model[0].weight]["step"].item() == STEPS - len(SKIPPED)
+
+
+def test_sharded_grad_scaler_is_torch_grad_scaler_elsewhere() -> None:
+    """A plain optimizer, a ShardedOptimizer without shard_gradients (it unscales the masters' .grad) and a disabled
+    scaler: dpcore.ShardedGradScaler gives torch's GradScaler's scales and parameters bit for bit."""
+
+    def run(scaler_class: type[torch.amp.GradScaler], kind: str, enabled: bool = True) -> tuple[list[float], Any]:
+        model = _model()
+        if kind == "plain":
+            net, optimizer = model, torch.optim.AdamW(_groups(model), lr=1e-2)
+        else:
+            net = dpcore.DataParallel(model, ["cpu"] * 3)
+            optimizer = dpcore.ShardedOptimizer(_groups(model), torch.optim.AdamW, devices=net, lr=1e-2)
+            assert not optimizer._step_supports_amp_scaling
+        scaler = scaler_class("cpu", enabled=enabled, **SCALER)
+        scales = []
+        for step in range(8):
+            x = _batch(step)
+            if step in SKIPPED:
+                x[3, 1] = SKIPPED[step]
+            scaler.scale(net(x).square().mean()).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in model.parameters()]
+
+    for kind in ("plain", "sharded"):
+        for enabled in (True, False):
+            ours, theirs = run(dpcore.ShardedGradScaler, kind, enabled), run(torch.amp.GradScaler, kind, enabled)
+            assert ours[0] == theirs[0]
+            for a, b in zip(ours[1], theirs[1]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            assert all(p.isfinite().all() for p in ours[1]) == enabled  # a disabled scaler steps the inf too
+
+
+def test_sharded_grad_scaler_keeps_torchs_checks() -> None:
+    """torch's rules hold on the shards: unscale_ twice, step twice, update with nothing recorded are errors; a
+    step with no gradient held is torch's 'no inf checks'; the scaler's state dict round-trips."""
+    model, dp, optimizer = _sharded(3, "sgd_momentum")
+    scaler = dpcore.ShardedGradScaler("cpu", **SCALER)
+    scaler.scale(dp(_batch(0)).square().mean()).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called"):
+        scaler.step(optimizer)
+    assert optimizer._step_supports_amp_scaling  # reset after the step, even one that raised
+    scaler.update()
+    optimizer.zero_grad()
+    scaler.scale(torch.ones((), dtype=torch.float64))
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(optimizer)  # no backward: nothing held
+    assert optimizer._step_supports_amp_scaling
+    again = dpcore.ShardedGradScaler("cpu")
+    again.load_state_dict(scaler.state_dict())
+    assert again.state_dict() == scaler.state_dict()
 
 
 @pytest.mark.skipif(
@@ -327,5 +474,47 @@ def test_steps_equal_the_plain_optimizer_on_a_repeated_gpu(name: str) -> None:
         plain.step()
         optimizer.zero_grad()
         plain.zero_grad()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a GPU (CPU counterpart: test_sharded_grad_scaler_equals_torch_grad_scaler)",
+)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_sharded_grad_scaler_on_a_repeated_gpu(name: str) -> None:
+    """[0, 0]: dpcore.ShardedGradScaler("cuda") on the shards against torch's GradScaler on the plain optimizer, 20
+    steps with unscale_, norm clipping and skipped steps: the same scales, found_inf on the GPU, equal parameters."""
+    cls, kwargs = OPTIMIZERS[name]
+    model = _model().cuda()
+    dp = dpcore.DataParallel(model, [0, 0], shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(_groups(model), cls, devices=dp, **kwargs)
+    plain_model = _model().cuda()
+    plain = cls(_groups(plain_model), **kwargs)
+    scaler, reference = dpcore.ShardedGradScaler("cuda", **SCALER), torch.amp.GradScaler("cuda", **SCALER)
+    scales, reference_scales = [], []
+    for step in range(STEPS):
+        x = _batch(step).cuda()
+        if step in SKIPPED:
+            x[3, 1] = SKIPPED[step]
+        scaler.scale(dp(x).square().mean()).backward()
+        reference.scale(plain_model(x).square().mean()).backward()
+        assert all(p.grad is None for p in model.parameters())
+        scaler.unscale_(optimizer)
+        reference.unscale_(plain)
+        found = scaler._found_inf_per_device(optimizer)
+        assert [d.type for d in found] == ["cuda"] and found[next(iter(found))].item() == (step in SKIPPED)
+        optimizer.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.5)
+        scaler.step(optimizer)
+        reference.step(plain)
+        scaler.update()
+        reference.update()
+        scales.append(scaler.get_scale())
+        reference_scales.append(reference.get_scale())
+        optimizer.zero_grad()
+        plain.zero_grad()
+    assert scales == reference_scales and min(scales) < SCALER["init_scale"] < max(scales)
     for p, q in zip(model.parameters(), plain_model.parameters()):
         torch.testing.assert_close(p, q, **TOL)

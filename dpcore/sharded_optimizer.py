@@ -18,6 +18,7 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
 from dpcore._step_hook import exempt
+from dpcore._units import balance
 from dpcore.data_parallel import DataParallel
 from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import ReplicaCache
@@ -28,16 +29,6 @@ __all__ = ["ShardedOptimizer"]
 def _holds_copies(device: torch.device, master: torch.device) -> bool:
     """Whether a shard on `device` steps copies of the `master` device's parameters."""
     return normalize_device(device) != normalize_device(master)
-
-
-def balance(sizes: list[int], loads: list[int]) -> list[int]:
-    """The shard of each item: largest first, each to the least loaded shard (the first of equals); updates `loads`."""
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = min(range(len(loads)), key=lambda k: loads[k])
-        owners[i] = k
-        loads[k] += sizes[i]
-    return owners
 
 
 class _Shard:
@@ -52,11 +43,13 @@ class _Shard:
         # id(master) -> the master's (data_ptr, version) when its working copy last equalled it.
         self.seen: dict[int, tuple[int, int]] = {}
 
-    def adopt(self, master: torch.Tensor) -> torch.Tensor:
-        """The tensor this shard steps for `master` (made on first call)."""
+    def adopt(self, master: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor this shard steps for `master` (made on first call; `given`: the wrapper's shard of it)."""
         work = self.working.get(id(master))
         if work is None:
-            if self.copies:
+            if given is not None:
+                work = given
+            elif self.copies:
                 with torch.no_grad():
                     work = master.detach().to(self.device, copy=True).requires_grad_(master.requires_grad)
                 self.seen[id(master)] = (master.data_ptr(), master._version)
@@ -178,6 +171,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         self.devices, self._module = _placement(devices)
         self._wrapper = weakref.ref(devices) if isinstance(devices, DataParallel) else None
+        # shard_parameters=: the wrapper's placement, whose shards this optimizer steps
+        self._units = devices.sharded_parameters if isinstance(devices, DataParallel) else None
         self._shards: list[_Shard] = []
         self._shard_of: dict[int, _Shard] = {}
         params = _param_list(params)
@@ -189,7 +184,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self.devices:  # a wrapper that runs its module as is: one shard where the module is
             self.devices = [normalize_device(masters[0].device)]
         master = self.devices[0]
-        self._shards = [_Shard(k, d, k > 0 and _holds_copies(d, master)) for k, d in enumerate(self.devices)]
+        copies = [k > 0 and self._units is None and _holds_copies(d, master) for k, d in enumerate(self.devices)]
+        self._shards = [_Shard(k, d, copies[k]) for k, d in enumerate(self.devices)]
         self._place(masters)
         for shard in self._shards:
             shard.optimizer = self._class([self._shard_group(g, shard) for g in self.param_groups], **defaults)
@@ -198,7 +194,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = _ShardStates(self)  # type: ignore[assignment]
         # shard_gradients=True: id(master) -> its gradient summed over the replicas, on its owner's device.
         self._store: dict[int, torch.Tensor] | None = None
-        if isinstance(devices, DataParallel) and devices.shard_gradients and len(self.devices) > 1:
+        if (
+            self._units is not None
+            or isinstance(devices, DataParallel)
+            and devices.shard_gradients
+            and len(self.devices) > 1
+        ):
             self._attach(devices)
         exempt(self)  # from dpcore._step_hook: each shard's step marks or writes what it changed
 
@@ -295,7 +296,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         new = [p for p in params if id(p) not in self._shard_of]
         sizes = [p.numel() * p.element_size() if p.requires_grad else 0 for p in new]
         loads = [s.load for s in self._shards]
-        for p, k in zip(new, balance(sizes, loads)):
+        owners = balance(sizes, loads) if self._units is None else [self._units.owner_of(p) for p in new]
+        for p, k in zip(new, owners):
             self._shard_of[id(p)] = self._shards[k]
         for shard, load in zip(self._shards, loads):
             shard.load = load
@@ -303,7 +305,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _shard_group(self, group: dict[str, Any], shard: _Shard) -> dict[str, Any]:
         """`group` restricted to `shard`'s parameters (as the tensors it steps)."""
         mine = [i for i, p in enumerate(group["params"]) if self._shard_of[id(p)] is shard]
-        local = {**_settings(group), "params": [shard.adopt(group["params"][i]) for i in mine]}
+        mine_params = [group["params"][i] for i in mine]
+        given = [None] * len(mine) if self._units is None else [self._units.shard(p) for p in mine_params]
+        local = {**_settings(group), "params": [shard.adopt(p, g) for p, g in zip(mine_params, given)]}
         if "param_names" in group:
             local["param_names"] = [group["param_names"][i] for i in mine]
         return local
@@ -393,6 +397,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _publish(self, stepped: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """shard_gradients: the parameters updated at their owners reach the masters and every replica's copies by one
         all-gather (the next refresh copies none of them); without a valid replica cache, the masters only."""
+        if self._units is not None:  # the shards stepped are the parameters: each unit gathers them from there
+            return
         masters = [m for m, _ in stepped]
         cache = self._replica_cache() if stepped else None
         outs = None if cache is None else cache.copies_of(masters)
@@ -430,7 +436,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         states = self.state_bytes()
         held = {}
         for shard in self._shards:
-            copies = [w for m, w in shard.pairs if w is not m] if shard.copies else []
+            copies = [w for m, w in shard.pairs if w is not m] if shard.copies and self._units is None else []
             stored = [] if self._store is None else [self._store.get(id(m)) for m, _ in shard.pairs]
             grads = {id(g): g for g in [w.grad for w in copies] + stored if g is not None}
             held[shard.position] = {

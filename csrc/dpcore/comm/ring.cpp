@@ -318,6 +318,220 @@ void check_owners(c10::ArrayRef<int64_t> owners, size_t count, size_t n, const c
   }
 }
 
+// ---- the coalesced forms on a CPU list ----
+//
+// On a CPU list every slot's memory is the one host memory, so the ring's
+// N - 1 hops per bucket would only move segments through fresh buffers
+// (and flatten every list first). There the coalesced forms compute the
+// ring's result in place of running it: each owner's sums read every list
+// where it is, in the ring's order, and an all-gather copies each tensor
+// straight into its targets; the traffic counted is still what each slot of
+// the ring sends and receives (the same figures, hop by hop summed).
+
+// Half types round at each hop of the ring; every other dtype sums in its
+// own type, so one pass over the sources in ring order equals the ring.
+bool rounds_per_hop(c10::ScalarType dtype) {
+  return at::isReducedFloatingType(dtype) || dtype == c10::ScalarType::ComplexHalf;
+}
+
+// The ring reduce-scatter's counts for segments `seg`: slot j receives
+// every segment but j - 1's from slot j - 1.
+void count_ring_reduce_scatter(const Segments& seg, int64_t item, size_t n, TrafficRecord& traffic) {
+  if (n < 2) {
+    return;
+  }
+  for (size_t j = 0; j < n; ++j) {
+    const size_t from = ring_index(static_cast<int64_t>(j) - 1, n);
+    traffic.copy(from, j, (seg.total - seg.sizes[from]) * item);
+  }
+}
+
+// The ring all-gather's counts: slot j receives every segment but its own
+// from slot j - 1.
+void count_ring_all_gather(const Segments& seg, int64_t item, size_t n, TrafficRecord& traffic) {
+  if (n < 2) {
+    return;
+  }
+  for (size_t j = 0; j < n; ++j) {
+    traffic.copy(ring_index(static_cast<int64_t>(j) - 1, n), j, (seg.total - seg.sizes[j]) * item);
+  }
+}
+
+// A piece of sum_lists' work: out (+)= the sum of sources (out's shape).
+struct SumPiece {
+  std::vector<at::Tensor> sources;
+  at::Tensor out;
+  int64_t bytes = 0;
+};
+
+// The fewest elements of a piece that a contiguous entry is cut into.
+constexpr int64_t kPieceElements = 64 * 1024;
+
+// outs[e] (+)= sum_h sources[h][e] (h in order) for every e, in one
+// parallel region: the entries, contiguous ones larger than a piece cut
+// into pieces, are dealt to the intra-op threads by bytes (largest first,
+// each to the least loaded), and each piece is summed by reduce_add_n on
+// its thread (one source: a copy). One region per call rather than one per
+// large tensor: on a loaded machine each region's join can wait a time
+// slice. Views are made here, on the calling thread (under its no-grad
+// guard); work under kPieceElements in all runs on this thread.
+void sum_lists(const TensorList2D& sources, const std::vector<at::Tensor>& outs, bool accumulate) {
+  const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
+  int64_t total = 0;
+  for (const at::Tensor& out : outs) {
+    total += out.numel();
+  }
+  const int64_t piece = std::max(kPieceElements, total / static_cast<int64_t>(4 * threads) + 1);
+  std::vector<SumPiece> pieces;
+  for (size_t e = 0; e < outs.size(); ++e) {
+    const at::Tensor& out = outs[e];
+    const int64_t numel = out.numel();
+    if (numel == 0) {
+      continue;
+    }
+    std::vector<at::Tensor> column;
+    column.reserve(sources.size());
+    bool contiguous = threads > 1 && numel > piece && out.is_contiguous();
+    for (const std::vector<at::Tensor>& list : sources) {
+      column.push_back(list[e]);
+      contiguous = contiguous && list[e].is_contiguous();
+    }
+    if (!contiguous) {
+      pieces.push_back({std::move(column), out, numel * out.element_size()});
+      continue;
+    }
+    const at::Tensor flat_out = out.view({-1});
+    for (int64_t start = 0; start < numel; start += piece) {
+      const int64_t len = std::min(piece, numel - start);
+      std::vector<at::Tensor> parts;
+      parts.reserve(column.size());
+      for (const at::Tensor& t : column) {
+        parts.push_back(t.view({-1}).narrow(0, start, len));
+      }
+      pieces.push_back({std::move(parts), flat_out.narrow(0, start, len), len * out.element_size()});
+    }
+  }
+  if (threads == 1 || pieces.size() < 2 || total <= kPieceElements) {
+    for (const SumPiece& p : pieces) {
+      reduce_add_n(p.sources, p.out, accumulate);
+    }
+    return;
+  }
+  std::vector<size_t> order(pieces.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(
+      order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].bytes > pieces[b].bytes; });
+  const size_t bins_count = std::min(threads, pieces.size());
+  std::vector<std::vector<size_t>> bins(bins_count);
+  std::vector<int64_t> loads(bins_count, 0);
+  for (const size_t i : order) {
+    const size_t b = static_cast<size_t>(std::min_element(loads.begin(), loads.end()) - loads.begin());
+    bins[b].push_back(i);
+    loads[b] += pieces[i].bytes;
+  }
+  at::parallel_for(0, static_cast<int64_t>(bins_count), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (const size_t i : bins[static_cast<size_t>(b)]) {
+        reduce_add_n(pieces[i].sources, pieces[i].out, accumulate);
+      }
+    }
+  });
+}
+
+// One bucket of reduce_scatter_coalesced on a CPU list: owner o's sums, in
+// one new buffer per owner (as the ring's), are sum_k tensors[o + 1 + k]
+// for k = 0 .. N - 1 (indices mod N), left to right: the ring's order. One
+// sum_lists over the bucket, or for half types one per hop, each rounding
+// as a hop does.
+void direct_reduce_scatter_bucket(
+    const TensorList2D& tensors, c10::ArrayRef<c10::Device> devices, const RingBucket& bucket,
+    const FlatLayout& layout, const Segments& seg, std::vector<at::Tensor>& results) {
+  const size_t n = devices.size();
+  const size_t count = bucket.indices.size();
+  TensorList2D sources(n, std::vector<at::Tensor>(count));
+  std::vector<at::Tensor> outs(count);
+  const at::Tensor& like = tensors[0][bucket.indices[0]];
+  for (size_t o = 0; o < n; ++o) {
+    const size_t first = bucket.bounds[o];
+    const size_t last = bucket.bounds[o + 1];
+    if (first == last) {
+      continue;
+    }
+    std::vector<at::Tensor> views =
+        sub_layout(layout, first, last).unflatten(empty_flat(like, devices[o], seg.sizes[o]));
+    for (size_t e = first; e < last; ++e) {
+      const size_t k = bucket.indices[e];
+      for (size_t h = 0; h < n; ++h) {
+        sources[h][e] = tensors[(o + 1 + h) % n][k];
+      }
+      outs[e] = views[e - first];
+      results[k] = std::move(views[e - first]);
+    }
+  }
+  if (n < 3 || !rounds_per_hop(layout.dtype)) {
+    sum_lists(sources, outs, /*accumulate=*/false);
+    return;
+  }
+  sum_lists({sources[0], sources[1]}, outs, /*accumulate=*/false);
+  for (size_t h = 2; h < n; ++h) {
+    sum_lists({sources[h]}, outs, /*accumulate=*/true);
+  }
+}
+
+// Whether some tensor all_gather_coalesced would write (an out that is not
+// its source itself) shares a storage with any source: then it runs the
+// ring, which reads every source into its own buffers before writing.
+bool writes_into_sources(at::TensorList tensors, const TensorList2D& outs) {
+  std::vector<const c10::StorageImpl*> read;
+  read.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    if (t.has_storage()) {
+      read.push_back(t.storage().unsafeGetStorageImpl());
+    }
+  }
+  std::sort(read.begin(), read.end());
+  for (const std::vector<at::Tensor>& row : outs) {
+    for (size_t k = 0; k < row.size(); ++k) {
+      if (!row[k].is_same(tensors[k]) && row[k].has_storage() &&
+          std::binary_search(read.begin(), read.end(), row[k].storage().unsafeGetStorageImpl())) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// One bucket of all_gather_coalesced on a CPU list: every tensors[k] copied
+// straight into result[d][k] for each d (into the given outs, or into one
+// new buffer per device, as the ring's), but where result[d][k] is
+// tensors[k] itself; one sum_lists of one source (a copy).
+void direct_all_gather_bucket(
+    at::TensorList tensors, c10::ArrayRef<int64_t> owners, c10::ArrayRef<c10::Device> devices,
+    const RingBucket& bucket, const FlatLayout& layout, bool into_outs, TensorList2D& result) {
+  std::vector<at::Tensor> from;
+  std::vector<at::Tensor> into;
+  for (size_t d = 0; d < devices.size(); ++d) {
+    std::vector<at::Tensor> views;
+    if (!into_outs) {
+      views = layout.unflatten(empty_flat(tensors[bucket.indices[0]], devices[d], layout.numel));
+    }
+    for (size_t e = 0; e < bucket.indices.size(); ++e) {
+      const size_t k = bucket.indices[e];
+      if (!into_outs) {
+        result[d][k] = static_cast<size_t>(owners[k]) == d ? tensors[k] : std::move(views[e]);
+      }
+      if (result[d][k].is_same(tensors[k]) || tensors[k].numel() == 0) {
+        continue;
+      }
+      from.push_back(tensors[k]);
+      into.push_back(result[d][k]);
+    }
+  }
+  if (!into.empty()) {
+    sum_lists({from}, into, /*accumulate=*/false);
+  }
+}
+
 } // namespace
 
 std::vector<at::Tensor> reduce_scatter(
@@ -486,6 +700,11 @@ std::vector<at::Tensor> reduce_scatter_coalesced(
     const std::vector<at::Tensor> like = pick(tensors[0], bucket.indices, 0, bucket.indices.size());
     const FlatLayout layout = FlatLayout::of(like);
     const Segments seg = bucket_segments(layout, bucket);
+    if (devices[0].is_cpu()) {
+      count_ring_reduce_scatter(seg, item_bytes(like[0]), n, traffic);
+      direct_reduce_scatter_bucket(tensors, devices, bucket, layout, seg, results);
+      continue;
+    }
     // Every list packed under list 0's layout (pack reads any strides).
     std::vector<at::Tensor> flats;
     flats.reserve(n);
@@ -549,10 +768,16 @@ TensorList2D all_gather_coalesced(
   c10::NoGradGuard no_grad;
   TrafficRecord traffic(TrafficKind::AllGather);
   TensorList2D result = outs ? *outs : TensorList2D(n, std::vector<at::Tensor>(count));
+  const bool direct = devices[0].is_cpu() && !(outs && writes_into_sources(tensors, *outs));
   for (const RingBucket& bucket : ring_buckets(tensors, owners, n, bucket_bytes)) {
     const std::vector<at::Tensor> members = pick(tensors, bucket.indices, 0, bucket.indices.size());
     const FlatLayout layout = FlatLayout::of(members);
     const Segments seg = bucket_segments(layout, bucket);
+    if (direct) {
+      count_ring_all_gather(seg, item_bytes(members[0]), n, traffic);
+      direct_all_gather_bucket(tensors, owners, devices, bucket, layout, outs.has_value(), result);
+      continue;
+    }
     std::vector<at::Tensor> flats;
     flats.reserve(n);
     for (size_t d = 0; d < n; ++d) {

@@ -78,6 +78,26 @@ def all_gather_coalesced(
 ) -> list[list[torch.Tensor]]:
     """result[d][k]: tensors[k] (on devices[owners[k]]) on devices[d], or outs with the values written."""
 
+# -- the split arithmetic (csrc/python/split.cpp) ------------------------------
+
+def split_sizes(
+    batch: int, n_devices: int, chunk_sizes: Sequence[int] | None, weights: Sequence[float] | None
+) -> list[int]:
+    """Each device's rows of `batch`: chunk_sizes as given, in proportion to weights (exact largest remainder), else
+    balanced (csrc/dpcore/split.h)."""
+
+def plan_split(
+    entries: Sequence[tuple[Any, int | None]],
+    n_devices: int,
+    chunk_sizes: Sequence[int] | None,
+    weights: Sequence[float] | None,
+    dim: int,
+    units: Sequence[tuple[Any, int, Any]],
+    hint: Any,
+) -> tuple[int | None, list[int], int]:
+    """(batch, sizes, replicas) of one call's scatter (dpcore._split.plan_split's rules); a ValueError naming two
+    paths where no size is the batch."""
+
 def traffic() -> dict[str, list[tuple[int, int]]]:
     """{kind: [(bytes sent, bytes received) per slot]} of every collective since the last reset."""
 

@@ -8,7 +8,6 @@ import math
 import numbers
 import operator
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import Any, NamedTuple
 
 import torch
@@ -96,47 +95,18 @@ def check_split(
     )
 
 
-def _proportional(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights` by the largest remainder, ties to the lower index."""
-    fractions = [Fraction(w) for w in weights]
-    whole = sum(fractions, Fraction(0))
-    quotas = [total * f / whole for f in fractions]
-    sizes = [math.floor(q) for q in quotas]
-    order = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - sizes[i]), i))
-    for i in order[: total - sum(sizes)]:
-        sizes[i] += 1
-    return sizes
-
-
 def split_sizes(
     batch: int, n_devices: int, chunk_sizes: Sequence[int] | None = None, weights: Sequence[float] | None = None
 ) -> list[int]:
     """How many of `batch` rows each device gets: balanced (sizes differing by at most one, larger
-    first), ``chunk_sizes`` as given (summing to `batch`), or in proportion to ``weights``."""
+    first), ``chunk_sizes`` as given (summing to `batch`), or in proportion to ``weights`` (largest
+    remainder, exact, ties to the lower index; the arithmetic: _C, csrc/dpcore/split.h)."""
     batch, n_devices = as_int(batch, "batch"), as_int(n_devices, "n_devices")
     if batch < 0:
         raise ValueError(f"batch: expected a non-negative size, but got {batch}")
     if n_devices < 1:
         raise ValueError(f"n_devices: expected at least one device, but got {n_devices}")
-    return _sizes(batch, n_devices, *check_split(chunk_sizes, weights, n_devices))
-
-
-def _sizes(batch: int, n_devices: int, chunk_sizes: list[int] | None, weights: list[float] | None) -> list[int]:
-    """split_sizes of arguments checked already."""
-    if chunk_sizes is not None:
-        if sum(chunk_sizes) != batch:
-            raise ValueError(
-                f"chunk_sizes: expected sizes summing to the batch size {batch}, but {chunk_sizes} sum to "
-                f"{sum(chunk_sizes)}"
-            )
-        return chunk_sizes
-    if weights is not None:
-        return _proportional(batch, weights)
-    return _C.balanced_chunk_sizes(batch, n_devices)
-
-
-def _replicas(sizes: Sequence[int]) -> int:
-    return max(1, sum(1 for s in sizes if s > 0))
+    return _C.split_sizes(batch, n_devices, *check_split(chunk_sizes, weights, n_devices))
 
 
 class SplitPlan(NamedTuple):
@@ -168,63 +138,9 @@ def plan_split(
     1. A 0-dim tensor goes whole to every replica. 2. One size is the batch. 3. Of two sizes ``b``
     and ``r``, ``b`` is the batch where a batch of ``b`` runs on ``r`` replicas (a tensor of size
     ``r``: one row per replica), 3b. or on fewer than ``r``, the device count (rows left over
-    must repeat the first). 4. Other sizes are a ValueError naming two paths, ended by `hint`."""
-    if units:  # 0.
-        first_path, batch, noun = units[0]
-        for path, count, what in units[1:]:
-            if count != batch:
-                raise ValueError(
-                    f"{path} has {count} {what} but {first_path} has {batch} {noun}: every input that is split "
-                    f"between samples (dpcore.Samples lists, PackedSequences) in one call must hold the batch's "
-                    f"number of them"
-                )
-        sizes = _sizes(batch, n_devices, chunk_sizes, weights)
-        replicas = _replicas(sizes)
-        for path, size in entries:
-            if size is not None and size != batch and size != replicas and not (size == n_devices > replicas):
-                raise ValueError(
-                    f"{path} has size {size} along dim {dim} but {first_path} has {batch} {noun}: every tensor "
-                    f"scattered in one call must have the batch's size ({batch}) along dim {dim} or, to be split one "
-                    f"row per replica, the number of replicas used ({replicas}) (wrap a tensor in dpcore.Broadcast to "
-                    f"pass it whole to every replica){hint}"
-                )
-        return SplitPlan(batch, sizes, replicas)
-    sized = [(path, size) for path, size in entries if size is not None]
-    if not sized:
-        return SplitPlan(None, [], 1)
-    first_path, first = sized[0]
-    distinct = list(dict.fromkeys(size for _, size in sized))
-    if len(distinct) == 1:
-        sizes = _sizes(first, n_devices, chunk_sizes, weights)
-        return SplitPlan(first, sizes, _replicas(sizes))
-    candidates = []  # (batch, other size, sizes) where the batch is either size under the split given
-    for batch, other in (distinct, distinct[::-1]) if len(distinct) == 2 else ():
-        try:
-            candidates.append((batch, other, _sizes(batch, n_devices, chunk_sizes, weights)))
-        except (TypeError, ValueError):
-            pass
-    for batch, other, sizes in candidates:
-        if _replicas(sizes) == other:
-            return SplitPlan(batch, sizes, other)
-    for batch, other, sizes in candidates:  # 3b.
-        if other == n_devices > _replicas(sizes):
-            return SplitPlan(batch, sizes, _replicas(sizes))
-    # Name the first tensor whose size is neither the first's nor the replica count that gives.
-    try:
-        per: int | None = _replicas(_sizes(first, n_devices, chunk_sizes, weights))
-        per_replica = (
-            f" or, to be split one row per replica, the number of replicas used ({per} for a batch of {first})"
-        )
-    except (TypeError, ValueError):
-        per, per_replica = None, ""
-    path, size = next(
-        ((p, s) for p, s in sized if s != first and s != per), next((p, s) for p, s in sized if s != first)
-    )
-    raise ValueError(
-        f"{path} has size {size} along dim {dim} but {first_path} has size {first}: every tensor scattered in "
-        f"one call must have the batch's size along dim {dim}{per_replica} (wrap a tensor in dpcore.Broadcast "
-        f"to pass it whole to every replica){hint}"
-    )
+    must repeat the first). 4. Other sizes are a ValueError naming two paths, ended by `hint`
+    (the rules' arithmetic and messages: _C, csrc/dpcore/split.h)."""
+    return SplitPlan(*_C.plan_split(entries, n_devices, chunk_sizes, weights, dim, units, hint))
 
 
 def check_first_device(

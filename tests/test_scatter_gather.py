@@ -149,6 +149,29 @@ def test_split_sizes_weights_largest_remainder_property() -> None:
                 assert s == 0
 
 
+def test_split_sizes_weights_are_exact_rationals() -> None:
+    """The largest remainder of the quotas as exact fractions of the doubles given (the C++ split compares
+    them as rationals): weights 600 powers of two apart, subnormals, totals near 2**62, many ties."""
+
+    def exact(total: int, weights: list[float]) -> list[int]:
+        whole = sum(Fraction(w) for w in weights)
+        quotas = [total * Fraction(w) / whole for w in weights]
+        sizes = [int(q) for q in quotas]
+        order = sorted(range(len(sizes)), key=lambda i: (sizes[i] - quotas[i], i))
+        return [s + (i in order[: total - sum(sizes)]) for i, s in enumerate(sizes)]
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 6)
+        pick = [0.0, 5e-324, 1.0, 3.0, 0.1, 1e300, 1e-300]
+        weights = [rng.choice([*pick, rng.random() * 10.0 ** rng.randint(-300, 300)]) for _ in range(n)]
+        if sum(weights) == 0:
+            weights[0] = 0.3
+        batch = rng.choice([rng.randint(0, 100), rng.randint(0, 2**62)])
+        assert split_sizes(batch, n, weights=weights) == exact(batch, weights), (batch, weights)
+    assert split_sizes(10, 3, weights=[0.1, 0.2, 0.3]) == [2, 3, 5]
+
+
 @pytest.mark.parametrize(
     "weights,match",
     [

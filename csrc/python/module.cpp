@@ -131,5 +131,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   dpcore::python::bind_packed(m);
   dpcore::python::bind_parallel_apply(m);
   dpcore::python::bind_replica_sync(m);
+  dpcore::python::bind_split(m);
   dpcore::python::bind_sync_batchnorm(m);
 }

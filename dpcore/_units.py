@@ -226,9 +226,10 @@ class _Hold(torch.autograd.Function):
 
 class ShardedParameters:
     """The parameters of `module` sharded over `devices`: each one whole at its owner (:meth:`owner_of`, bytes
-    balanced), the module's own tensor emptied (``numel() == 0``) where the owner is not position 0; replicas per
-    position (position 0 sharing the module's buffers) whose units gather their parameters just in time. A
-    structural change of the module after sharding is not followed (``valid()`` stays True)."""
+    balanced), the module's own tensor emptied (``numel() == 0``) where the owner is not position 0 (the module's
+    state_dict/load_state_dict give and take whole values, by two hooks); replicas per position (position 0 sharing
+    the module's buffers) whose units gather their parameters just in time. A structural change of the module after
+    sharding is not followed (``valid()`` stays True)."""
 
     def __init__(
         self, module: nn.Module, devices: Sequence[torch.device], policy: Any, reshard_after_forward: bool
@@ -258,6 +259,8 @@ class ShardedParameters:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._unloaded = [[self._sentinel(p, u, d) for u in self.units for p in u.params] for d in self.devices]
         self._rows = [self._replicate(d) for d in range(len(self.devices))]
+        module.register_state_dict_post_hook(lambda *args: self._saved(*args))  # (torch marks the hook object)
+        module.register_load_state_dict_pre_hook(lambda *args: self._loading(*args))
         self._copies: dict[int, list[list[torch.Tensor]]] = {}  # unit -> per position its tensors, this call
         self._filled: dict[int, list[bool]] = {}
         self._held: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, position) -> what its slots hold
@@ -300,38 +303,27 @@ class ShardedParameters:
         """`param`'s whole value, copied to `device`."""
         return self._shards[id(param)].detach().to(device, copy=True)
 
-    def state_dict(self, device: torch.device | str = "cpu", **kwargs: Any) -> dict[str, Any]:
-        """The bare module's state dict with every parameter whole, copied to `device` one at a time."""
-        sd = self.module.state_dict(**kwargs)
-        prefix = kwargs.get("prefix", "")
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if prefix + name in sd:
-                sd[prefix + name] = self.full(p, device)
-        return sd
+    def _saved(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """The module's state-dict hook: each parameter's entry its whole value, copied to the CPU one at a time."""
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self.full(p)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
-        """Loads a bare module's state dict: each parameter into its owner's shard, the rest into the module."""
-        named = dict(self.module.named_parameters(remove_duplicate=False))
-        rest = {k: v for k, v in state_dict.items() if k not in named}
-        result = self.module.load_state_dict(rest, strict=False)
-        missing = [k for k in result.missing_keys if k not in state_dict]
+    def _loading(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """The module's load pre-hook: each parameter whose owner is not position 0 is written into its shard, and
+        its entry becomes the module's empty tensor (which the load then copies as is)."""
         with torch.no_grad():
-            for name, p in named.items():
-                if name not in state_dict:
-                    continue
-                value, shard = state_dict[name], self._shards[id(p)]
-                if value.shape != shard.shape:
-                    raise RuntimeError(
-                        f"state_dict[{name!r}]: expected shape {list(shard.shape)} (the parameter's), but got "
-                        f"{list(value.shape)}"
-                    )
-                shard.copy_(value)
-        if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(self.module).__name__}: missing keys {missing}, "
-                f"unexpected keys {result.unexpected_keys}"
-            )
-        return torch.nn.modules.module._IncompatibleKeys(missing, result.unexpected_keys)
+            for name, p in module.named_parameters(remove_duplicate=False):
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and self._owner[id(p)] != 0:
+                    shard = self._shards[id(p)]
+                    if value.shape != shard.shape:
+                        raise RuntimeError(
+                            f"state_dict[{prefix + name!r}]: expected shape {list(shard.shape)} (the parameter's), "
+                            f"but got {list(value.shape)}"
+                        )
+                    shard.copy_(value)
+                    state_dict[prefix + name] = p.detach()
 
     # -- the replicas --
 

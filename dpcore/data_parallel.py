@@ -148,8 +148,6 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The bare module's state dict (no ``module.`` prefix; a read by torch's prefixed key is a KeyError that says
         so). With a ``destination``, the module's entries are written into it."""
-        if isinstance(self._cache, ShardedParameters):
-            return self._cache.state_dict(**kwargs)
         if args or kwargs.get("destination") is not None:
             return self.module.state_dict(*args, **kwargs)
         kwargs["destination"] = destination = BareStateDict()
@@ -158,9 +156,7 @@ class DataParallel(TorchDataParallel, Joinable, metaclass=NominalMeta):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Loads a bare module's state dict, or one with torch's ``module.``
-        keys; the next call copies every tensor to the replicas (sharded parameters: into their shards)."""
-        if isinstance(self._cache, ShardedParameters):
-            return self._cache.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict)
+        keys; the next call copies every tensor to the replicas."""
         result = self.module.load_state_dict(strip_module_prefix(state_dict, self.module), strict=strict, assign=assign)
         if self._cache is not None:  # a module may load through .data
             self._cache.invalidate()

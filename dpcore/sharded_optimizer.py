@@ -47,14 +47,11 @@ class _Shard:
         """The tensor this shard steps for `master` (made on first call; `given`: the wrapper's shard of it)."""
         work = self.working.get(id(master))
         if work is None:
-            if given is not None:
-                work = given
-            elif self.copies:
+            work = master if given is None else given
+            if given is None and self.copies:
                 with torch.no_grad():
                     work = master.detach().to(self.device, copy=True).requires_grad_(master.requires_grad)
                 self.seen[id(master)] = (master.data_ptr(), master._version)
-            else:
-                work = master
             self.working[id(master)] = work
             self.pairs.append((master, work))
         return work
@@ -194,12 +191,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = _ShardStates(self)  # type: ignore[assignment]
         # shard_gradients=True: id(master) -> its gradient summed over the replicas, on its owner's device.
         self._store: dict[int, torch.Tensor] | None = None
-        if (
-            self._units is not None
-            or isinstance(devices, DataParallel)
-            and devices.shard_gradients
-            and len(self.devices) > 1
-        ):
+        sharded = self._units is not None or isinstance(devices, DataParallel) and devices.shard_gradients
+        if sharded and len(self.devices) > 1:
             self._attach(devices)
         exempt(self)  # from dpcore._step_hook: each shard's step marks or writes what it changed
 
@@ -343,8 +336,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for local, settings in zip(shard.optimizer.param_groups, pushed):
                 local.update(settings)
         if self._store is not None:
-            written = [i for i, p in enumerate(_masters(self)) if p.grad is not None]
-            if written:
+            masters = _masters(self)
+            written = [i for i, p in enumerate(masters) if p.grad is not None]
+            if written and not self._store and all(not masters[i].grad.any() for i in written):
+                for p in (masters[i] for i in written):  # zero gradients (DCP's state initialization)
+                    self._store[id(p)] = torch.zeros_like(self._shard_of[id(p)].working[id(p)])
+            elif written:
                 raise RuntimeError(
                     f"shard_gradients=True: the gradients live in the ShardedOptimizer's shards (gradient(p)), but "
                     f"parameter {written[0]} of param_groups has a .grad (written by hand, or by a backward outside "
@@ -436,7 +433,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         states = self.state_bytes()
         held = {}
         for shard in self._shards:
-            copies = [w for m, w in shard.pairs if w is not m] if shard.copies and self._units is None else []
+            copies = [w for m, w in shard.pairs if w is not m] if shard.copies else []
             stored = [] if self._store is None else [self._store.get(id(m)) for m, _ in shard.pairs]
             grads = {id(g): g for g in [w.grad for w in copies] + stored if g is not None}
             held[shard.position] = {

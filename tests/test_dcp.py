@@ -1,5 +1,6 @@
 """torch.distributed.checkpoint (DCP) checkpoints move between the bare module, the wrapper with a plain optimizer
-and the wrapper with a dpcore.ShardedOptimizer, in every direction and across device counts: get_state_dict ->
+and the wrapper with a dpcore.ShardedOptimizer (also with shard_gradients=True and shard_parameters=True, where the
+module's parameters are sharded at rest), in every direction and across device counts: get_state_dict ->
 dcp.save -> dcp.load -> set_state_dict, in one process (no process group: DCP's no_dist=True), and training then
 continues exactly as an uninterrupted run on one device (float64, AdamW). The keys are the bare module's, as DDP's
 are: DCP is given the module (``dp.module``), since it names optimizer state by ``model.named_parameters()``,
@@ -31,7 +32,7 @@ import dpcore
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-KINDS = ["bare", "wrapper", "sharded"]
+KINDS = ["bare", "wrapper", "sharded", "grads", "params"]  # shard_gradients=True (ZeRO-2), shard_parameters=True
 STEPS = 3  # before the checkpoint, and again after it
 TOL = {"atol": 1e-10, "rtol": 1e-9}  # float64; sums over other device counts differ in their last bits
 
@@ -66,11 +67,12 @@ class Run:
 
     def __init__(self, kind: str, count: int, seed: int) -> None:
         self.module = _model(seed)
+        options = {"sync_batchnorm": True, "shard_gradients": kind == "grads", "shard_parameters": kind == "params"}
         self.net: nn.Module = (
-            self.module if kind == "bare" else dpcore.DataParallel(self.module, ["cpu"] * count, sync_batchnorm=True)
+            self.module if kind == "bare" else dpcore.DataParallel(self.module, ["cpu"] * count, **options)
         )
         kwargs = {"lr": 1e-2, "weight_decay": 0.1}
-        if kind == "sharded":
+        if kind in ("sharded", "grads", "params"):
             self.opt: torch.optim.Optimizer = dpcore.ShardedOptimizer(
                 _groups(self.module), torch.optim.AdamW, devices=self.net, **kwargs
             )
@@ -142,11 +144,11 @@ def test_checkpoint_keys_are_the_bare_modules(tmp_path: Path) -> None:
         assert set(optim_sd["state"]) == {n for n, p in _model(0).named_parameters() if p.requires_grad}
         if kind != "bare":  # the wrapper's own model state dict in DCP has the same keys
             assert list(get_model_state_dict(run.net)) == list(model_sd)
-    assert keys["bare"] == keys["wrapper"] == keys["sharded"]
+    assert keys["bare"] == keys["wrapper"] == keys["sharded"] == keys["grads"] == keys["params"]
     assert not any("module." in k for k in keys["bare"])
 
 
-@pytest.mark.parametrize("kind", ["wrapper", "sharded"])
+@pytest.mark.parametrize("kind", ["wrapper", "sharded", "grads", "params"])
 def test_model_and_optimizer_variants(kind: str, reference: Run, tmp_path: Path) -> None:
     """get_model_state_dict / get_optimizer_state_dict saved apart, loaded into the wrapper by set_model_state_dict /
     set_optimizer_state_dict (the wrapper itself given as the model), also with full_state_dict and cpu_offload."""

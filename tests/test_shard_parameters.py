@@ -263,7 +263,8 @@ def test_a_model_larger_than_the_budget_trains() -> None:
 
 
 def test_state_dict_round_trip_reshards() -> None:
-    """state_dict() is the bare module's, whole, on the CPU; load_state_dict writes each parameter into its shard."""
+    """state_dict() is the bare module's, whole, on the CPU (the module's own too); load_state_dict writes each
+    parameter into its shard."""
     model, bare = _mlp(), _mlp()
     with torch.no_grad():
         for p in bare.parameters():
@@ -275,7 +276,8 @@ def test_state_dict_round_trip_reshards() -> None:
         torch.testing.assert_close(dp(x), bare(x), **TOL)
     state = dp.state_dict()
     assert list(state) == list(bare.state_dict()) and all(v.device.type == "cpu" for v in state.values())
-    with pytest.raises(RuntimeError, match="missing keys"):
+    assert all(torch.equal(a, b) for a, b in zip(dp.module.state_dict().values(), state.values()))
+    with pytest.raises(RuntimeError, match="Missing key"):
         dp.load_state_dict({k: v for k, v in bare.state_dict().items() if k != "0.weight"})
     with pytest.raises(RuntimeError, match=r"state_dict\['0.weight'\]: expected shape"):
         dp.load_state_dict({**bare.state_dict(), "0.weight": torch.zeros(3)})

@@ -357,82 +357,86 @@ void count_ring_all_gather(const Segments& seg, int64_t item, size_t n, TrafficR
   }
 }
 
-// A piece of sum_lists' work: out (+)= the sum of sources (out's shape).
-struct SumPiece {
+// One entry of sum_entries: each of outs (+)= the sum of sources, left to
+// right (all of one shape and dtype); with one source, copies of it.
+struct SumEntry {
   std::vector<at::Tensor> sources;
-  at::Tensor out;
-  int64_t bytes = 0;
+  std::vector<at::Tensor> outs;
 };
 
 // The fewest elements of a piece that a contiguous entry is cut into.
 constexpr int64_t kPieceElements = 64 * 1024;
 
-// outs[e] (+)= sum_h sources[h][e] (h in order) for every e, in one
-// parallel region: the entries, contiguous ones larger than a piece cut
-// into pieces, are dealt to the intra-op threads by bytes (largest first,
-// each to the least loaded), and each piece is summed by reduce_add_n on
-// its thread (one source: a copy). One region per call rather than one per
-// large tensor: on a loaded machine each region's join can wait a time
-// slice. Views are made here, on the calling thread (under its no-grad
-// guard); work under kPieceElements in all runs on this thread.
-void sum_lists(const TensorList2D& sources, const std::vector<at::Tensor>& outs, bool accumulate) {
+// Every entry of `entries`, in one parallel region: the entries, contiguous
+// ones larger than a piece cut into pieces, are dealt to the intra-op
+// threads by bytes (largest first, each to the least loaded), and each
+// piece's outs are written one after the other by reduce_add_n on its
+// thread, so that a source piece copied to several outs is read from cache.
+// One region per call rather than one per large tensor: on a loaded machine
+// each region's join can wait a time slice. Views are made here, on the
+// calling thread (under its no-grad guard); work under kPieceElements in all
+// runs on this thread.
+void sum_entries(const std::vector<SumEntry>& entries, bool accumulate) {
   const auto threads = static_cast<size_t>(std::max(1, at::get_num_threads()));
   int64_t total = 0;
-  for (const at::Tensor& out : outs) {
-    total += out.numel();
+  for (const SumEntry& entry : entries) {
+    total += entry.outs[0].numel() * static_cast<int64_t>(entry.outs.size());
   }
   const int64_t piece = std::max(kPieceElements, total / static_cast<int64_t>(4 * threads) + 1);
-  std::vector<SumPiece> pieces;
-  for (size_t e = 0; e < outs.size(); ++e) {
-    const at::Tensor& out = outs[e];
-    const int64_t numel = out.numel();
+  std::vector<SumEntry> pieces;
+  std::vector<int64_t> bytes;
+  const auto contiguous = [](const std::vector<at::Tensor>& list) {
+    return std::all_of(list.begin(), list.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
+  };
+  const auto cut = [](const std::vector<at::Tensor>& list, int64_t start, int64_t len) {
+    std::vector<at::Tensor> parts;
+    parts.reserve(list.size());
+    for (const at::Tensor& t : list) {
+      parts.push_back(t.view({-1}).narrow(0, start, len));
+    }
+    return parts;
+  };
+  for (const SumEntry& entry : entries) {
+    const int64_t numel = entry.outs[0].numel();
+    const int64_t weight = static_cast<int64_t>(entry.outs.size() * (entry.sources.size() + 1));
     if (numel == 0) {
       continue;
     }
-    std::vector<at::Tensor> column;
-    column.reserve(sources.size());
-    bool contiguous = threads > 1 && numel > piece && out.is_contiguous();
-    for (const std::vector<at::Tensor>& list : sources) {
-      column.push_back(list[e]);
-      contiguous = contiguous && list[e].is_contiguous();
-    }
-    if (!contiguous) {
-      pieces.push_back({std::move(column), out, numel * out.element_size()});
+    if (threads == 1 || numel <= piece || !contiguous(entry.sources) || !contiguous(entry.outs)) {
+      pieces.push_back(entry);
+      bytes.push_back(numel * weight);
       continue;
     }
-    const at::Tensor flat_out = out.view({-1});
     for (int64_t start = 0; start < numel; start += piece) {
       const int64_t len = std::min(piece, numel - start);
-      std::vector<at::Tensor> parts;
-      parts.reserve(column.size());
-      for (const at::Tensor& t : column) {
-        parts.push_back(t.view({-1}).narrow(0, start, len));
-      }
-      pieces.push_back({std::move(parts), flat_out.narrow(0, start, len), len * out.element_size()});
+      pieces.push_back({cut(entry.sources, start, len), cut(entry.outs, start, len)});
+      bytes.push_back(len * weight);
     }
   }
-  if (threads == 1 || pieces.size() < 2 || total <= kPieceElements) {
-    for (const SumPiece& p : pieces) {
-      reduce_add_n(p.sources, p.out, accumulate);
+  const auto run = [&](const SumEntry& p) {
+    for (const at::Tensor& out : p.outs) {
+      reduce_add_n(p.sources, out, accumulate);
     }
+  };
+  if (threads == 1 || pieces.size() < 2 || total <= kPieceElements) {
+    std::for_each(pieces.begin(), pieces.end(), run);
     return;
   }
   std::vector<size_t> order(pieces.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(
-      order.begin(), order.end(), [&](size_t a, size_t b) { return pieces[a].bytes > pieces[b].bytes; });
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return bytes[a] > bytes[b]; });
   const size_t bins_count = std::min(threads, pieces.size());
   std::vector<std::vector<size_t>> bins(bins_count);
   std::vector<int64_t> loads(bins_count, 0);
   for (const size_t i : order) {
-    const size_t b = static_cast<size_t>(std::min_element(loads.begin(), loads.end()) - loads.begin());
+    const auto b = static_cast<size_t>(std::min_element(loads.begin(), loads.end()) - loads.begin());
     bins[b].push_back(i);
-    loads[b] += pieces[i].bytes;
+    loads[b] += bytes[i];
   }
   at::parallel_for(0, static_cast<int64_t>(bins_count), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (const size_t i : bins[static_cast<size_t>(b)]) {
-        reduce_add_n(pieces[i].sources, pieces[i].out, accumulate);
+        run(pieces[i]);
       }
     }
   });
@@ -441,15 +445,15 @@ void sum_lists(const TensorList2D& sources, const std::vector<at::Tensor>& outs,
 // One bucket of reduce_scatter_coalesced on a CPU list: owner o's sums, in
 // one new buffer per owner (as the ring's), are sum_k tensors[o + 1 + k]
 // for k = 0 .. N - 1 (indices mod N), left to right: the ring's order. One
-// sum_lists over the bucket, or for half types one per hop, each rounding
+// sum_entries over the bucket, or for half types one per hop, each rounding
 // as a hop does.
 void direct_reduce_scatter_bucket(
     const TensorList2D& tensors, c10::ArrayRef<c10::Device> devices, const RingBucket& bucket,
     const FlatLayout& layout, const Segments& seg, std::vector<at::Tensor>& results) {
   const size_t n = devices.size();
-  const size_t count = bucket.indices.size();
-  TensorList2D sources(n, std::vector<at::Tensor>(count));
-  std::vector<at::Tensor> outs(count);
+  const bool per_hop = n > 2 && rounds_per_hop(layout.dtype);
+  std::vector<SumEntry> entries;
+  entries.reserve(bucket.indices.size());
   const at::Tensor& like = tensors[0][bucket.indices[0]];
   for (size_t o = 0; o < n; ++o) {
     const size_t first = bucket.bounds[o];
@@ -461,20 +465,28 @@ void direct_reduce_scatter_bucket(
         sub_layout(layout, first, last).unflatten(empty_flat(like, devices[o], seg.sizes[o]));
     for (size_t e = first; e < last; ++e) {
       const size_t k = bucket.indices[e];
-      for (size_t h = 0; h < n; ++h) {
-        sources[h][e] = tensors[(o + 1 + h) % n][k];
+      SumEntry entry;
+      for (size_t h = 0; h < (per_hop ? 2 : n); ++h) {
+        entry.sources.push_back(tensors[(o + 1 + h) % n][k]);
       }
-      outs[e] = views[e - first];
+      entry.outs.push_back(views[e - first]);
+      entries.push_back(std::move(entry));
       results[k] = std::move(views[e - first]);
     }
   }
-  if (n < 3 || !rounds_per_hop(layout.dtype)) {
-    sum_lists(sources, outs, /*accumulate=*/false);
+  sum_entries(entries, /*accumulate=*/false);
+  if (!per_hop) {
     return;
   }
-  sum_lists({sources[0], sources[1]}, outs, /*accumulate=*/false);
+  // The entries in the order built above: owner by owner, e in order.
   for (size_t h = 2; h < n; ++h) {
-    sum_lists({sources[h]}, outs, /*accumulate=*/true);
+    size_t i = 0;
+    for (size_t o = 0; o < n; ++o) {
+      for (size_t e = bucket.bounds[o]; e < bucket.bounds[o + 1]; ++e) {
+        entries[i++].sources = {tensors[(o + 1 + h) % n][bucket.indices[e]]};
+      }
+    }
+    sum_entries(entries, /*accumulate=*/true);
   }
 }
 
@@ -504,32 +516,38 @@ bool writes_into_sources(at::TensorList tensors, const TensorList2D& outs) {
 // One bucket of all_gather_coalesced on a CPU list: every tensors[k] copied
 // straight into result[d][k] for each d (into the given outs, or into one
 // new buffer per device, as the ring's), but where result[d][k] is
-// tensors[k] itself; one sum_lists of one source (a copy).
+// tensors[k] itself; one sum_entries of one source per tensor (copies, each
+// source piece read once for all its targets).
 void direct_all_gather_bucket(
     at::TensorList tensors, c10::ArrayRef<int64_t> owners, c10::ArrayRef<c10::Device> devices,
     const RingBucket& bucket, const FlatLayout& layout, bool into_outs, TensorList2D& result) {
-  std::vector<at::Tensor> from;
-  std::vector<at::Tensor> into;
-  for (size_t d = 0; d < devices.size(); ++d) {
-    std::vector<at::Tensor> views;
-    if (!into_outs) {
-      views = layout.unflatten(empty_flat(tensors[bucket.indices[0]], devices[d], layout.numel));
-    }
-    for (size_t e = 0; e < bucket.indices.size(); ++e) {
-      const size_t k = bucket.indices[e];
-      if (!into_outs) {
+  if (!into_outs) {
+    for (size_t d = 0; d < devices.size(); ++d) {
+      std::vector<at::Tensor> views =
+          layout.unflatten(empty_flat(tensors[bucket.indices[0]], devices[d], layout.numel));
+      for (size_t e = 0; e < bucket.indices.size(); ++e) {
+        const size_t k = bucket.indices[e];
         result[d][k] = static_cast<size_t>(owners[k]) == d ? tensors[k] : std::move(views[e]);
       }
-      if (result[d][k].is_same(tensors[k]) || tensors[k].numel() == 0) {
-        continue;
-      }
-      from.push_back(tensors[k]);
-      into.push_back(result[d][k]);
     }
   }
-  if (!into.empty()) {
-    sum_lists({from}, into, /*accumulate=*/false);
+  std::vector<SumEntry> entries;
+  entries.reserve(bucket.indices.size());
+  for (const size_t k : bucket.indices) {
+    if (tensors[k].numel() == 0) {
+      continue;
+    }
+    SumEntry entry{{tensors[k]}, {}};
+    for (size_t d = 0; d < devices.size(); ++d) {
+      if (!result[d][k].is_same(tensors[k])) {
+        entry.outs.push_back(result[d][k]);
+      }
+    }
+    if (!entry.outs.empty()) {
+      entries.push_back(std::move(entry));
+    }
   }
+  sum_entries(entries, /*accumulate=*/false);
 }
 
 } // namespace

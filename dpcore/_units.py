@@ -6,6 +6,7 @@ the attached ShardedOptimizer's shards. Rules: docs/sharded_parameters.md."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ DEFAULT_UNIT_SHARE = 1 / 16
 #: Tensor metadata an unloaded parameter still answers (everything else is an error naming it).
 _METADATA = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "nelement", "element_size", "requires_grad"}
 _METADATA |= {"is_leaf", "grad_fn", "grad", "is_cuda", "is_sparse", "is_meta", "layout", "is_floating_point"}
-_METADATA |= {"is_complex", "__format__", "names", "_version", "data_ptr_unavailable"}
+_METADATA |= {"is_complex", "names", "_version"}
 
 
 def balance(sizes: list[int], loads: list[int]) -> list[int]:
@@ -177,51 +178,53 @@ class _Replica(NamedTuple):
 
 
 class _GatherUnit(torch.autograd.Function):
-    """``apply(state, u, *shards)``: unit u's parameters on every position (position-major; a position's own shards
-    as aliases). Backward reduce-scatters every position's gradients into the attached optimizer's shards and
-    frees the copies."""
+    """``apply(state, copies, u, *shards)``: unit u's parameters on every position (position-major; a position's own
+    shards as aliases), unfilled. Backward reduce-scatters every position's gradients into the attached optimizer's
+    shards and frees the copies (`copies`: their :class:`_Copies`)."""
 
     @staticmethod
-    def forward(state: ShardedParameters, u: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(state: ShardedParameters, copies: _Copies, u: int, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return tuple(t for row in state._gathered(u) for t in row)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.set_materialize_grads(False)
-        ctx.state, ctx.u = inputs[0], inputs[1]
-        n = len(inputs) - 2
-        frozen = [i for i, t in enumerate(inputs[2:]) if not t.requires_grad]
+        ctx.state, ctx.copies, ctx.u = inputs[:3]
+        n = len(inputs) - 3
+        frozen = [i for i, t in enumerate(inputs[3:]) if not t.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*[output[k] for k in range(len(output)) if k % n in frozen])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        state, u = ctx.state, ctx.u
-        n = len(state.units[u].params)
-        state._reduce(u, [list(grads[k : k + n]) for k in range(0, len(grads), n)])
-        return (None,) * (n + 2)
+        n = len(ctx.state.units[ctx.u].params)
+        ctx.state._reduce(ctx.copies, ctx.u, [list(grads[k : k + n]) for k in range(0, len(grads), n)])
+        return (None,) * (n + 3)
 
 
 class _Hold(torch.autograd.Function):
-    """``apply(state, u, d, *copies)``: position d's tensors of unit u (aliases); its backward, run once position d's
-    gradients of them are complete, frees d's copies before the unit's reduce-scatter waits for the others."""
+    """``apply(state, copies, u, d, *tensors)``: position d's tensors of unit u (aliases); its backward, run once
+    position d's gradients of them are complete, frees d's copies before the unit's reduce-scatter waits for the
+    others."""
 
     @staticmethod
-    def forward(state: ShardedParameters, u: int, d: int, *copies: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(t.view_as(t) for t in copies)
+    def forward(
+        state: ShardedParameters, copies: _Copies, u: int, d: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.set_materialize_grads(False)
-        ctx.state, ctx.u, ctx.d = inputs[:3]
-        frozen = [output[i] for i, t in enumerate(inputs[3:]) if not t.requires_grad]
+        ctx.state, ctx.copies, ctx.u, ctx.d = inputs[:4]
+        frozen = [output[i] for i, t in enumerate(inputs[4:]) if not t.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        ctx.state._unload(ctx.u, ctx.d)
-        return (None, None, None, *grads)
+        ctx.state._unload(ctx.copies, ctx.u, ctx.d)
+        return (None, None, None, None, *grads)
 
 
 class ShardedParameters:
@@ -248,7 +251,6 @@ class ShardedParameters:
         owners = balance([p.numel() * p.element_size() for p in params], loads)
         self._owner = {id(p): k for p, k in zip(params, owners)}
         self._rest = loads  # bytes of shards at rest per position
-        self._live = [0] * len(self.devices)
         self._peak = list(loads)
         self._shards: dict[int, torch.Tensor] = {}
         with torch.no_grad():
@@ -261,10 +263,8 @@ class ShardedParameters:
         self._rows = [self._replicate(d) for d in range(len(self.devices))]
         module.register_state_dict_post_hook(lambda *args: self._saved(*args))  # (torch marks the hook object)
         module.register_load_state_dict_pre_hook(lambda *args: self._loading(*args))
-        self._copies: dict[int, list[list[torch.Tensor]]] = {}  # unit -> per position its tensors, this call
-        self._filled: dict[int, list[bool]] = {}
-        self._held: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, position) -> what its slots hold
-        self._backward: set[tuple[int, int]] = set()  # (unit, position) refilled for its backward
+        self._call = _Call()  # the call in progress (replicas() starts one)
+        self._copies: weakref.WeakSet[_Copies] = weakref.WeakSet()  # every unit's copies still alive
 
     # -- placement --
 
@@ -280,12 +280,12 @@ class ShardedParameters:
         """Per position: ``parameters`` (its shards), ``gathered`` (copies alive now) and ``peak_parameters`` (the most
         of both at once since the last :meth:`reset_peak`)."""
         return {
-            k: {"parameters": self._rest[k], "gathered": self._live[k], "peak_parameters": self._peak[k]}
+            k: {"parameters": self._rest[k], "gathered": self._gathered_bytes(k), "peak_parameters": self._peak[k]}
             for k in range(len(self.devices))
         }
 
     def reset_peak(self) -> None:
-        self._peak = [r + live for r, live in zip(self._rest, self._live)]
+        self._peak = [r + self._gathered_bytes(k) for k, r in enumerate(self._rest)]
 
     def replica_bytes(self) -> int:
         """Bytes of persistent parameter copies per replica: none (the replica cache's interface)."""
@@ -357,15 +357,15 @@ class ShardedParameters:
         unit, original = self.units[u], type(replica).forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            self._load(u, d)
+            copies = self._load(self._call, u, d)
             try:
                 out = replica.__dict__.get("_dp_forward", original.__get__(replica))(*args, **kwargs)
             finally:
-                if (self.reshard_after_forward or not torch.is_grad_enabled()) and (u, d) not in self._backward:
-                    self._unload(u, d)  # (a recomputation inside its backward keeps them)
+                if (self.reshard_after_forward or not torch.is_grad_enabled()) and d not in copies.backward:
+                    self._unload(copies, u, d)  # (a recomputation inside its backward keeps them)
             needing = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needing and u in self._copies:
-                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(u, d), mode="any")
+            if needing and copies.graph:
+                torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(copies, u, d), mode="any")
             return out
 
         forward.__name__ = f"forward of unit {unit.name or '(root)'}"
@@ -373,9 +373,13 @@ class ShardedParameters:
 
     def replicas(self, n: int) -> list[nn.Module]:
         """Position 0..n-1's replicas, synced with the module (its attributes and training state; position 0 shares
-        its buffers, the others get copies); every unit unloaded."""
+        its buffers, the others get copies); every unit unloaded, for a new call (an earlier call's tensors stay
+        its own, for its backward)."""
         with self._lock:
-            self._drop_all()
+            self._call = _Call()
+            for u in range(len(self.units)):
+                for d in range(len(self.devices)):
+                    self._slots(u, d, None)
             roots = []
             for d in range(n):
                 for m, rep in zip(self._modules, self._rows[d]):
@@ -412,47 +416,53 @@ class ShardedParameters:
             rows.append(row)
         return rows
 
-    def _load(self, u: int, d: int) -> None:
-        """Puts unit u's parameters into position d's slots, gathered there (this call's tensors made once, for
+    def _load(self, call: _Call, u: int, d: int) -> _Copies:
+        """Puts unit u's parameters into position d's slots, gathered there (the call's tensors made once, for
         every position, with the autograd node whose backward reduce-scatters their gradients)."""
         with self._lock:
-            copies = self._copies.get(u)
-            if copies is None:
+            entry = call.units.get(u)
+            if entry is None:
                 shards = [self._shards[id(p)] for p in self.units[u].params]
-                if torch.is_grad_enabled() and any(s.requires_grad for s in shards):
-                    flat = apply(_GatherUnit, self, u, *shards)
+                copies = _Copies(len(self.devices), torch.is_grad_enabled() and any(s.requires_grad for s in shards))
+                self._copies.add(copies)
+                if copies.graph:
+                    flat = apply(_GatherUnit, self, copies, u, *shards)
                 else:
-                    flat = [t for row in self._gathered(u) for t in row]
+                    flat = tuple(t for row in self._gathered(u) for t in row)
                 k = len(shards)
-                copies = self._copies[u] = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
-                self._filled[u] = [False] * len(self.devices)
-            if not self._filled[u][d]:
-                self._fill(u, d)
-            held = self._held.get((u, d))
+                rows = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
+                copies.tensors = [[t.detach() for t in row] for row in rows]  # no reference back to the graph
+                entry = call.units[u] = (copies, rows)
+            copies, rows = entry
+            if not copies.filled[d]:
+                self._fill(copies, u, d)
+            held = call.held.get((u, d))
             if held is None:
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in copies[d])
-                held = self._held[u, d] = list(apply(_Hold, self, u, d, *copies[d])) if grad else copies[d]
+                grad = copies.graph and any(t.requires_grad for t in rows[d])
+                held = call.held[u, d] = list(apply(_Hold, self, copies, u, d, *rows[d])) if grad else rows[d]
             self._slots(u, d, held)
+            return copies
 
-    def _unload(self, u: int, d: int) -> None:
+    def _unload(self, copies: _Copies, u: int, d: int) -> None:
         """Frees position d's copies of unit u (not its own shards) and unloads its slots."""
         with self._lock:
-            if u in self._copies and self._filled[u][d]:
-                self._free(u, d)
+            if copies.filled[d]:
+                self._free(copies, u, d)
             self._slots(u, d, None)
-            self._backward.discard((u, d))
+            copies.backward.discard(d)
 
-    def _refill(self, u: int, d: int) -> None:
+    def _refill(self, copies: _Copies, u: int, d: int) -> None:
         """Before unit u's backward on position d: its copies gathered again where freed, and in the slots (a
         recomputation inside the unit reads them)."""
         with self._lock:
-            if u in self._copies:
-                self._backward.add((u, d))
-                if not self._filled[u][d]:
-                    self._fill(u, d)
-                self._slots(u, d, self._held.get((u, d), self._copies[u][d]))
+            if copies.tensors:
+                copies.backward.add(d)
+                if not copies.filled[d]:
+                    self._fill(copies, u, d)
+                needs = [self._shards[id(p)].requires_grad for p in self.units[u].params]  # as in the forward
+                self._slots(u, d, [t.detach().requires_grad_(r) for t, r in zip(copies.tensors[d], needs)])
 
-    def _reduce(self, u: int, grads: list[list[torch.Tensor | None]]) -> None:
+    def _reduce(self, copies: _Copies, u: int, grads: list[list[torch.Tensor | None]]) -> None:
         """Unit u's backward: every position's gradients summed into the sink at the owners, then the copies freed."""
         sink = self.sink
         if sink is None:
@@ -467,35 +477,31 @@ class ShardedParameters:
             masters = [params[j] for j in used]
             sink.add(masters, comm.reduce_scatter_coalesced(rows, self.devices, [self._owner[id(p)] for p in masters]))
         with self._lock:
-            if u in self._copies:
-                for d in range(len(self.devices)):
-                    if self._filled[u][d]:
-                        self._free(u, d)
-                    self._slots(u, d, None)
-                del self._copies[u], self._filled[u]
-                for d in range(len(self.devices)):
-                    self._held.pop((u, d), None)
-                    self._backward.discard((u, d))
+            for d in range(len(self.devices)):
+                if copies.filled[d]:
+                    self._free(copies, u, d)
+                self._slots(u, d, None)
+            copies.tensors, copies.backward = [], set()
 
-    def _fill(self, u: int, d: int) -> None:
+    def _fill(self, copies: _Copies, u: int, d: int) -> None:
         """Position d's copies of unit u allocated and copied from their owners (unseen by version counters)."""
-        params, copies = self.units[u].params, self._copies[u][d]
-        pulled = [(t, self._shards[id(p)]) for p, t in zip(params, copies) if self._owner[id(p)] != d]
+        params = self.units[u].params
+        pulled = [(t, self._shards[id(p)]) for p, t in zip(params, copies.tensors[d]) if self._owner[id(p)] != d]
         for t, shard in pulled:
-            self._count(d, _nbytes(shard))
+            self._count(copies, d, _nbytes(shard))
             t.untyped_storage().resize_(_nbytes(shard))
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(t for t, _ in pulled)):
             for t, shard in pulled:
                 t.copy_(shard)
-        self._filled[u][d] = True
+        copies.filled[d] = True
 
-    def _free(self, u: int, d: int) -> None:
+    def _free(self, copies: _Copies, u: int, d: int) -> None:
         params = self.units[u].params
-        for i, t in enumerate(self._copies[u][d]):
+        for i, t in enumerate(copies.tensors[d]):
             if self._owner[id(params[i])] != d:
-                self._count(d, -_nbytes(t))
+                self._count(copies, d, -_nbytes(t))
                 t.untyped_storage().resize_(0)
-        self._filled[u][d] = False
+        copies.filled[d] = False
 
     def _slots(self, u: int, d: int, tensors: list[torch.Tensor] | None) -> None:
         unit, row = self.units[u], self._rows[d]
@@ -503,28 +509,43 @@ class ShardedParameters:
         for j, name, k in unit.slots:
             row[j].params[name] = self._unloaded[d][base + k] if tensors is None else tensors[k]
 
-    def _drop_all(self) -> None:
-        """A new call: the copies a previous call left (a forward without its backward) are dropped."""
-        for u in list(self._copies):
-            for d in range(len(self.devices)):
-                if self._filled[u][d]:
-                    self._free(u, d)
-                self._slots(u, d, None)
-        self._copies.clear()
-        self._filled.clear()
-        self._held.clear()
-        self._backward.clear()
+    def _gathered_bytes(self, d: int) -> int:
+        """The bytes gathered at position d by every call whose tensors still exist."""
+        return sum(copies.live[d] for copies in self._copies)
 
-    def _count(self, d: int, nbytes: int) -> None:
-        live = self._live[d] + nbytes
+    def _count(self, copies: _Copies, d: int, nbytes: int) -> None:
+        """Counts `nbytes` gathered (or freed, negative) at position d by `call`; over the budget is an error."""
+        live = self._gathered_bytes(d) + nbytes
         if nbytes > 0 and self.budget is not None and self._rest[d] + live > self.budget:
             raise RuntimeError(
                 f"budget: position {d} ({self.devices[d]}) would hold {self._rest[d] + live} bytes of parameters "
                 f"({self._rest[d]} in its shards, {live} gathered), over its budget of {self.budget}; use smaller "
                 f"units (shard_parameters=) or more devices"
             )
-        self._live[d] = live
+        copies.live[d] += nbytes
         self._peak[d] = max(self._peak[d], self._rest[d] + live)
+
+
+class _Copies:
+    """One unit's copies in one call, as its autograd nodes and hooks see them (nothing here refers back to the
+    graph, which keeps this alive until its backward): per position the tensors (detached), whether filled, the
+    positions whose backward refilled them, and the bytes filled per position (``live``)."""
+
+    def __init__(self, positions: int, graph: bool) -> None:
+        self.graph = graph  # made with autograd nodes
+        self.tensors: list[list[torch.Tensor]] = []
+        self.filled = [False] * positions
+        self.backward: set[int] = set()
+        self.live = [0] * positions
+
+
+class _Call:
+    """One call: per unit its :class:`_Copies` and its node's outputs (position-major rows), and per (unit,
+    position) what the slots hold in the forward."""
+
+    def __init__(self) -> None:
+        self.units: dict[int, tuple[_Copies, list[list[torch.Tensor]]]] = {}
+        self.held: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
 def _nbytes(t: torch.Tensor) -> int:

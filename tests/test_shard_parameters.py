@@ -210,6 +210,26 @@ def test_reshard_after_forward_false_keeps_the_units_until_backward() -> None:
     assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_two_forwards_before_one_backward(reshard: bool) -> None:
+    """Each call keeps its own gathered tensors for its backward: two calls' losses summed, one backward; a call
+    whose graph is dropped without a backward no longer counts once its tensors are gone (at the next call)."""
+    model, bare = _mlp(), _mlp()
+    dp, optimizer = _sharded(model, 3, shard_parameters=1, reshard_after_forward=reshard)
+    x, y = _batch("mlp", 1)["x"], _batch("mlp", 2)["x"]
+    (dp(x).square().sum() + dp(y).sin().sum()).backward()
+    (bare(x).square().sum() + bare(y).sin().sum()).backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+    dropped = dp(x)
+    assert (sum(h["gathered"] for h in dp.sharded_parameters.held_bytes().values()) > 0) == (not reshard)
+    del dropped
+    with torch.no_grad():  # the next call: the dropped one's tensors are gone
+        dp(y)
+    assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+
+
 def test_memory_per_position_is_a_share_plus_two_units() -> None:
     """On cpu*4, each position's peak of parameter, gradient and optimizer bytes over a step is at most
     (P + G + S) / 4 + 2 x the largest unit, plus what whole-parameter placement can leave uneven (the largest

@@ -319,7 +319,10 @@ def test_errors_name_what_cannot_compose() -> None:
     with pytest.raises(RuntimeError, match="used a parameter of unit 'inner' .* outside that unit"):
         dp = dpcore.DataParallel(_Reader(), ["cpu"] * 2, shard_parameters=(nn.Linear,))
         dp(torch.randn(4, 4))
-    for options, other in (({"process_group": object()}, "process_group="),):
+    for options, other in (
+        ({"process_group": object()}, "process_group="),
+        ({"cuda_graphs": True}, "cuda_graphs=True"),
+    ):
         with pytest.raises(ValueError, match=f"shard_parameters= cannot be combined with {other}"):
             dpcore.DataParallel(_mlp(), ["cpu"] * 2, shard_parameters=True, **options)
     with pytest.raises(TypeError, match="shard_parameters: expected True or False"):

@@ -178,3 +178,21 @@ def test_gpt2_device_0_peak_with_sharded_gradients_within_1_05_of_the_others() -
     assert ratios["shard_gradients"] <= 1.05, ratios
     assert ratios["plain"] == pytest.approx(4.0, rel=1e-3), ratios  # 4P against P (AdamW's 0-dim steps aside)
     assert 1.6 <= ratios["sharded"] <= 1.75, ratios  # (2P + 2P/4) / (P + 2P/4) = 1.67 with even shards
+
+
+def test_bench_zero2_memory_rows() -> None:
+    """bench/bench_zero2.py's memory rows (the figures the bench prints): one per mode, shard_gradients within 1.05."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_zero2.py"
+    spec = importlib.util.spec_from_file_location("bench_zero2", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.memory_rows([torch.device("cpu")] * 4)
+    assert [r["measured"] for r in rows] == [f"memory, {m}" for m in MODES]
+    ratios = {r["measured"].split(", ")[1]: r["device0_over_others"] for r in rows}
+    assert ratios["shard_gradients"] <= 1.05 and ratios["plain"] == pytest.approx(4.0, rel=1e-3)
+    assert all(len(r["peak_bytes"]) == 4 and r["peak_bytes"][0] > r["parameter_bytes"] for r in rows)

@@ -74,6 +74,19 @@ def _sharded(model: nn.Module, n: int, **options: Any) -> tuple[dpcore.DataParal
     return dp, dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, **ADAMW)
 
 
+def _step_both(*optimizers: torch.optim.Optimizer) -> None:
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _assert_same_state(dp: dpcore.DataParallel, bare: nn.Module) -> None:
+    """The wrapper's state dict (whole, on the CPU) equals the bare module's."""
+    state = dp.state_dict()
+    for key, value in bare.state_dict().items():
+        torch.testing.assert_close(state[key], value.cpu(), **TOL)
+
+
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -101,13 +114,8 @@ def test_steps_equal_one_device(n: int, name: str) -> None:
                 torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
         optimizer.clip_grad_norm_(0.5)
         torch.nn.utils.clip_grad_norm_(bare.parameters(), 0.5)
-        optimizer.step()
-        plain.step()
-        optimizer.zero_grad()
-        plain.zero_grad()
-    state = dp.state_dict()
-    for key, value in bare.state_dict().items():
-        torch.testing.assert_close(state[key], value, **TOL)
+        _step_both(optimizer, plain)
+    _assert_same_state(dp, bare)
     held = sharded.held_bytes()
     assert all(h["gathered"] == 0 for h in held.values())
     params = list(model.parameters())
@@ -269,14 +277,9 @@ def test_a_model_larger_than_the_budget_trains() -> None:
         batch = _batch("gpt2", step)
         _out(dp(*batch.values())).square().mean().backward()
         _out(bare(*batch.values())).square().mean().backward()
-        optimizer.step()
-        plain.step()
-        optimizer.zero_grad()
-        plain.zero_grad()
+        _step_both(optimizer, plain)
     assert max(h["peak_parameters"] for h in sharded.held_bytes().values()) <= sharded.budget
-    state = dp.state_dict()
-    for key, value in bare.state_dict().items():
-        torch.testing.assert_close(state[key], value, **TOL)
+    _assert_same_state(dp, bare)
     sharded.budget = max(h["parameters"] for h in sharded.held_bytes().values())
     with pytest.raises(RuntimeError, match="budget: position"):
         dp(*_batch("gpt2", 9).values())
@@ -356,10 +359,5 @@ def test_steps_equal_one_device_on_a_repeated_gpu() -> None:
         x = _batch("mlp", step)["x"].cuda()
         dp(x).square().mean().backward()
         bare(x).square().mean().backward()
-        optimizer.step()
-        plain.step()
-        optimizer.zero_grad()
-        plain.zero_grad()
-    state = dp.state_dict()
-    for key, value in bare.state_dict().items():
-        torch.testing.assert_close(state[key], value.cpu(), **TOL)
+        _step_both(optimizer, plain)
+    _assert_same_state(dp, bare)

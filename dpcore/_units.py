@@ -204,8 +204,8 @@ class _GatherUnit(torch.autograd.Function):
 
 class _Hold(torch.autograd.Function):
     """``apply(state, copies, u, d, *tensors)``: position d's tensors of unit u (aliases); its backward, run once
-    position d's gradients of them are complete, frees d's copies before the unit's reduce-scatter waits for the
-    others."""
+    position d's gradients of them are complete, adds what a reentrant recomputation left on the refilled leaves and
+    frees d's copies before the unit's reduce-scatter waits for the others."""
 
     @staticmethod
     def forward(
@@ -223,8 +223,9 @@ class _Hold(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        left = ctx.state._harvest(ctx.copies, ctx.d)
         ctx.state._unload(ctx.copies, ctx.u, ctx.d)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, *(_plus(g, e) for g, e in zip(grads, left)))
 
 
 class ShardedParameters:
@@ -265,6 +266,7 @@ class ShardedParameters:
         module.register_load_state_dict_pre_hook(lambda *args: self._loading(*args))
         self._call = _Call()  # the call in progress (replicas() starts one)
         self._copies: weakref.WeakSet[_Copies] = weakref.WeakSet()  # every unit's copies still alive
+        self._after_queued = False  # _after_backward queued for the backward running now
 
     # -- placement --
 
@@ -361,11 +363,14 @@ class ShardedParameters:
             try:
                 out = replica.__dict__.get("_dp_forward", original.__get__(replica))(*args, **kwargs)
             finally:
-                if (self.reshard_after_forward or not torch.is_grad_enabled()) and d not in copies.backward:
+                if (self.reshard_after_forward or not torch.is_grad_enabled()) and d not in copies.leaves:
                     self._unload(copies, u, d)  # (a recomputation inside its backward keeps them)
             needing = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needing and copies.graph:
+            if needing:  # its backward reads the weights, trainable or not: gathered again first
                 torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(copies, u, d), mode="any")
+                inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not copies.graph and inputs:  # a frozen unit: no node of its own frees them after its backward
+                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda _: self._unload(copies, u, d))
             return out
 
         forward.__name__ = f"forward of unit {unit.name or '(root)'}"
@@ -420,10 +425,14 @@ class ShardedParameters:
         """Puts unit u's parameters into position d's slots, gathered there (the call's tensors made once, for
         every position, with the autograd node whose backward reduce-scatters their gradients)."""
         with self._lock:
-            entry = call.units.get(u)
+            shards = [self._shards[id(p)] for p in self.units[u].params]
+            graph = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
+            key: int | tuple[int, int] = u
+            if graph and u in call.units and not call.units[u][0].graph:
+                key = (u, d)  # a recomputation with grad of a forward without (reentrant checkpointing): its own node
+            entry = call.units.get(key)
             if entry is None:
-                shards = [self._shards[id(p)] for p in self.units[u].params]
-                copies = _Copies(len(self.devices), torch.is_grad_enabled() and any(s.requires_grad for s in shards))
+                copies = _Copies(u, len(self.devices), graph, [d] if key != u else range(len(self.devices)))
                 self._copies.add(copies)
                 if copies.graph:
                     flat = apply(_GatherUnit, self, copies, u, *shards)
@@ -432,14 +441,14 @@ class ShardedParameters:
                 k = len(shards)
                 rows = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
                 copies.tensors = [[t.detach() for t in row] for row in rows]  # no reference back to the graph
-                entry = call.units[u] = (copies, rows)
+                entry = call.units[key] = (copies, rows)
             copies, rows = entry
             if not copies.filled[d]:
                 self._fill(copies, u, d)
-            held = call.held.get((u, d))
+            held = call.held.get((key, d))
             if held is None:
                 grad = copies.graph and any(t.requires_grad for t in rows[d])
-                held = call.held[u, d] = list(apply(_Hold, self, copies, u, d, *rows[d])) if grad else rows[d]
+                held = call.held[key, d] = list(apply(_Hold, self, copies, u, d, *rows[d])) if grad else rows[d]
             self._slots(u, d, held)
             return copies
 
@@ -449,21 +458,53 @@ class ShardedParameters:
             if copies.filled[d]:
                 self._free(copies, u, d)
             self._slots(u, d, None)
-            copies.backward.discard(d)
+            copies.leaves.pop(d, None)
 
     def _refill(self, copies: _Copies, u: int, d: int) -> None:
-        """Before unit u's backward on position d: its copies gathered again where freed, and in the slots (a
-        recomputation inside the unit reads them)."""
+        """Before unit u's backward on position d: its copies gathered again where freed, and in the slots as leaves
+        (a recomputation inside the unit reads them; a reentrant one leaves its gradients on them, summed by
+        :meth:`_Hold.backward` or at the end of the backward)."""
         with self._lock:
             if copies.tensors:
-                copies.backward.add(d)
                 if not copies.filled[d]:
                     self._fill(copies, u, d)
                 needs = [self._shards[id(p)].requires_grad for p in self.units[u].params]  # as in the forward
-                self._slots(u, d, [t.detach().requires_grad_(r) for t, r in zip(copies.tensors[d], needs)])
+                copies.leaves[d] = [t.detach().requires_grad_(r) for t, r in zip(copies.tensors[d], needs)]
+                self._slots(u, d, copies.leaves[d])
+                if not self._after_queued:
+                    self._after_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _harvest(self, copies: _Copies, d: int) -> list[torch.Tensor | None]:
+        """The gradients left on position d's refilled leaves (by a reentrant recomputation), taken: each once."""
+        out = [None if t.grad is None else t.grad for t in copies.leaves.get(d, ())]
+        for t in copies.leaves.get(d, ()):
+            t.grad = None
+        return out or [None] * len(self.units[copies.unit].params)
+
+    def _after_backward(self) -> None:
+        """At the end of a backward: what reentrant recomputations left on refilled leaves whose unit's node never
+        ran (every use of its parameters recomputed) summed into the sink, and those copies freed."""
+        self._after_queued = False
+        for copies in list(self._copies):
+            for d in list(copies.leaves):
+                left = self._harvest(copies, d)
+                if any(g is not None for g in left):
+                    self._sum(copies.unit, [left if k == d else [None] * len(left) for k in range(len(self.devices))])
+                self._unload(copies, copies.unit, d)
 
     def _reduce(self, copies: _Copies, u: int, grads: list[list[torch.Tensor | None]]) -> None:
         """Unit u's backward: every position's gradients summed into the sink at the owners, then the copies freed."""
+        self._sum(u, grads)
+        with self._lock:
+            for d in copies.positions:
+                if copies.filled[d]:
+                    self._free(copies, u, d)
+                self._slots(u, d, None)
+            copies.tensors, copies.leaves = [], {}
+
+    def _sum(self, u: int, grads: list[list[torch.Tensor | None]]) -> None:
+        """Per position, unit u's parameters' gradients (None where absent) reduce-scattered into the sink."""
         sink = self.sink
         if sink is None:
             raise RuntimeError(
@@ -476,12 +517,6 @@ class ShardedParameters:
         if used:
             masters = [params[j] for j in used]
             sink.add(masters, comm.reduce_scatter_coalesced(rows, self.devices, [self._owner[id(p)] for p in masters]))
-        with self._lock:
-            for d in range(len(self.devices)):
-                if copies.filled[d]:
-                    self._free(copies, u, d)
-                self._slots(u, d, None)
-            copies.tensors, copies.backward = [], set()
 
     def _fill(self, copies: _Copies, u: int, d: int) -> None:
         """Position d's copies of unit u allocated and copied from their owners (unseen by version counters)."""
@@ -528,14 +563,16 @@ class ShardedParameters:
 
 class _Copies:
     """One unit's copies in one call, as its autograd nodes and hooks see them (nothing here refers back to the
-    graph, which keeps this alive until its backward): per position the tensors (detached), whether filled, the
-    positions whose backward refilled them, and the bytes filled per position (``live``)."""
+    graph, which keeps this alive until its backward): its unit, the positions it serves (all, or the one whose
+    reentrant recomputation made it), per position the tensors (detached), whether filled, the leaves a backward
+    refilled (by position) and the bytes filled (``live``)."""
 
-    def __init__(self, positions: int, graph: bool) -> None:
-        self.graph = graph  # made with autograd nodes
+    def __init__(self, unit: int, positions: int, graph: bool, serves: Sequence[int]) -> None:
+        self.unit, self.graph = unit, graph  # graph: made with autograd nodes
+        self.positions = list(serves)
         self.tensors: list[list[torch.Tensor]] = []
         self.filled = [False] * positions
-        self.backward: set[int] = set()
+        self.leaves: dict[int, list[torch.Tensor]] = {}
         self.live = [0] * positions
 
 
@@ -544,8 +581,12 @@ class _Call:
     position) what the slots hold in the forward."""
 
     def __init__(self) -> None:
-        self.units: dict[int, tuple[_Copies, list[list[torch.Tensor]]]] = {}
-        self.held: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.units: dict[int | tuple[int, int], tuple[_Copies, list[list[torch.Tensor]]]] = {}
+        self.held: dict[tuple[int | tuple[int, int], int], list[torch.Tensor]] = {}
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -9,6 +9,7 @@ from torch import nn
 
 import dpcore
 from dpcore.memory import DeviceMemory
+from conftest import requires_cuda
 
 LISTS = [["cpu"] * 2, ["cpu"] * 3, ["cpu"] * 4]
 
@@ -93,7 +94,8 @@ def test_wrong_arguments_name_them() -> None:
         dpcore.memory_report(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CPU counterpart above)")
+@requires_cuda  # CPU counterpart above
+@pytest.mark.cuda
 def test_cuda_positions_report_the_allocator_peak() -> None:
     model = _model().cuda()
     dp = dpcore.DataParallel(model, [0, 0])

@@ -14,6 +14,7 @@ from torch import nn
 
 import dpcore
 from dpcore import sharded_optimizer
+from conftest import requires_cuda
 
 STEPS = 20
 TOL = {"atol": 1e-10, "rtol": 0.0}
@@ -449,9 +450,8 @@ def test_sharded_grad_scaler_keeps_torchs_checks() -> None:
     assert again.state_dict() == scaler.state_dict()
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU (CPU counterpart: test_steps_equal_the_plain_optimizer)"
-)
+@requires_cuda  # CPU counterpart: test_steps_equal_the_plain_optimizer
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_steps_equal_the_plain_optimizer_on_a_repeated_gpu(name: str) -> None:
     """[0, 0]: the ring, the shards and the all-gather on one GPU's streams equal the plain optimizer after 20 steps,
@@ -478,10 +478,8 @@ def test_steps_equal_the_plain_optimizer_on_a_repeated_gpu(name: str) -> None:
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a GPU (CPU counterpart: test_sharded_grad_scaler_equals_torch_grad_scaler)",
-)
+@requires_cuda  # CPU counterpart: test_sharded_grad_scaler_equals_torch_grad_scaler
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_sharded_grad_scaler_on_a_repeated_gpu(name: str) -> None:
     """[0, 0]: dpcore.ShardedGradScaler("cuda") on the shards against torch's GradScaler on the plain optimizer, 20

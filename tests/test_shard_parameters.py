@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dpcore
+from conftest import requires_cuda
 
 STEPS = 20
 TOL = {"atol": 1e-10, "rtol": 0.0}
@@ -175,6 +176,78 @@ def test_gpt2_gradient_checkpointing_with_the_whole_body_one_unit() -> None:
     batch = _batch("gpt2", 1)
     _out(dp(*batch.values())).square().mean().backward()
     _out(bare(*batch.values())).square().mean().backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+
+
+class _FrozenMiddle(nn.Module):
+    """Three units; the middle one wholly frozen, so its backward needs its weights but sums no gradient. With
+    `reentrant`, the last unit runs under reentrant checkpointing (a no_grad forward, recomputed in backward)."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.b.requires_grad_(False)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return checkpoint(self.c, h, use_reentrant=True) if self.reentrant else self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_frozen_units_and_reentrant_checkpointing(reshard: bool, reentrant: bool) -> None:
+    """A frozen unit between trainable ones is gathered again for its backward; a unit under reentrant
+    checkpointing sums its recomputation's gradients. Both equal one device over steps, and nothing stays
+    gathered after each backward."""
+    model, bare = _FrozenMiddle(reentrant).double(), _FrozenMiddle(reentrant).double()
+    dp, optimizer = _sharded(model, 3, shard_parameters=(nn.Linear,), reshard_after_forward=reshard)
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    for step in range(4):
+        x = _batch("mlp", step)["x"]
+        dp(x).square().sum().backward()
+        bare(x).square().sum().backward()
+        assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+        for p, q in zip(model.parameters(), bare.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+        _step_both(optimizer, plain)
+    _assert_same_state(dp, bare)
+
+
+class _Reentrant(nn.Module):
+    """A reentrant checkpoint over two Linears, scaled by a parameter outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.scale = nn.Linear(4, 4), nn.Linear(4, 2), nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda h: self.b(torch.tanh(self.a(h))), x, use_reentrant=True) * self.scale
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("policy", ["root", "linear", "gpt2"])
+def test_reentrant_checkpointing_over_units_and_inside_one(policy: str, reshard: bool) -> None:
+    """Reentrant checkpointing whose recomputation reads the parameters of units it holds, of the unit enclosing it
+    (one unit for the whole model: no use of them is recorded outside the recomputation), or both (transformers'
+    use_reentrant=True, the default units): the gradients equal one device's, nothing stays gathered."""
+    if policy == "gpt2":
+        model, bare = _gpt2(n_layer=3), _gpt2(n_layer=3)
+        for m in (model, bare):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        x = _batch("gpt2", 5)["input_ids"]
+    else:
+        model, bare = _Reentrant().double(), _Reentrant().double()
+        x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    units = {"root": lambda m: False, "linear": (nn.Linear,), "gpt2": True}[policy]
+    dp, optimizer = _sharded(model, 3, shard_parameters=units, reshard_after_forward=reshard)
+    _out(dp(x)).square().sum().backward()
+    _out(bare(x)).square().sum().backward()
+    assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
     for p, q in zip(model.parameters(), bare.parameters()):
         torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
 
@@ -348,7 +421,8 @@ def test_one_device_runs_the_module_as_is() -> None:
     torch.testing.assert_close(dp(x), copy.deepcopy(model)(x), **TOL)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@requires_cuda  # CPU counterpart: test_steps_equal_one_device
+@pytest.mark.cuda
 def test_steps_equal_one_device_on_a_repeated_gpu() -> None:
     """The CUDA counterpart of test_steps_equal_one_device on [0, 0]."""
     model, bare = _mlp().cuda(), _mlp().cuda()

@@ -1,17 +1,20 @@
-"""shard_gradients=True (ZeRO-2 in one process) against today's ShardedOptimizer and the default mode, measured in the
-same run (issue 41 items 5 and 6).
+"""The sharded modes measured in one run: shard_gradients=True (ZeRO-2 in one process) against today's
+ShardedOptimizer, and shard_parameters=True (ZeRO-3) against ZeRO-2 and the default mode.
 
-* ``training step`` rows: forward, backward, ``step()`` and ``zero_grad()`` of one batch through dpcore.DataParallel
-  with ``shard_gradients=True`` and a ShardedOptimizer, against the same with the default mode and a ShardedOptimizer
-  (two copies of the model, each with its own wrapper), in alternating rounds (both see the same machine load).
-  ``ratio`` is shard_gradients over sharded (at most 1: no slower), the median of the rounds' ratios, with the lowest
-  and highest round's. Models: an MLP of 4 Linear layers 256 wide and GPT-2-like models built from a
-  ``transformers.GPT2Config`` (vocabulary 1000, 64 positions; the full run adds 4 layers 256 wide), AdamW.
-* ``memory`` rows: a GPT-2-like model from a config (2 layers, 128 wide), AdamW, in the three modes (the default mode
-  with plain AdamW, ShardedOptimizer, shard_gradients=True): each position's peak over a training step of what dpcore
-  holds (``dpcore.memory.memory_peak``: parameters, replicas, gradients, optimizer state, working copies, sampled where
+* ``training step`` rows: forward, backward, ``step()`` and ``zero_grad()`` of one batch through dpcore.DataParallel,
+  two modes at a time (two copies of the model, each with its own wrapper), in alternating rounds (both see the same
+  machine load). ``ratio`` is the first mode's time over the second's (at most 1: no slower), the median of the
+  rounds' ratios, with the lowest and highest round's. Pairs: shard_gradients over sharded (both with a
+  ShardedOptimizer), shard_parameters over shard_gradients, shard_parameters over the default mode with plain AdamW.
+  Models: an MLP of 4 Linear layers 256 wide and GPT-2-like models built from a ``transformers.GPT2Config``
+  (vocabulary 1000, 64 positions; the full run adds 4 layers 256 wide), AdamW. Without transformers the GPT-2 rows
+  are left out, saying so.
+* ``memory`` rows: a GPT-2-like model from a config (2 layers, 128 wide; without transformers the MLP), AdamW, in the
+  four modes of MODES: each position's peak over a training step of what dpcore holds
+  (``dpcore.memory.memory_peak``: parameters, replicas, gradients, optimizer state, working copies, sampled where
   they change; the second step, the state made) and ``device0_over_others``, position 0's peak over the others' mean;
-  on CUDA also each GPU's ``torch.cuda.max_memory_allocated`` over the step (MiB).
+  with shard_parameters also each position's peak of parameter bytes (shards and gathered units, counted at every
+  gather: ``peak_parameter_bytes``); on CUDA each GPU's ``torch.cuda.max_memory_allocated`` over the step (MiB).
 
     python bench/bench_zero2.py --devices cpu:4 --json bench-results/zero2.json
 """
@@ -30,8 +33,15 @@ import dpcore
 from dpcore.bench._common import bench_command, environment, measure_rounds, ratio_spread
 from dpcore.memory import memory_peak
 
-#: The memory rows' modes: (name, shard_gradients, sharded optimizer).
-MODES = (("plain", False, False), ("sharded", False, True), ("shard_gradients", True, True))
+#: The modes: name -> (DataParallel options, sharded optimizer).
+MODES: dict[str, tuple[dict[str, Any], bool]] = {
+    "plain": ({}, False),
+    "sharded": ({}, True),
+    "shard_gradients": ({"shard_gradients": True}, True),
+    "shard_parameters": ({"shard_parameters": True}, True),
+}
+#: The training-step rows' pairs: (mode timed, mode it is over).
+PAIRS = (("shard_gradients", "sharded"), ("shard_parameters", "shard_gradients"), ("shard_parameters", "plain"))
 
 
 def gpt2(n_layer: int, n_embd: int) -> nn.Module:
@@ -62,6 +72,15 @@ def mlp(depth: int, width: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def has_transformers() -> bool:
+    """Whether the GPT-2 rows can run (a machine without transformers runs the MLP rows alone)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _models(quick: bool) -> list[tuple[str, Callable[[], nn.Module], Callable[[torch.device], Any]]]:
     """(label, model factory, batch on a device): the timed models."""
 
@@ -71,7 +90,11 @@ def _models(quick: bool) -> list[tuple[str, Callable[[], nn.Module], Callable[[t
     def features(device: torch.device) -> torch.Tensor:
         return torch.randn(32, 256, generator=torch.Generator().manual_seed(0)).to(device)
 
-    rows = [("MLP 4x256", lambda: mlp(4, 256), features), ("GPT-2 2x128", lambda: gpt2(2, 128), tokens)]
+    rows = [("MLP 4x256", lambda: mlp(4, 256), features)]
+    if not has_transformers():
+        print("  transformers is not installed: the GPT-2 rows are left out")
+        return rows
+    rows.append(("GPT-2 2x128", lambda: gpt2(2, 128), tokens))
     if not quick:
         rows.append(("GPT-2 4x256", lambda: gpt2(4, 256), tokens))
     return rows
@@ -84,9 +107,10 @@ def _loss(dp: dpcore.DataParallel, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _setup(
-    model: nn.Module, devices: Sequence[torch.device], shard_gradients: bool, sharded: bool
+    model: nn.Module, devices: Sequence[torch.device], mode: str
 ) -> tuple[dpcore.DataParallel, torch.optim.Optimizer]:
-    dp = dpcore.DataParallel(model, list(devices), shard_gradients=shard_gradients)
+    options, sharded = MODES[mode]
+    dp = dpcore.DataParallel(model, list(devices), **options)
     kwargs = {"lr": 1e-4, "weight_decay": 0.01}
     if sharded:
         return dp, dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, **kwargs)
@@ -111,41 +135,47 @@ def run(devices: Sequence[torch.device], quick: bool = False, repeats: int | Non
         torch.manual_seed(0)
         base = factory().to(first)
         batch = make_batch(first)
-        zero2 = _setup(copy.deepcopy(base), devices, True, True)
-        sharded = _setup(copy.deepcopy(base), devices, False, True)
-        ours, theirs = measure_rounds(
-            _train(*zero2, batch), _train(*sharded, batch), devices, rounds=rounds, repeats=per_round
-        )
-        spread = ratio_spread(ours, theirs)
-        rows.append(
-            {
-                "model": label,
-                "measured": "training step",
-                "zero2_ms": statistics.median(ours) * 1e3,
-                "sharded_ms": statistics.median(theirs) * 1e3,
-                "ratio": spread["ratio_median"],
-                "ratio_min": spread["ratio_min"],
-                "ratio_max": spread["ratio_max"],
-            }
-        )
-        print(f"  {label}, training step, shard_gradients=True over ShardedOptimizer: {spread['ratio_median']:.3f}")
+        for mode, baseline in PAIRS:
+            one = _train(*_setup(copy.deepcopy(base), devices, mode), batch)
+            other = _train(*_setup(copy.deepcopy(base), devices, baseline), batch)
+            ours, theirs = measure_rounds(one, other, devices, rounds=rounds, repeats=per_round)
+            spread = ratio_spread(ours, theirs)
+            rows.append(
+                {
+                    "model": label,
+                    "measured": f"training step, {mode} over {baseline}",
+                    "mode_ms": statistics.median(ours) * 1e3,
+                    "baseline_ms": statistics.median(theirs) * 1e3,
+                    "ratio": spread["ratio_median"],
+                    "ratio_min": spread["ratio_min"],
+                    "ratio_max": spread["ratio_max"],
+                }
+            )
+            print(f"  {label}, training step, {mode} over {baseline}: {spread['ratio_median']:.3f}")
     rows += memory_rows(devices)
     return {"benchmark": "zero2", "devices": [str(d) for d in devices], "env": environment(), "rows": rows}
 
 
 def memory_rows(devices: Sequence[torch.device], n_layer: int = 2, n_embd: int = 128) -> list[dict[str, Any]]:
-    """Per mode of MODES, each position's peak over the second training step of a GPT-2-like model and position 0's
-    over the others' mean."""
+    """Per mode of MODES, each position's peak over the second training step of a GPT-2-like model (the MLP without
+    transformers) and position 0's over the others' mean."""
     first = devices[0]
     torch.manual_seed(0)
-    base = gpt2(n_layer, n_embd).to(first)
-    batch = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0)).to(first)
+    if has_transformers():
+        label, base = f"GPT-2 {n_layer}x{n_embd}", gpt2(n_layer, n_embd).to(first)
+        batch = torch.randint(0, 1000, (8, 32), generator=torch.Generator().manual_seed(0)).to(first)
+    else:
+        label, base = "MLP 4x256", mlp(4, 256).to(first)
+        batch = torch.randn(32, 256, generator=torch.Generator().manual_seed(0)).to(first)
     p_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     rows = []
-    for mode, shard_gradients, sharded in MODES:
-        dp, opt = _setup(copy.deepcopy(base), devices, shard_gradients, sharded)
+    for mode in MODES:
+        dp, opt = _setup(copy.deepcopy(base), devices, mode)
         step = _train(dp, opt, batch)
         step()  # the state made
+        units = dp.sharded_parameters
+        if units is not None:
+            units.reset_peak()
         with memory_peak(dp, opt) as peak:
             _loss(dp, batch).backward()
             opt.step()
@@ -153,13 +183,15 @@ def memory_rows(devices: Sequence[torch.device], n_layer: int = 2, n_embd: int =
         totals = peak.totals
         rest = totals[1:]
         row: dict[str, Any] = {
-            "model": f"GPT-2 {n_layer}x{n_embd}",
+            "model": label,
             "measured": f"memory, {mode}",
             "parameter_bytes": p_bytes,
             "peak_bytes": totals,
             "peak_over_parameters": [round(t / p_bytes, 3) for t in totals],
             "device0_over_others": round(totals[0] / (sum(rest) / len(rest)), 4) if rest else None,
         }
+        if units is not None:
+            row["peak_parameter_bytes"] = [h["peak_parameters"] for h in units.held_bytes().values()]
         allocator = [r.allocator_peak for r in peak.report]
         if any(a is not None for a in allocator):
             row["allocator_peak_mib"] = [None if a is None else round(a / 2**20, 2) for a in allocator]
@@ -174,9 +206,9 @@ def memory_rows(devices: Sequence[torch.device], n_layer: int = 2, n_embd: int =
 COLUMNS = [
     ("model", "model", "s"),
     ("measured", "measured", "s"),
-    ("zero2_ms", "shard_gradients ms", ".2f"),
-    ("sharded_ms", "sharded ms", ".2f"),
-    ("ratio", "shard_gradients / sharded", ".3f"),
+    ("mode_ms", "mode ms", ".2f"),
+    ("baseline_ms", "baseline ms", ".2f"),
+    ("ratio", "mode / baseline", ".3f"),
     ("ratio_min", "lowest", ".3f"),
     ("ratio_max", "highest", ".3f"),
     ("device0_over_others", "device 0 / others' mean", ".3f"),

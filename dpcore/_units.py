@@ -5,6 +5,7 @@ the attached ShardedOptimizer's shards. Rules: docs/sharded_parameters.md."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -267,6 +268,11 @@ class ShardedParameters:
         self._call = _Call()  # the call in progress (replicas() starts one)
         self._copies: weakref.WeakSet[_Copies] = weakref.WeakSet()  # every unit's copies still alive
         self._after_queued = False  # _after_backward queued for the backward running now
+        #: Gather the next unit while one runs (the forward's next, the backward's previous): on CUDA on a side
+        #: stream per position, overlapping the compute; on CPU lists it only moves the copy earlier (off there).
+        self.prefetch = all(d.type == "cuda" for d in self.devices)
+        self._after: dict[int, dict[int, int]] = {}  # per position: the unit that ran after each in the last call
+        self._side: dict[int, torch.cuda.Stream] = {}
 
     # -- placement --
 
@@ -367,6 +373,7 @@ class ShardedParameters:
                     self._unload(copies, u, d)  # (a recomputation inside its backward keeps them)
             needing = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if needing:  # its backward reads the weights, trainable or not: gathered again first
+                copies.hooked.add(d)
                 torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._refill(copies, u, d), mode="any")
                 inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if not copies.graph and inputs:  # a frozen unit: no node of its own frees them after its backward
@@ -381,7 +388,13 @@ class ShardedParameters:
         its buffers, the others get copies); every unit unloaded, for a new call (an earlier call's tensors stay
         its own, for its backward)."""
         with self._lock:
-            self._call = _Call()
+            last, self._call = self._call, _Call()
+            if last.order:  # the next call prefetches in the order this one ran
+                self._after = {d: dict(zip(order, order[1:])) for d, order in last.order.items()}
+            for copies, _ in last.units.values():  # prefetched, never run: freed now
+                for d in copies.positions:
+                    if copies.filled[d] and d not in copies.ran:
+                        self._free(copies, copies.unit, d)
             for u in range(len(self.units)):
                 for d in range(len(self.devices)):
                     self._slots(u, d, None)
@@ -423,34 +436,54 @@ class ShardedParameters:
 
     def _load(self, call: _Call, u: int, d: int) -> _Copies:
         """Puts unit u's parameters into position d's slots, gathered there (the call's tensors made once, for
-        every position, with the autograd node whose backward reduce-scatters their gradients)."""
+        every position, with the autograd node whose backward reduce-scatters their gradients); with
+        :attr:`prefetch`, then gathers there the unit that ran after u in the previous call."""
         with self._lock:
-            shards = [self._shards[id(p)] for p in self.units[u].params]
-            graph = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
-            key: int | tuple[int, int] = u
-            if graph and u in call.units and not call.units[u][0].graph:
-                key = (u, d)  # a recomputation with grad of a forward without (reentrant checkpointing): its own node
-            entry = call.units.get(key)
-            if entry is None:
-                copies = _Copies(u, len(self.devices), graph, [d] if key != u else range(len(self.devices)))
-                self._copies.add(copies)
-                if copies.graph:
-                    flat = apply(_GatherUnit, self, copies, u, *shards)
-                else:
-                    flat = tuple(t for row in self._gathered(u) for t in row)
-                k = len(shards)
-                rows = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
-                copies.tensors = [[t.detach() for t in row] for row in rows]  # no reference back to the graph
-                entry = call.units[key] = (copies, rows)
-            copies, rows = entry
+            key, (copies, rows) = self._entry(call, u, d)
             if not copies.filled[d]:
                 self._fill(copies, u, d)
+            self._ready(copies, d)
             held = call.held.get((key, d))
             if held is None:
                 grad = copies.graph and any(t.requires_grad for t in rows[d])
                 held = call.held[key, d] = list(apply(_Hold, self, copies, u, d, *rows[d])) if grad else rows[d]
             self._slots(u, d, held)
+            if key == u and not torch.is_grad_enabled():
+                call.without_grad.add((u, d))
+            first = d not in copies.ran
+            copies.ran.add(d)
+            if key == u and first:  # u's first run at d in this call
+                order = call.order.setdefault(d, [])
+                if order:
+                    copies.before[d] = call.units[order[-1]][0]
+                order.append(u)
+                after = self._after.get(d, {}).get(u)
+                if self.prefetch and after is not None:
+                    _, (ahead, _) = self._entry(call, after, d)
+                    if not ahead.filled[d]:
+                        self._fill(ahead, after, d, early=True)
             return copies
+
+    def _entry(self, call: _Call, u: int, d: int) -> tuple[Any, tuple[_Copies, list[list[torch.Tensor]]]]:
+        """The call's record of unit u for position d (made on first use) and its key in ``call.units``."""
+        shards = [self._shards[id(p)] for p in self.units[u].params]
+        graph = torch.is_grad_enabled() and any(s.requires_grad for s in shards)
+        key: int | tuple[int, int] = u
+        if graph and u in call.units and (not call.units[u][0].graph or (u, d) in call.without_grad):
+            key = (u, d)  # a recomputation with grad of a forward without (reentrant checkpointing): its own node
+        entry = call.units.get(key)
+        if entry is None:
+            copies = _Copies(u, len(self.devices), graph, [d] if key != u else range(len(self.devices)))
+            self._copies.add(copies)
+            if copies.graph:
+                flat = apply(_GatherUnit, self, copies, u, *shards)
+            else:
+                flat = tuple(t for row in self._gathered(u) for t in row)
+            k = len(shards)
+            rows = [list(flat[i : i + k]) for i in range(0, len(flat), k)]
+            copies.tensors = [[t.detach() for t in row] for row in rows]  # no reference back to the graph
+            entry = call.units[key] = (copies, rows)
+        return key, entry
 
     def _unload(self, copies: _Copies, u: int, d: int) -> None:
         """Frees position d's copies of unit u (not its own shards) and unloads its slots."""
@@ -469,8 +502,14 @@ class ShardedParameters:
                 if not copies.filled[d]:
                     self._fill(copies, u, d)
                 needs = [self._shards[id(p)].requires_grad for p in self.units[u].params]  # as in the forward
+                self._ready(copies, d)
+                copies.refilled.add(d)
                 copies.leaves[d] = [t.detach().requires_grad_(r) for t, r in zip(copies.tensors[d], needs)]
                 self._slots(u, d, copies.leaves[d])
+                before = copies.before.get(d)  # the next unit of this backward (if it has one here), gathered ahead
+                ahead = before is not None and d in before.hooked and d not in before.refilled
+                if self.prefetch and ahead and before.tensors and not before.filled[d]:  # type: ignore[union-attr]
+                    self._fill(before, before.unit, d, early=True)  # type: ignore[union-attr]
                 if not self._after_queued:
                     self._after_queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
@@ -484,9 +523,14 @@ class ShardedParameters:
 
     def _after_backward(self) -> None:
         """At the end of a backward: what reentrant recomputations left on refilled leaves whose unit's node never
-        ran (every use of its parameters recomputed) summed into the sink, and those copies freed."""
+        ran (every use of its parameters recomputed) summed into the sink, and those copies freed; so are copies
+        prefetched for a unit that did not run."""
         self._after_queued = False
         for copies in list(self._copies):
+            for d in copies.positions:
+                if copies.filled[d] and d not in copies.ran:
+                    with self._lock:
+                        self._free(copies, copies.unit, d)
             for d in list(copies.leaves):
                 left = self._harvest(copies, d)
                 if any(g is not None for g in left):
@@ -518,19 +562,40 @@ class ShardedParameters:
             masters = [params[j] for j in used]
             sink.add(masters, comm.reduce_scatter_coalesced(rows, self.devices, [self._owner[id(p)] for p in masters]))
 
-    def _fill(self, copies: _Copies, u: int, d: int) -> None:
-        """Position d's copies of unit u allocated and copied from their owners (unseen by version counters)."""
+    def _fill(self, copies: _Copies, u: int, d: int, early: bool = False) -> None:
+        """Position d's copies of unit u allocated and copied from their owners (unseen by version counters). An
+        `early` fill (a prefetch) on CUDA copies on position d's side stream, after what its stream has queued; the
+        stream waits for it where the copies are used (:meth:`_ready`)."""
         params = self.units[u].params
         pulled = [(t, self._shards[id(p)]) for p, t in zip(params, copies.tensors[d]) if self._owner[id(p)] != d]
         for t, shard in pulled:
             self._count(copies, d, _nbytes(shard))
-            t.untyped_storage().resize_(_nbytes(shard))
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(t for t, _ in pulled)):
+            t.untyped_storage().resize_(_nbytes(shard))  # allocated on the stream that uses and frees them
+        device = self.devices[d]
+        side = early and device.type == "cuda"
+        if side:
+            if d not in self._side:
+                self._side[d] = torch.cuda.Stream(device)
+            self._side[d].wait_stream(torch.cuda.current_stream(device))
+        with (
+            torch.no_grad(),
+            torch.autograd._unsafe_preserve_version_counter(tuple(t for t, _ in pulled)),
+            torch.cuda.stream(self._side[d]) if side else contextlib.nullcontext(),
+        ):
             for t, shard in pulled:
-                t.copy_(shard)
+                t.copy_(shard, non_blocking=side)
+            if side:
+                copies.ready[d] = torch.cuda.current_stream(device).record_event()
         copies.filled[d] = True
 
+    def _ready(self, copies: _Copies, d: int) -> None:
+        """Position d's stream waits for a prefetch of `copies` still in flight on its side stream."""
+        event = copies.ready.pop(d, None)
+        if event is not None:
+            torch.cuda.current_stream(self.devices[d]).wait_event(event)
+
     def _free(self, copies: _Copies, u: int, d: int) -> None:
+        self._ready(copies, d)  # (a prefetch never used: its memory reused only after its copy)
         params = self.units[u].params
         for i, t in enumerate(copies.tensors[d]):
             if self._owner[id(params[i])] != d:
@@ -574,15 +639,23 @@ class _Copies:
         self.filled = [False] * positions
         self.leaves: dict[int, list[torch.Tensor]] = {}
         self.live = [0] * positions
+        self.ran: set[int] = set()  # positions whose forward ran it (else it was only prefetched)
+        self.hooked: set[int] = set()  # positions where its backward will refill it (its outputs need grad)
+        self.refilled: set[int] = set()  # positions where its backward started
+        self.before: dict[int, _Copies] = {}  # per position, the unit that ran before it in this call
+        self.ready: dict[int, torch.cuda.Event] = {}  # per position, a prefetch in flight
 
 
 class _Call:
-    """One call: per unit its :class:`_Copies` and its node's outputs (position-major rows), and per (unit,
-    position) what the slots hold in the forward."""
+    """One call: per unit its :class:`_Copies` and its node's outputs (position-major rows; keyed (unit, position)
+    for a reentrant recomputation's), per (key, position) what the slots hold in the forward, and per position the
+    order the units' forwards started in."""
 
     def __init__(self) -> None:
         self.units: dict[int | tuple[int, int], tuple[_Copies, list[list[torch.Tensor]]]] = {}
         self.held: dict[tuple[int | tuple[int, int], int], list[torch.Tensor]] = {}
+        self.order: dict[int, list[int]] = {}  # per position, the units in the order their forwards started
+        self.without_grad: set[tuple[int, int]] = set()  # (unit, position) run with grad disabled
 
 
 def _plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -20,8 +20,9 @@ __all__ = ["DeviceMemory", "MemoryPeak", "memory_peak", "memory_report"]
 
 
 class DeviceMemory(NamedTuple):
-    """Bytes held at one position of the device list: the wrapper's ``module`` (position 0), the ``replicas``' copies
-    of its parameters and buffers, ``gradients`` (the module's ``.grad``; a sharded optimizer's working copies'),
+    """Bytes held at one position of the device list: the wrapper's ``module`` (position 0; with ``shard_parameters=``
+    each position's shards of its parameters), the ``replicas``' copies of its parameters and buffers (with
+    ``shard_parameters=`` the units gathered there now), ``gradients`` (the module's ``.grad``; a sharded optimizer's working copies'),
     ``optimizer_state``, ``working_copies`` (a sharded optimizer's), and on CUDA ``allocator_peak``, torch's
     ``max_memory_allocated`` of that device (shared by the positions of a repeated device), else None."""
 
@@ -67,6 +68,8 @@ def memory_report(dp: DataParallel, optimizer: torch.optim.Optimizer | None = No
     devices = list(dp.device_ids) or [torch.device("cpu") if first is None else first.device]
     cache = dp.replica_cache
     replica = cache.replica_bytes() if cache is not None else 0
+    sharded = dp.sharded_parameters
+    placed = sharded.held_bytes() if sharded is not None else {}
     held: dict[int, dict[str, int]] = {}
     if isinstance(optimizer, ShardedOptimizer):
         held = optimizer.held_bytes()
@@ -76,12 +79,14 @@ def memory_report(dp: DataParallel, optimizer: torch.optim.Optimizer | None = No
     for position, device in enumerate(devices):
         own: dict[str, Any] = held.get(position, {})
         on_module = position == 0
+        shards = placed.get(position, {"parameters": 0, "gathered": 0})
+        whole = _bytes(itertools.chain(module.parameters(), module.buffers())) if on_module else shards["parameters"]
         report.append(
             DeviceMemory(
                 position,
                 device,
-                module=_bytes(itertools.chain(module.parameters(), module.buffers())) if on_module else 0,
-                replicas=replica if position > 0 else 0,
+                module=whole,
+                replicas=(replica if position > 0 else 0) + shards["gathered"],
                 gradients=(_bytes(p.grad for p in module.parameters()) if on_module else 0) + own.get("gradients", 0),
                 optimizer_state=own.get("optimizer_state", 0),
                 working_copies=own.get("working_copies", 0),

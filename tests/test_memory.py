@@ -70,6 +70,29 @@ def test_sharded_optimizer_state_is_counted_where_each_shard_holds_it(devices: l
     assert all(r.working_copies == 0 for r in report)  # CPU positions share memory: the shards step the masters
 
 
+@pytest.mark.parametrize("devices", LISTS, ids=lambda d: f"cpu*{len(d)}")
+def test_sharded_parameters_are_counted_at_their_owners(devices: list[str]) -> None:
+    """shard_parameters=: each position's module bytes are its shards (the buffers at position 0), summing to the
+    module's once; units gathered and kept until the backward count as replicas there, none after it."""
+    model = _model()
+    whole = _nbytes(model.parameters())
+    buffers = _nbytes(model.buffers())
+    dp = dpcore.DataParallel(model, devices, shard_parameters=(nn.Linear,), reshard_after_forward=False)
+    opt = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, lr=1e-3)
+    held = dp.sharded_parameters.held_bytes()
+    out = dp(torch.randn(9, 6, dtype=torch.float64))
+    during = dpcore.memory_report(dp, opt)
+    assert [r.module for r in during] == [h["parameters"] + (buffers if k == 0 else 0) for k, h in held.items()]
+    assert sum(r.module for r in during) == whole + buffers
+    assert [r.replicas for r in during] == [h["gathered"] for h in dp.sharded_parameters.held_bytes().values()]
+    assert all(r.replicas > 0 for r in during)
+    out.square().mean().backward()
+    opt.step()
+    after = dpcore.memory_report(dp, opt)
+    assert [r.module for r in after] == [r.module for r in during] and all(r.replicas == 0 for r in after)
+    assert sum(r.optimizer_state for r in after) > 0
+
+
 def test_tied_weights_are_counted_once() -> None:
     emb = nn.Embedding(10, 4)
     head = nn.Linear(4, 10, bias=False)

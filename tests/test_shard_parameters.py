@@ -92,14 +92,16 @@ def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("n", COUNTS)
-def test_steps_equal_one_device(n: int, name: str) -> None:
-    """20 steps of two backwards each with norm clipping (BatchNorm synchronized): outputs, gradients, the whole
-    state dict and the running statistics equal one device's; p.grad stays None; between steps each parameter is
-    held once, at its owner, and the module's own tensor is empty elsewhere."""
+def test_steps_equal_one_device(n: int, name: str, prefetch: bool) -> None:
+    """20 steps of two backwards each with norm clipping (BatchNorm synchronized), with and without prefetching:
+    outputs, gradients, the whole state dict and the running statistics equal one device's; p.grad stays None;
+    between steps each parameter is held once, at its owner, and the module's own tensor is empty elsewhere."""
     model, bare = MODELS[name](), MODELS[name]()
     dp, optimizer = _sharded(model, n, sync_batchnorm=name == "cnn")
+    dp.sharded_parameters.prefetch = prefetch
     plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
     sharded = dp.sharded_parameters
     for step in range(STEPS):
@@ -196,14 +198,16 @@ class _FrozenMiddle(nn.Module):
         return checkpoint(self.c, h, use_reentrant=True) if self.reentrant else self.c(h)
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_frozen_units_and_reentrant_checkpointing(reshard: bool, reentrant: bool) -> None:
+def test_frozen_units_and_reentrant_checkpointing(reshard: bool, reentrant: bool, prefetch: bool) -> None:
     """A frozen unit between trainable ones is gathered again for its backward; a unit under reentrant
-    checkpointing sums its recomputation's gradients. Both equal one device over steps, and nothing stays
-    gathered after each backward."""
+    checkpointing sums its recomputation's gradients (with prefetching too: the unit prefetched with grad, then run
+    without). Both equal one device over steps, and nothing stays gathered after each backward."""
     model, bare = _FrozenMiddle(reentrant).double(), _FrozenMiddle(reentrant).double()
     dp, optimizer = _sharded(model, 3, shard_parameters=(nn.Linear,), reshard_after_forward=reshard)
+    dp.sharded_parameters.prefetch = prefetch
     plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
     for step in range(4):
         x = _batch("mlp", step)["x"]
@@ -309,6 +313,97 @@ def test_two_forwards_before_one_backward(reshard: bool) -> None:
     with torch.no_grad():  # the next call: the dropped one's tensors are gone
         dp(y)
     assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_prefetch_gathers_the_next_unit_ahead(reshard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefetch=True (the default on CUDA; on CPU lists set here): from the second call on, each unit but the first is
+    gathered while the one before it runs in the forward, and (reshard_after_forward=True) while the one after it
+    runs in the backward; results equal one device's, every prefetch is used (nothing stays gathered after the
+    backward), and with resharding a position's peak is its shards plus two units (the one running and the next)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)), nn.Linear(6, 2)).double()
+    bare = copy.deepcopy(model)
+    dp, optimizer = _sharded(model, 3, shard_parameters=(nn.Linear,), reshard_after_forward=reshard)
+    sharded = dp.sharded_parameters
+    assert sharded.prefetch is False
+    sharded.prefetch = True
+    fills: list[tuple[int, int, bool, bool]] = []  # (unit, position, early, in backward)
+    fill = sharded._fill
+
+    def recorded(copies: Any, u: int, d: int, early: bool = False) -> None:
+        fills.append((u, d, early, torch._C._current_graph_task_id() != -1))
+        fill(copies, u, d, early)
+
+    monkeypatch.setattr(sharded, "_fill", recorded)
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    units = [u for u, unit in enumerate(sharded.units) if unit.params]
+    for step in range(3):
+        fills.clear()
+        sharded.reset_peak()
+        x = torch.randn(7, 6, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        dp(x).square().sum().backward()
+        bare(x).square().sum().backward()
+        assert all(h["gathered"] == 0 for h in sharded.held_bytes().values())
+        for p, q in zip(model.parameters(), bare.parameters()):
+            torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+        _step_both(optimizer, plain)
+        forward = {(u, d, early) for u, d, early, back in fills if not back}
+        backward = {(u, d, early) for u, d, early, back in fills if back}
+        for d in range(3):
+            if step == 0:  # no order known yet: each unit gathered as it runs
+                assert {(u, early) for u, e, early in forward if e == d} == {(u, False) for u in units}
+                continue
+            assert {(u, early) for u, e, early in forward if e == d} == {(units[0], False)} | {
+                (u, True) for u in units[1:]
+            }
+            if reshard:  # the last unit's backward refills it; each one before it is gathered ahead
+                assert {(u, early) for u, e, early in backward if e == d} == {(units[-1], False)} | {
+                    (u, True) for u in units[:-1]
+                }
+            else:
+                assert not backward
+    largest = max(_bytes(sharded.shard(p) for p in sharded.units[u].params) for u in units)
+    for h in sharded.held_bytes().values():
+        assert (h["peak_parameters"] <= h["parameters"] + 2 * largest) == reshard
+
+
+class _Skipping(nn.Module):
+    """Three Linear units; the middle one runs only when asked (a forward whose order changes between calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, middle: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(h)) if middle else h)
+
+
+def test_a_prefetched_unit_that_does_not_run_is_freed() -> None:
+    """A call that skips the unit the last call ran next: its prefetched copies are freed by the end of the backward
+    (and a no-grad call's by the next call); the results equal one device's."""
+    model, bare = _Skipping().double(), _Skipping().double()
+    dp, optimizer = _sharded(model, 3, shard_parameters=(nn.Linear,))
+    sharded = dp.sharded_parameters
+    sharded.prefetch = True
+    for step, middle in enumerate([True, False, True, False]):
+        x = _batch("mlp", step)["x"]
+        dp(x, middle).square().sum().backward()
+        bare(x, middle).square().sum().backward()
+        assert all(h["gathered"] == 0 for h in sharded.held_bytes().values())
+        for p, q in zip(model.parameters(), bare.parameters()):
+            if q.grad is not None:
+                torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+    with torch.no_grad():
+        dp(x, True)
+        dp(x, False)  # b prefetched after a, not run
+    assert sum(h["gathered"] for h in sharded.held_bytes().values()) > 0
+    with torch.no_grad():
+        dp(x, False)
+    dp(x, True)  # order a, c (the last call's): b not prefetched; the no-grad call's copies freed
+    assert all(h["gathered"] == 0 for h in sharded.held_bytes().values())
 
 
 def test_memory_per_position_is_a_share_plus_two_units() -> None:

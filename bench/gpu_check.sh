@@ -18,7 +18,11 @@
 #      the CUDA tests of step 4 include the demo with --cuda-graphs);
 #   6. bench_optimizer on [0, 0], quick (the sharded optimizer's peak memory
 #      per step against the plain one's);
-#   7. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
+#   7. bench_zero2 on [0, 0], quick: the shard_gradients and shard_parameters
+#      training steps against the sharded optimizer's, ZeRO-2's and the
+#      default mode's, and each mode's per-position peak memory with the
+#      allocator's (the GPT-2 rows only where transformers is installed);
+#   8. the libstdc++ link tests (tests/test_link_check.py, test_info.py).
 # Writes into $OUT: log.txt (everything), one <step>.log per step,
 # pytest-*.xml (JUnit) and the benchmarks' JSON.
 # Time: at most GPU_CHECK_BUDGET_S (default 470 s, under 8 minutes) in all:
@@ -132,6 +136,8 @@ step bench-step "bench_step [0,0,0,0], eager and CUDA graphs" 90 "$py" "$root/be
   --cuda-graphs on --repeats 10 --min-seconds 0.25 --json "$OUT/step.json"
 step bench-optimizer "bench_optimizer [0,0] --quick (peak GPU memory per step)" 60 "$py" "$root/bench/bench_optimizer.py" \
   --devices 0,0 --quick --json "$OUT/optimizer.json"
+step bench-zero2 "bench_zero2 [0,0] --quick (ZeRO-2 and ZeRO-3 step and memory)" 60 "$py" "$root/bench/bench_zero2.py" \
+  --devices 0,0 --quick --json "$OUT/zero2.json"
 step link-tests "libstdc++ link and info tests" 90 "$py" -m pytest "${pytest_args[@]}" \
   "$root/tests/test_link_check.py" "$root/tests/test_info.py" --junitxml="$OUT/pytest-link.xml"
 echo

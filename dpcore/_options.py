@@ -15,7 +15,7 @@ from torch import nn
 from dpcore._compiled import has_compiled
 from dpcore._devices import DeviceLike, as_destination, as_devices
 from dpcore._split import as_int, check_split
-from dpcore._units import check_policy
+from dpcore._unit_plan import check_policy
 from dpcore.parallel_apply import _module_device
 from dpcore.replicate import check_on_device, check_replica_refresh
 

@@ -17,39 +17,14 @@ from torch.utils._pytree import tree_leaves
 
 from dpcore import comm
 from dpcore._functions import _filled, apply
+from dpcore._unit_plan import Unit, balance, plan_units
 
-__all__ = ["ShardedParameters", "check_policy", "balance"]
-
-#: The default unit: a submodule holding at least this share of the module's parameters not in a smaller unit.
-DEFAULT_UNIT_SHARE = 1 / 16
+__all__ = ["ShardedParameters"]
 
 #: Tensor metadata an unloaded parameter still answers (everything else is an error naming it).
 _METADATA = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "nelement", "element_size", "requires_grad"}
 _METADATA |= {"is_leaf", "grad_fn", "grad", "is_cuda", "is_sparse", "is_meta", "layout", "is_floating_point"}
 _METADATA |= {"is_complex", "names", "_version"}
-
-
-def balance(sizes: list[int], loads: list[int]) -> list[int]:
-    """The shard of each item: largest first, each to the least loaded shard (the first of equals); updates `loads`."""
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        k = min(range(len(loads)), key=lambda k: loads[k])
-        owners[i] = k
-        loads[k] += sizes[i]
-    return owners
-
-
-def check_policy(value: Any) -> Any:
-    """`value` if ``shard_parameters=`` takes it: False, True (the default units), an int (a unit's least number of
-    parameters), a tuple of module classes, or a callable ``(module) -> bool``; TypeError naming it otherwise."""
-    ok = isinstance(value, (bool, int)) or callable(value) and not isinstance(value, type)
-    ok = ok or isinstance(value, tuple) and bool(value) and all(isinstance(c, type) for c in value)
-    if not ok or (not isinstance(value, bool) and isinstance(value, int) and value <= 0):
-        raise TypeError(
-            f"shard_parameters: expected True or False, a positive int (the fewest parameters of a unit), a "
-            f"tuple of module classes (each instance one unit) or a callable (module) -> bool, but got {value!r}"
-        )
-    return value
 
 
 class _Unloaded(torch.Tensor):
@@ -75,98 +50,6 @@ class _Unloaded(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"<unloaded {self._label}: {self.dtype}{list(self.shape)} on {self.device}>"
-
-
-class Unit(NamedTuple):
-    """One unit: its root module's index in ``module.modules()``, its name, its parameters (unique) and the slots
-    ``(module index, name, parameter index)`` that hold them."""
-
-    root: int
-    name: str
-    params: list[nn.Parameter]
-    slots: list[tuple[int, str, int]]
-
-
-def plan_units(module: nn.Module, policy: Any) -> list[Unit]:
-    """The units of `module` by `policy` (:func:`check_policy`), post-order: a submodule is a unit where the policy
-    picks it, holding the parameters of its subtree not in a unit below; the root is the last unit, with the rest.
-    Containers without a forward (ModuleList, ModuleDict) are never units."""
-    modules = list(module.named_modules(remove_duplicate=True))
-    index = {id(m): i for i, (_, m) in enumerate(modules)}
-    direct = [[(n, p) for n, p in m._parameters.items() if p is not None] for _, m in modules]
-    total = sum(p.numel() for p in module.parameters())
-    least = max(1, int(total * DEFAULT_UNIT_SHARE)) if policy is True else policy if type(policy) is int else 0
-    claimed: set[int] = set()  # module indices inside a unit
-    units: list[Unit] = []
-
-    def free_params(i: int) -> int:
-        seen: set[int] = set()
-        count = 0
-        for j in _subtree(modules, i, index):
-            if j not in claimed:
-                for _, p in direct[j]:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        count += p.numel()
-        return count
-
-    def picks(m: nn.Module, i: int) -> bool:
-        if getattr(type(m), "forward", None) is nn.Module.forward:
-            return False
-        if least:
-            return free_params(i) >= least
-        return isinstance(m, policy) if isinstance(policy, tuple) else bool(policy(m))
-
-    for i in _post_order(modules, index):
-        if i == 0 or i in claimed or not (picks(modules[i][1], i) and free_params(i)):
-            continue
-        members = [j for j in _subtree(modules, i, index) if j not in claimed]
-        units.append(_unit(i, modules[i][0], members, direct))
-        claimed.update(members)
-    units.append(_unit(0, "", [j for j in range(len(modules)) if j not in claimed], direct))
-    return units
-
-
-def _unit(root: int, name: str, members: list[int], direct: list[list[tuple[str, nn.Parameter]]]) -> Unit:
-    params: list[nn.Parameter] = []
-    where: dict[int, int] = {}
-    slots = []
-    for j in members:
-        for n, p in direct[j]:
-            if id(p) not in where:
-                where[id(p)] = len(params)
-                params.append(p)
-            slots.append((j, n, where[id(p)]))
-    return Unit(root, name, params, slots)
-
-
-def _children(modules: list[tuple[str, nn.Module]], i: int, index: dict[int, int]) -> list[int]:
-    return [index[id(c)] for c in modules[i][1]._modules.values() if c is not None and id(c) in index]
-
-
-def _subtree(modules: list[tuple[str, nn.Module]], i: int, index: dict[int, int]) -> list[int]:
-    out, stack = [], [i]
-    while stack:
-        j = stack.pop()
-        if j not in out:
-            out.append(j)
-            stack.extend(_children(modules, j, index))
-    return out
-
-
-def _post_order(modules: list[tuple[str, nn.Module]], index: dict[int, int]) -> list[int]:
-    order: list[int] = []
-    seen: set[int] = set()
-
-    def visit(i: int) -> None:
-        seen.add(i)
-        for c in _children(modules, i, index):
-            if c not in seen:
-                visit(c)
-        order.append(i)
-
-    visit(0)
-    return order
 
 
 class _Replica(NamedTuple):
@@ -267,6 +150,7 @@ class ShardedParameters:
         module.register_load_state_dict_pre_hook(lambda *args: self._loading(*args))
         self._call = _Call()  # the call in progress (replicas() starts one)
         self._copies: weakref.WeakSet[_Copies] = weakref.WeakSet()  # every unit's copies still alive
+        self._live = [0] * len(self.devices)  # their bytes per position, running
         self._after_queued = False  # _after_backward queued for the backward running now
         #: Gather the next unit while one runs (the forward's next, the backward's previous): on CUDA on a side
         #: stream per position, overlapping the compute; on CPU lists it only moves the copy earlier (off there).
@@ -398,6 +282,7 @@ class ShardedParameters:
             for u in range(len(self.units)):
                 for d in range(len(self.devices)):
                     self._slots(u, d, None)
+            self._live = [self._gathered_bytes(d) for d in range(len(self.devices))]
             roots = []
             for d in range(n):
                 for m, rep in zip(self._modules, self._rows[d]):
@@ -614,8 +499,9 @@ class ShardedParameters:
         return sum(copies.live[d] for copies in self._copies)
 
     def _count(self, copies: _Copies, d: int, nbytes: int) -> None:
-        """Counts `nbytes` gathered (or freed, negative) at position d by `call`; over the budget is an error."""
-        live = self._gathered_bytes(d) + nbytes
+        """Counts `nbytes` gathered (or freed, negative) at position d by `copies`; over the budget is an error. The
+        running total is made exact again at each call (a record dropped unfreed, with its graph, leaves it)."""
+        live = self._live[d] + nbytes
         if nbytes > 0 and self.budget is not None and self._rest[d] + live > self.budget:
             raise RuntimeError(
                 f"budget: position {d} ({self.devices[d]}) would hold {self._rest[d] + live} bytes of parameters "
@@ -623,6 +509,7 @@ class ShardedParameters:
                 f"units (shard_parameters=) or more devices"
             )
         copies.live[d] += nbytes
+        self._live[d] = live
         self._peak[d] = max(self._peak[d], self._rest[d] + live)
 
 

@@ -18,7 +18,7 @@ from dpcore import comm
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
 from dpcore._step_hook import exempt
-from dpcore._units import balance
+from dpcore._unit_plan import balance
 from dpcore.data_parallel import DataParallel
 from dpcore.parallel_apply import start_parallel_apply
 from dpcore.replicate import ReplicaCache

@@ -342,8 +342,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for p in (masters[i] for i in written):  # zero gradients (DCP's state initialization)
                     self._store[id(p)] = torch.zeros_like(self._shard_of[id(p)].working[id(p)])
             elif written:
+                mode = "shard_gradients=True" if self._units is None else "shard_parameters=True"
                 raise RuntimeError(
-                    f"shard_gradients=True: the gradients live in the ShardedOptimizer's shards (gradient(p)), but "
+                    f"{mode}: the gradients live in the ShardedOptimizer's shards (gradient(p)), but "
                     f"parameter {written[0]} of param_groups has a .grad (written by hand, or by a backward outside "
                     f"the wrapper): p.grad of the module's parameters must stay None; set it to None, or clip and "
                     f"edit through the optimizer (clip_grad_norm_, clip_grad_value_, gradient(p))"

@@ -911,8 +911,8 @@ def _writes_inputs_case(devices: list[str], write: str, grad: bool, as_kwargs: b
     assert torch.equal(got_pos, want_pos)
     if grad:
         torch.testing.assert_close(got_leaf, want_leaf, atol=1e-12, rtol=0)
-    for g, w in zip(got_params, want_params):
-        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+    for g, w in zip(got_params, want_params):  # summed over the replicas: another order of a sum near 1e3
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-14)
 
 
 @pytest.mark.parametrize("devices", [["cpu"] * k for k in (2, 3, 4)], ids=["cpu*2", "cpu*3", "cpu*4"])

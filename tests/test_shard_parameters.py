@@ -506,6 +506,12 @@ def test_errors_name_what_cannot_compose() -> None:
         dpcore.functional_call(dp, dict(dp.module.named_parameters()), (torch.randn(2, 5, dtype=torch.float64),))
     with pytest.raises(RuntimeError, match="none is attached to the wrapper"):
         dp(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
+    dp, optimizer = _sharded(_mlp(), 2)
+    dp(torch.randn(4, 5, dtype=torch.float64)).sum().backward()
+    for p in dp.module.parameters():
+        p.grad = torch.ones_like(p)  # a write the step would otherwise ignore
+    with pytest.raises(RuntimeError, match=r"shard_parameters=True: the gradients live .* must stay None"):
+        optimizer.step()
 
 
 def test_one_device_runs_the_module_as_is() -> None:

@@ -6,6 +6,7 @@ after 20 AdamW steps with one device; bytes per position counted (dpcore/_units.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -126,6 +127,74 @@ def test_steps_equal_one_device(n: int, name: str, prefetch: bool) -> None:
     for p in params:
         k = sharded.owner_of(p)
         assert (p.numel() == 0) == (k != 0) and sharded.shard(p).device == dp.device_ids[k]
+
+
+def _frozen_embedding() -> nn.Module:
+    model = _gpt2()
+    model.transformer.wte.weight.requires_grad_(False)  # and the tied head with it
+    return model
+
+
+def _frozen_block() -> nn.Module:
+    model = _gpt2()
+    model.transformer.h[0].requires_grad_(False)  # its units wholly frozen, between trainable ones
+    return model
+
+
+def _checkpointed(reentrant: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        model = _gpt2()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model.train()
+
+    return make
+
+
+def _frozen_conv() -> nn.Module:
+    model = _cnn()
+    model.features[0].requires_grad_(False)
+    return model
+
+
+VARIANTS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "gpt2-frozen-embedding": (_frozen_embedding, "gpt2"),
+    "gpt2-frozen-block": (_frozen_block, "gpt2"),
+    "gpt2-checkpointed": (_checkpointed(False), "gpt2"),
+    "gpt2-checkpointed-reentrant": (_checkpointed(True), "gpt2"),
+    "cnn-frozen-conv": (_frozen_conv, "cnn"),
+}
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("n", COUNTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_step_as_one_device(variant: str, n: int, prefetch: bool) -> None:
+    """The default units over 20 AdamW steps with norm clipping, an eval no-grad forward every fifth step: frozen
+    parameters (tied ones, a whole block, a first conv), transformers' gradient checkpointing in both forms. Outputs
+    and the final state equal one device's; nothing stays gathered after a backward."""
+    make, kind = VARIANTS[variant]
+    model, bare = make(), make()
+    dp, optimizer = _sharded(model, n, sync_batchnorm=kind == "cnn")
+    dp.sharded_parameters.prefetch = prefetch
+    plain = torch.optim.AdamW(bare.parameters(), **ADAMW)
+    for step in range(STEPS):
+        batch = _batch(kind, step)
+        if step % 5 == 4:
+            for m in (dp, bare):
+                m.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(_out(dp(*batch.values())), _out(bare(*batch.values())), **TOL)
+            for m in (dp, bare):
+                m.train()
+        got, expected = _out(dp(*batch.values())), _out(bare(*batch.values()))
+        torch.testing.assert_close(got, expected, **TOL)
+        got.square().mean().backward()
+        expected.square().mean().backward()
+        assert all(h["gathered"] == 0 for h in dp.sharded_parameters.held_bytes().values())
+        optimizer.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(bare.parameters(), 0.5)
+        _step_both(optimizer, plain)
+    _assert_same_state(dp, bare)
 
 
 def test_tied_weights_in_two_units_get_both_gradients() -> None:

@@ -207,9 +207,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}: give it all of model.parameters()"
             )
         self._store, self._lock = {}, threading.Lock()
+        previous = dp._sink() if dp._sink is not None else None
+        if isinstance(previous, ShardedOptimizer):
+            previous._release()
         dp._sink = weakref.ref(self)
         for shard in self._shards:  # the all-gather marks what they step; the step hook would mark all they hold
             exempt(shard.optimizer)
+        if self._units is None:
+            me = weakref.ref(self)
+            self._absorbing = [
+                p.register_post_accumulate_grad_hook(lambda p: _absorb(me, p))
+                for p in dp.module.parameters()
+                if p.requires_grad
+            ]
+
+    def _release(self) -> None:
+        """No longer the wrapper's sink (a newer ShardedOptimizer is): its hooks on the module's parameters go."""
+        for handle in getattr(self, "_absorbing", ()):
+            handle.remove()
+        self._absorbing = []
 
     def owners(self, masters: Sequence[torch.Tensor]) -> list[int]:
         """The shard position of each of `masters` (:meth:`shard_of`)."""
@@ -345,8 +361,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 mode = "shard_gradients=True" if self._units is None else "shard_parameters=True"
                 raise RuntimeError(
                     f"{mode}: the gradients live in the ShardedOptimizer's shards (gradient(p)), but "
-                    f"parameter {written[0]} of param_groups has a .grad (written by hand, or by a backward outside "
-                    f"the wrapper): p.grad of the module's parameters must stay None; set it to None, or clip and "
+                    f"parameter {written[0]} of param_groups has a .grad written by hand: p.grad of the module's "
+                    f"parameters must stay None; set it to None, or clip and "
                     f"edit through the optimizer (clip_grad_norm_, clip_grad_value_, gradient(p))"
                 )
         has = (lambda m: m.grad is not None) if self._store is None else (lambda m: id(m) in self._store)  # type: ignore[operator]
@@ -502,6 +518,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer cannot be pickled or deep-copied (its shards live on several devices): save "
             "state_dict() instead, and load it into a new one"
         )
+
+
+def _absorb(ref: Callable[[], ShardedOptimizer | None], param: torch.Tensor) -> None:
+    """shard_gradients=True: a gradient that autograd accumulated into a module parameter anyway moves into its shard
+    (a reentrant checkpoint's recomputation on position 0 runs on the module's own parameters; so does a backward of
+    the bare module)."""
+    optimizer = ref()
+    wrapper = None if optimizer is None or optimizer._wrapper is None else optimizer._wrapper()
+    if wrapper is None or not wrapper.shard_gradients or wrapper._sink is None or wrapper._sink() is not optimizer:
+        return
+    grad, param.grad = param.grad, None
+    if grad is None:  # (autograd runs the hook for the None that the wrapper's node returns)
+        return
+    optimizer.add([param], [grad.to(optimizer.devices[optimizer.shard_of(param)])])
 
 
 def _masters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

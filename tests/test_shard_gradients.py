@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dpcore
 from dpcore import sharded_optimizer
@@ -247,6 +248,83 @@ def test_sync_batchnorm_composes() -> None:
         plain.zero_grad()
     for a, b in zip(model.state_dict().values(), plain_model.state_dict().values()):
         torch.testing.assert_close(a, b, **TOL)
+
+
+class _Reentrant(nn.Module):
+    """Two Linears under reentrant checkpointing (recomputed in the backward: replica 0's recomputation runs on the
+    module's own parameters), then one outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=True)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_reentrant_checkpointing_equals_the_plain_optimizer(n: int) -> None:
+    """The gradients that a reentrant recomputation accumulates on the module's parameters move into their shards:
+    10 AdamW steps equal the plain optimizer's, every p.grad stays None."""
+    model, plain_model = _Reentrant().double(), _Reentrant().double()
+    dp = dpcore.DataParallel(model, ["cpu"] * n, shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.AdamW, devices=dp, lr=1e-2)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    for step in range(10):
+        x = _batch(step).requires_grad_()
+        dp(x).square().mean().backward()
+        plain_model(x).square().mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        for p, q in zip(model.parameters(), plain_model.parameters()):
+            torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+        for o in (optimizer, plain):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_transformers_reentrant_checkpointing() -> None:
+    """GPT-2 with transformers' gradient checkpointing, use_reentrant=True, on cpu*3: gradients equal one device's."""
+    t = pytest.importorskip("transformers")
+
+    def gpt2() -> nn.Module:
+        torch.manual_seed(0)
+        config = t.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                              embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = t.GPT2LMHeadModel(config).double()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return model.train()
+
+    model, bare = gpt2(), gpt2()
+    dp = dpcore.DataParallel(model, ["cpu"] * 3, shard_gradients=True)
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1)
+    ids = torch.randint(0, 50, (6, 8), generator=torch.Generator().manual_seed(0))
+    dp(ids).logits.square().mean().backward()
+    bare(ids).logits.square().mean().backward()
+    for p, q in zip(model.parameters(), bare.parameters()):
+        torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+
+
+def test_a_backward_of_the_bare_module_accumulates_into_the_shards() -> None:
+    """A backward of the module outside the wrapper adds its gradients into the shards, as the default mode adds
+    them into p.grad; one built after another optimizer takes over the wrapper's gradients (the first gets none)."""
+    model, dp, first = _sharded(3, "sgd_momentum")
+    optimizer = dpcore.ShardedOptimizer(model.parameters(), torch.optim.SGD, devices=dp, lr=0.1)
+    plain_model = _model()
+    dp(_batch(0)).sum().backward()
+    model(_batch(1)).sum().backward()
+    plain_model(_batch(0)).sum().backward()
+    plain_model(_batch(1)).sum().backward()
+    assert all(p.grad is None for p in model.parameters()) and not first._store
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(optimizer.gradient(p), q.grad, **TOL)
+    dp.shard_gradients = False  # the default mode again: p.grad as usual
+    model(_batch(2)).sum().backward()
+    assert model[0].weight.grad is not None
 
 
 def test_one_device_keeps_p_grad() -> None:

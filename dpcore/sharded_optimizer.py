@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
 from itertools import chain
 from typing import Any
@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from dpcore import comm
 from dpcore._devices import DeviceLike, normalize_device
 from dpcore._options import check_device_list
+from dpcore._shards import Shard, ShardStates
 from dpcore._step_hook import exempt
 from dpcore._unit_plan import balance
 from dpcore.data_parallel import DataParallel
@@ -29,117 +30,6 @@ __all__ = ["ShardedOptimizer"]
 def _holds_copies(device: torch.device, master: torch.device) -> bool:
     """Whether a shard on `device` steps copies of the `master` device's parameters."""
     return normalize_device(device) != normalize_device(master)
-
-
-class _Shard:
-    """One position's optimizer, and the working copies it steps where `copies`."""
-
-    def __init__(self, position: int, device: torch.device, copies: bool) -> None:
-        self.position, self.device, self.copies = position, device, copies
-        self.optimizer: torch.optim.Optimizer  # set once the groups are laid out
-        self.load = 0  # the bytes of its trainable parameters
-        self.working: dict[int, torch.Tensor] = {}  # id(master) -> the tensor stepped for it
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master, working), in order
-        # id(master) -> the master's (data_ptr, version) when its working copy last equalled it.
-        self.seen: dict[int, tuple[int, int]] = {}
-
-    def adopt(self, master: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor this shard steps for `master` (made on first call; `given`: the wrapper's shard of it)."""
-        work = self.working.get(id(master))
-        if work is None:
-            work = master if given is None else given
-            if given is None and self.copies:
-                with torch.no_grad():
-                    work = master.detach().to(self.device, copy=True).requires_grad_(master.requires_grad)
-                self.seen[id(master)] = (master.data_ptr(), master._version)
-            self.working[id(master)] = work
-            self.pairs.append((master, work))
-        return work
-
-    def step(
-        self, cache: ReplicaCache | None, kwargs: dict[str, Any], store: dict[int, torch.Tensor] | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Steps this shard's optimizer (with `kwargs`); with `copies`, on working copies synced from and back to the
-        masters, and written into this position's replicas in `cache` (ReplicaCache.write). With `store`
-        (shard_gradients: id(master) -> its gradient here) the gradients come from it, ``.grad`` holds them for the
-        step only, and nothing is copied back. Returns the (master, tensor stepped) pairs that had a gradient."""
-        stepped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for master, work in self.pairs:
-                if store is not None:
-                    work.grad = store.get(id(master))
-                elif self.copies:
-                    work.grad = None if master.grad is None else master.grad.to(self.device)
-                if work.grad is not None and (self.copies or store is not None):
-                    if self.copies and self.seen[id(master)] != (master.data_ptr(), master._version):
-                        work.copy_(master)
-                    stepped.append((master, work))
-        self.optimizer.step(**kwargs)
-        if store is not None or not self.copies:
-            for _, work in stepped:
-                work.grad = None
-            return stepped
-        with torch.no_grad():
-            for master, work in stepped:
-                master.copy_(work)
-                work.grad = None
-                self.seen[id(master)] = (master.data_ptr(), master._version)
-            if cache is not None:
-                cache.write(self.position, stepped)
-        return stepped
-
-    def view_as_buckets(self) -> None:
-        """The trainable tensors this shard steps become views of one flat buffer per dtype, each keeping its strides
-        (ZeroRedundancyOptimizer's parameters_as_bucket_view); one with gaps keeps its own storage."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, work in self.pairs:
-            if work.requires_grad and torch.empty_like(work).stride() == work.stride():
-                by_dtype.setdefault(work.dtype, []).append(work)
-        with torch.no_grad():
-            for dtype, tensors in by_dtype.items():
-                flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=self.device)
-                offset = 0
-                for t in tensors:
-                    view = flat[offset : offset + t.numel()].as_strided(t.shape, t.stride())
-                    t.data = view.copy_(t)
-                    offset += t.numel()
-
-
-class _ShardStates(MutableMapping):  # type: ignore[type-arg]
-    """``ShardedOptimizer.state``: each master parameter's state, kept in its shard's optimizer."""
-
-    def __init__(self, owner: ShardedOptimizer) -> None:
-        self._owner = owner
-
-    def _found(self, param: object) -> tuple[dict[Any, Any], torch.Tensor]:
-        """(the shard optimizer's state, the key of `param` there); KeyError if not a parameter."""
-        shard = self._owner._shards[self._owner.shard_of(param)]  # type: ignore[arg-type]
-        return shard.optimizer.state, shard.working[id(param)]
-
-    def __getitem__(self, param: torch.Tensor) -> Any:
-        state, work = self._found(param)
-        return state[work]
-
-    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
-        state, work = self._found(param)
-        state[work] = value
-
-    def __delitem__(self, param: torch.Tensor) -> None:
-        state, work = self._found(param)
-        del state[work]
-
-    def __contains__(self, param: object) -> bool:
-        try:
-            state, work = self._found(param)
-        except KeyError:
-            return False
-        return work in state
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for group in self._owner.param_groups for p in group["params"] if p in self)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -170,8 +60,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._wrapper = weakref.ref(devices) if isinstance(devices, DataParallel) else None
         # shard_parameters=: the wrapper's placement, whose shards this optimizer steps
         self._units = devices.sharded_parameters if isinstance(devices, DataParallel) else None
-        self._shards: list[_Shard] = []
-        self._shard_of: dict[int, _Shard] = {}
+        self._shards: list[Shard] = []
+        self._shard_of: dict[int, Shard] = {}
         params = _param_list(params)
         probe = self._class([_probe_tensor(params)], **defaults)  # checks the arguments, gives every default
         super().__init__(params, dict(probe.defaults))
@@ -182,13 +72,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.devices = [normalize_device(masters[0].device)]
         master = self.devices[0]
         copies = [k > 0 and self._units is None and _holds_copies(d, master) for k, d in enumerate(self.devices)]
-        self._shards = [_Shard(k, d, copies[k]) for k, d in enumerate(self.devices)]
+        self._shards = [Shard(k, d, copies[k]) for k, d in enumerate(self.devices)]
         self._place(masters)
         for shard in self._shards:
             shard.optimizer = self._class([self._shard_group(g, shard) for g in self.param_groups], **defaults)
             if self.parameters_as_bucket_view:
                 shard.view_as_buckets()
-        self.state = _ShardStates(self)  # type: ignore[assignment]
+        self.state = ShardStates(self)  # type: ignore[assignment]
         # shard_gradients=True: id(master) -> its gradient summed over the replicas, on its owner's device.
         self._store: dict[int, torch.Tensor] | None = None
         sharded = self._units is not None or isinstance(devices, DataParallel) and devices.shard_gradients
@@ -311,7 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard, load in zip(self._shards, loads):
             shard.load = load
 
-    def _shard_group(self, group: dict[str, Any], shard: _Shard) -> dict[str, Any]:
+    def _shard_group(self, group: dict[str, Any], shard: Shard) -> dict[str, Any]:
         """`group` restricted to `shard`'s parameters (as the tensors it steps)."""
         mine = [i for i, p in enumerate(group["params"]) if self._shard_of[id(p)] is shard]
         mine_params = [group["params"][i] for i in mine]
@@ -338,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.parameters_as_bucket_view:
                 shard.view_as_buckets()
 
-    def _sync_groups(self) -> tuple[list[_Shard], list[dict[str, Any]]]:
+    def _sync_groups(self) -> tuple[list[Shard], list[dict[str, Any]]]:
         """Copies ``param_groups``' hyperparameters to the shards; returns the shards with a gradient, and the
         hyperparameters copied (per group)."""
         listed = {id(p) for p in _masters(self)}
